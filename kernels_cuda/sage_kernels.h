@@ -1,0 +1,54 @@
+/* sage_patch compiled kernels: plain C ABI (no libtorch), loaded from Python with ctypes.
+ *
+ * One call, sage_attn_fwd(), runs the whole "8b" attention on the caller's stream:
+ *   1. stats pass: per (batch, kv-head) partial sums of K (for the mean) and partial |V| maxima;
+ *   2. quantization passes: Q -> INT8 (per-thread groups Grouping(16, 8, 1)),
+ *      K - mean(K) -> INT8 (Grouping(64, 8, 2)), V -> FP8 E4M3 per channel, transposed per 64-key block
+ *      in the key order the m16n8k32 P~V fragments need (FP16 V, transposed, for the fp16-PV variant);
+ *   3. attention: INT8 mma.sync QK^T, fp32 online softmax (exp2), P~ -> FP8 E4M3 (x448),
+ *      FP8 mma.sync P~V with two-level accumulation (or FP16 P~V on sm_80/86).
+ * Everything is launched on `stream`; nothing synchronizes the host. Inputs are only read.
+ * Returns 0 or a cudaError_t value (see sage_error_string) or a negative SAGE_E* code.
+ */
+#ifndef SAGE_KERNELS_H
+#define SAGE_KERNELS_H
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SAGE_ABI_VERSION 1
+
+enum { SAGE_E_BADARG = -1, SAGE_E_ARCH = -2, SAGE_E_HEADDIM = -3 };
+
+typedef struct {
+    /* inputs, fp16 or bf16, innermost (head-dim) stride 1; strides in elements */
+    const void* q; int64_t q_sb, q_sh, q_ss;
+    const void* k; int64_t k_sb, k_sh, k_ss;
+    const void* v; int64_t v_sb, v_sh, v_ss;
+    /* output, same dtype as inputs, head-dim stride 1 */
+    void* o; int64_t o_sb, o_sh, o_ss;
+    float* lse;                /* (B, Hq, Sq) contiguous fp32 natural log, or NULL */
+    const uint8_t* kmask;      /* (B, Skv) bool (1 = attend) with batch stride kmask_sb, or NULL */
+    int64_t kmask_sb;
+    void* workspace;           /* sage_attn_workspace_bytes() bytes, 256-byte aligned */
+    int32_t B, Hq, Hkv, Sq, Skv, D;
+    int32_t causal;            /* bottom-right aligned: query i sees keys j <= i + Skv - Sq */
+    int32_t dtype;             /* 0 = fp16, 1 = bf16 */
+    int32_t pv_fp16;           /* 1 = FP16 P~V (SageAttention1-style, sm_80+), 0 = FP8 P~V (sm_89+) */
+    int32_t device_cc;         /* compute capability of the current device, e.g. 90 (cached by the caller) */
+    float sm_scale;
+} SageAttnParams;
+
+int64_t sage_attn_workspace_bytes(const SageAttnParams* p);
+int sage_attn_fwd(const SageAttnParams* p, void* stream);
+const char* sage_error_string(int code);
+int sage_abi_version(void);
+/* space-separated list of the SASS targets compiled in, e.g. "80 86 89 90a" */
+const char* sage_compiled_archs(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,177 @@
+"""Public attention entry points: `attention`, the SDPA drop-in `sdpa`, and the familiar `sageattn`."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import kernels
+from .masks import classify_mask, combined_bool_mask
+from .precisions import check_precision
+from .reference import exact_attention, simulate
+from .report import GLOBAL_STATS, log_fallback_once
+from .resolve import resolve
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, precision="8b",
+              return_lse=False, smooth_v=False):
+    """Attention with a SageAttention-family precision.
+
+    q (B, Hq, Sq, D) and k, v (B, Hkv, Skv, D) for layout "bhsd"; (B, S, H, D) for "bshd". Hq must be a multiple
+    of Hkv (GQA/MQA). Causal is aligned bottom-right when Sq != Skv: query i sees keys j <= i + Skv - Sq.
+    attn_mask: bool, True = attend: (B, Skv) key padding, or broadcastable to (B, Hq, Sq, Skv); a float additive
+    mask runs in full precision (reported). Rows with no visible key give 0.
+    Returns the output in the input layout and dtype; with return_lse also the natural-log LSE, fp32 (B, Hq, Sq).
+    """
+    return run_attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
+                         precision=precision, return_lse=return_lse, smooth_v=smooth_v)
+
+
+def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, precision="8b",
+                  return_lse=False, smooth_v=False, dropout_p=0.0, policy=None, stats=None):
+    """`attention` plus what routed layers need: dropout, the policy's fallback rules, per-layer stats."""
+    check_precision(precision)
+    b, hq, sq, skv = _validate(q, k, v, layout, scale, is_causal, dropout_p)
+    mask = classify_mask(attn_mask, b, hq, sq, skv)
+    if mask.mask is not None and mask.mask.device != q.device:
+        raise ValueError(f"attn_mask is on {mask.mask.device} but q is on {q.device}")
+    decision = resolve(precision, q, k, v, layout=layout, is_causal=bool(is_causal), mask=mask,
+                       dropout_p=dropout_p, return_lse=return_lse, smooth_v=smooth_v, policy=policy)
+    (stats or GLOBAL_STATS).record(decision)
+    if decision.reason and not torch.compiler.is_compiling():
+        log_fallback_once(decision.reason)
+
+    if decision.impl == "sdpa":
+        return _full(q, k, v, layout, bool(is_causal), scale, mask, dropout_p, return_lse)
+    if decision.impl == "reference":
+        qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if layout == "bshd" else (q, k, v)
+        res = simulate(qb, kb, vb, decision.precision, is_causal=bool(is_causal), scale=scale,
+                       attn_mask=mask.mask, return_lse=return_lse, smooth_v=smooth_v)
+        out, lse = res if return_lse else (res, None)
+        out = out.to(q.dtype)
+        out = out.transpose(1, 2) if layout == "bshd" else out
+        return (out, lse) if return_lse else out
+    kmask = mask.mask if mask.kind == "key_padding" else None
+    return kernels.run(decision.impl, decision.precision, q, k, v, layout=layout, is_causal=bool(is_causal),
+                       scale=scale, attn_mask=kmask, return_lse=return_lse, smooth_v=smooth_v)
+
+
+def _validate(q, k, v, layout, scale, is_causal, dropout_p):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D ({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'}), "
+                             f"got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} dtype must be float16, bfloat16 or float32, got {t.dtype}")
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    hd = 1 if layout == "bhsd" else 2
+    sd = 2 if layout == "bhsd" else 1
+    b, hq, sq, d = q.shape[0], q.shape[hd], q.shape[sd], q.shape[-1]
+    hkv, skv = k.shape[hd], k.shape[sd]
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    if v.shape[hd] != hkv or v.shape[sd] != skv:
+        raise ValueError(f"k and v must have the same heads and length, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA/MQA")
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k head dims differ: {d} vs {k.shape[-1]}")
+    if not (1 <= d <= MAX_HEAD_DIM) or not (1 <= v.shape[-1] <= MAX_HEAD_DIM):
+        raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got q/k {d}, v {v.shape[-1]}")
+    if sq < 1 or skv < 1:
+        raise ValueError(f"sequence lengths must be >= 1, got Sq={sq}, Skv={skv}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise ValueError(f"scale must be None or a finite number, got {scale!r}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return b, hq, sq, skv
+
+
+def _full(q, k, v, layout, is_causal, scale, mask, dropout_p, return_lse):
+    """Full precision: torch SDPA in the input dtype, with bottom-right causal and zeros on empty rows."""
+    qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if layout == "bshd" else (q, k, v)
+    sq, skv = qb.shape[-2], kb.shape[-2]
+    gqa = qb.shape[1] != kb.shape[1]
+    if mask.kind == "none" and (not is_causal or sq == skv):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, dropout_p=dropout_p, is_causal=is_causal and sq > 1, scale=scale, enable_gqa=gqa)
+        bool_mask = None
+    else:
+        if mask.kind == "float":
+            sdpa_mask, bool_mask = mask.mask.to(qb.dtype), None
+            if is_causal:
+                sdpa_mask = sdpa_mask.masked_fill(~combined_bool_mask(None, True, sq, skv, q.device), -math.inf)
+                bool_mask = combined_bool_mask(None, True, sq, skv, q.device)
+        else:
+            bool_mask = combined_bool_mask(mask.mask, is_causal, sq, skv, q.device)
+            sdpa_mask = bool_mask
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=sdpa_mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        if bool_mask is not None:  # rows with no visible key: SDPA may give NaN, we give 0
+            out = torch.where(bool_mask.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype,
+                                                                                device=out.device))
+    out = out.transpose(1, 2) if layout == "bshd" else out
+    if not return_lse:
+        return out
+    _, lse = exact_attention(qb, kb, vb, is_causal=is_causal, scale=scale, return_lse=True, dtype=torch.float32,
+                             attn_mask=mask.mask if mask.kind != "none" else None)
+    return out, lse
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+         precision=None):
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention, with torch's semantics: (..., H, S, D)
+    layout, 2-D masks broadcast as (Sq, Skv), is_causal aligned top-left as torch does. dropout_p > 0 runs in
+    full precision. precision: None means the routed layer's (see routing.route_sdpa) or "8b"."""
+    from .routing import current_binding
+
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        raise TypeError("query, key and value must be tensors")
+    squeeze = query.dim() == 3
+    if squeeze:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    if query.dim() != 4:
+        raise ValueError(f"sdpa takes 3-D or 4-D query/key/value, got query of shape {tuple(query.shape)}")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True for GQA")
+    if attn_mask is not None and is_causal:
+        raise ValueError("sdpa: pass either attn_mask or is_causal=True, not both (as torch does)")
+    sq, skv = query.shape[-2], key.shape[-2]
+    if attn_mask is not None and isinstance(attn_mask, torch.Tensor) and attn_mask.dim() < 4:
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if is_causal and sq != skv:  # torch aligns is_causal top-left
+        attn_mask = torch.ones(sq, skv, dtype=torch.bool, device=query.device).tril()[None, None]
+        is_causal = False
+    binding = current_binding()
+    routed = {} if binding is None else {"policy": binding.policy, "stats": binding.stats,
+                                          "smooth_v": binding.policy.smooth_v}
+    if precision is None:
+        precision = binding.requested() if binding is not None else "8b"
+    out = run_attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scale, attn_mask=attn_mask,
+                        precision=precision, dropout_p=dropout_p, **routed)
+    return out.squeeze(1) if squeeze else out
+
+
+def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *, attn_mask=None,
+             precision="8b", smooth_v=False):
+    """The signature users of the public `sageattention` package know. tensor_layout "HND" = (B, H, S, D),
+    "NHD" = (B, S, H, D). Unlike the public package, causal is bottom-right aligned, LSE is natural-log, and
+    no argument is silently dropped (unknown keywords raise TypeError)."""
+    layouts = {"HND": "bhsd", "NHD": "bshd"}
+    if tensor_layout not in layouts:
+        raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {tensor_layout!r}")
+    return attention(q, k, v, layout=layouts[tensor_layout], is_causal=is_causal, scale=sm_scale,
+                     attn_mask=attn_mask, precision=precision, return_lse=return_lse, smooth_v=smooth_v)

@@ -1,0 +1,69 @@
+"""Attention masks: validation, classification and the bottom-right causal rule, in one place.
+
+Conventions (documented in the README): bool masks, True = attend. A 2-D bool mask given to `attention` is a
+key-padding mask (B, Skv); anything else must broadcast to (B, H, Sq, Skv). Causal is aligned bottom-right when
+Sq != Skv: query i sees keys j <= i + Skv - Sq (the rule for KV-cache prefill and decoding).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MaskInfo:
+    kind: str                 # "none" | "key_padding" | "dense" | "float"
+    mask: torch.Tensor | None  # key_padding: (B, Skv) bool; dense: bool 4-D broadcastable; float: 4-D additive
+
+
+def classify_mask(attn_mask, b: int, h: int, sq: int, skv: int) -> MaskInfo:
+    """Validate `attn_mask` and say what kind it is. Raises ValueError/TypeError naming `attn_mask`."""
+    if attn_mask is None:
+        return MaskInfo("none", None)
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    m = attn_mask
+    if m.dtype != torch.bool and not m.is_floating_point():
+        raise TypeError(f"attn_mask must be bool (True = attend) or a float additive mask, got dtype {m.dtype}")
+    if m.dtype == torch.bool and m.dim() == 2:
+        if tuple(m.shape) != (b, skv):
+            raise ValueError(f"a 2-D bool attn_mask is a key-padding mask and must have shape (B, Skv) = "
+                             f"{(b, skv)}, got {tuple(m.shape)}")
+        return MaskInfo("key_padding", m)
+    if m.dim() > 4:
+        raise ValueError(f"attn_mask must have at most 4 dims, got shape {tuple(m.shape)}")
+    m4 = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+    try:
+        torch.broadcast_shapes(m4.shape, (b, h, sq, skv))
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(m.shape)} does not broadcast to (B, H, Sq, Skv) = "
+                         f"{(b, h, sq, skv)}") from None
+    if m4.shape[-1] != skv:
+        raise ValueError(f"attn_mask's last dim must be Skv = {skv}, got shape {tuple(m.shape)}")
+    if not m.dtype == torch.bool:
+        return MaskInfo("float", m4)
+    if m4.shape[1] == 1 and m4.shape[2] == 1 and m4.shape[0] in (1, b):
+        return MaskInfo("key_padding", m4[:, 0, 0, :].expand(b, skv))
+    return MaskInfo("dense", m4)
+
+
+def causal_mask(sq: int, skv: int, device=None) -> torch.Tensor:
+    """(Sq, Skv) bool, bottom-right aligned: query i sees keys j <= i + Skv - Sq."""
+    i = torch.arange(sq, device=device).unsqueeze(-1)
+    j = torch.arange(skv, device=device)
+    return j <= i + (skv - sq)
+
+
+def combined_bool_mask(attn_mask, is_causal: bool, sq: int, skv: int, device=None):
+    """One bool mask broadcastable to (B, H, Sq, Skv) from a key-padding/dense bool mask and the causal flag."""
+    m = None
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool:
+            raise TypeError("combined_bool_mask takes bool masks only")
+        m = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask
+        m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+    if is_causal:
+        c = causal_mask(sq, skv, device)
+        m = c if m is None else (m & c)
+    return m

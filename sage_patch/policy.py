@@ -1,0 +1,356 @@
+"""Per-layer precision policies, from YAML, a dict or a path.
+
+Schema (first matching layer rule wins; see configs/ for examples):
+
+    default: 8b                      # 8b | 4b | fp4 | full
+    layers:
+      - match: "single_transformer_blocks.*"   # glob on the module name
+        precision: full
+      - index: "0-1"                 # layer-index range (int, "a-b", or a list of those)
+        precision: full
+    steps:                           # diffusion only, by denoising step (0-based)
+      - first: 2
+        precision: full
+      - last: 2
+        precision: full
+      - range: "10-20"
+        precision: 4b
+    fallback:
+      min_seq_len: 128               # Sq or Skv shorter than this uses full
+      head_dims: [256]               # these head dims use full
+      dtypes: [float32]              # these input dtypes use full
+    options:
+      smooth_v: false
+
+Precedence: a matching step rule overrides the layer rules and the default, except that a layer pinned to
+"full" by a layer rule stays full (accuracy exclusions are never undone by a step rule).
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass, field
+
+import yaml
+
+from .precisions import PRECISIONS
+
+_TOP_KEYS = {"default", "layers", "steps", "fallback", "options", "name", "description"}
+_FALLBACK_KEYS = {"min_seq_len", "head_dims", "dtypes"}
+_OPTION_KEYS = {"smooth_v"}
+_DTYPES = ("float16", "bfloat16", "float32")
+
+
+class PolicyError(ValueError):
+    """A policy that does not validate. The message names the source, the key, the line if known, and what is allowed."""
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    precision: str
+    match: str | None = None
+    index: tuple[tuple[int, int], ...] | None = None
+
+    def matches(self, name: str | None, index: int | None) -> bool:
+        if self.match is not None and (name is None or not fnmatch.fnmatchcase(name, self.match)):
+            return False
+        if self.index is not None and (index is None or not any(a <= index <= b for a, b in self.index)):
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class StepRule:
+    precision: str
+    first: int | None = None
+    last: int | None = None
+    range: tuple[int, int] | None = None
+
+    def matches(self, step: int, num_steps: int | None) -> bool:
+        if self.first is not None:
+            return step < self.first
+        if self.last is not None:
+            return num_steps is not None and step >= num_steps - self.last
+        return self.range[0] <= step <= self.range[1]
+
+
+@dataclass(frozen=True)
+class Policy:
+    default: str = "8b"
+    layers: tuple[LayerRule, ...] = ()
+    steps: tuple[StepRule, ...] = ()
+    min_seq_len: int = 0
+    full_head_dims: tuple[int, ...] = ()
+    full_dtypes: tuple[str, ...] = ()
+    smooth_v: bool = False
+    name: str | None = None
+    description: str | None = None
+    source: str = field(default="<dict>", compare=False)
+
+    # ---- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_any(cls, policy) -> "Policy":
+        """A Policy from a Policy, a dict, a path to a YAML file, a YAML string, a precision name or None (default)."""
+        if policy is None:
+            return cls()
+        if isinstance(policy, Policy):
+            return policy
+        if isinstance(policy, dict):
+            return cls.from_dict(policy)
+        if isinstance(policy, os.PathLike) or (isinstance(policy, str) and (
+                policy.endswith((".yaml", ".yml")) or os.path.exists(policy))):
+            return load_policy(policy)
+        if isinstance(policy, str) and policy in PRECISIONS:
+            return cls(default=policy, source=f"precision {policy!r}")
+        if isinstance(policy, str):
+            return cls.from_yaml(policy, source="<string>")
+        raise PolicyError(f"policy must be a Policy, dict, YAML path or string, or a precision name; "
+                          f"got {type(policy).__name__}")
+
+    @classmethod
+    def from_yaml(cls, text: str, source: str = "<string>") -> "Policy":
+        try:
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise PolicyError(f"policy {source}: malformed YAML{where}: {problem}") from None
+        if data is None:
+            data = {}
+        return cls.from_dict(data, source=source, lines=_line_map(node))
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<dict>", lines: dict | None = None) -> "Policy":
+        return _Parser(source, lines or {}).policy(data)
+
+    # ---- queries ------------------------------------------------------------------------------------------
+    def layer_precision(self, name: str | None = None, index: int | None = None) -> str:
+        for rule in self.layers:
+            if rule.matches(name, index):
+                return rule.precision
+        return self.default
+
+    def step_precision(self, step: int | None, num_steps: int | None = None) -> str | None:
+        if step is None:
+            return None
+        for rule in self.steps:
+            if rule.matches(step, num_steps):
+                return rule.precision
+        return None
+
+    def precision_for(self, name: str | None = None, index: int | None = None,
+                      step: int | None = None, num_steps: int | None = None) -> str:
+        """The precision a layer asks for at a step (before shape fallbacks and kernel availability)."""
+        rule = next((r for r in self.layers if r.matches(name, index)), None)
+        layer = rule.precision if rule else self.default
+        by_step = self.step_precision(step, num_steps)
+        if by_step is None or (rule is not None and rule.precision == "full"):
+            return layer
+        return by_step
+
+    def fallback_reason(self, sq: int, skv: int, head_dim: int, dtype) -> str | None:
+        """Why this call must use full precision according to the policy's fallback rules, or None."""
+        if min(sq, skv) < self.min_seq_len:
+            return f"sequence length {min(sq, skv)} < policy min_seq_len {self.min_seq_len}"
+        if head_dim in self.full_head_dims:
+            return f"head dim {head_dim} listed in policy fallback.head_dims"
+        dt = str(dtype).replace("torch.", "")
+        if dt in self.full_dtypes:
+            return f"dtype {dt} listed in policy fallback.dtypes"
+        return None
+
+    # ---- output -------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d: dict = {"default": self.default}
+        if self.name:
+            d["name"] = self.name
+        if self.description:
+            d["description"] = self.description
+        if self.layers:
+            d["layers"] = [_layer_rule_dict(r) for r in self.layers]
+        if self.steps:
+            d["steps"] = [_step_rule_dict(r) for r in self.steps]
+        fb = {}
+        if self.min_seq_len:
+            fb["min_seq_len"] = self.min_seq_len
+        if self.full_head_dims:
+            fb["head_dims"] = list(self.full_head_dims)
+        if self.full_dtypes:
+            fb["dtypes"] = list(self.full_dtypes)
+        if fb:
+            d["fallback"] = fb
+        d["options"] = {"smooth_v": self.smooth_v}
+        return d
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_yaml())
+
+
+def load_policy(path) -> Policy:
+    """Load and validate a policy file. Raises PolicyError naming the file, key, line and what is allowed."""
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise PolicyError(f"policy {path}: cannot read file: {e.strerror}") from None
+    return Policy.from_yaml(text, source=path)
+
+
+def shipped_policy_path(family: str) -> str:
+    """Path of a policy shipped in sage_patch.configs (e.g. 'llama', 'flux')."""
+    from importlib import resources
+
+    return str(resources.files("sage_patch.configs").joinpath(f"{family}.yaml"))
+
+
+# ---- parsing helpers -------------------------------------------------------------------------------------------
+
+def _line_map(node, path: str = "", out: dict | None = None) -> dict:
+    """Map 'a.b[2].c' key paths to 1-based line numbers from a composed YAML node tree."""
+    out = {} if out is None else out
+    if node is None:
+        return out
+    out.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            p = f"{path}.{k.value}" if path else str(k.value)
+            out[p] = k.start_mark.line + 1
+            _line_map(v, p, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _line_map(v, f"{path}[{i}]", out)
+    return out
+
+
+class _Parser:
+    def __init__(self, source: str, lines: dict):
+        self.source, self.lines = source, lines
+
+    def fail(self, key: str, msg: str):
+        line = self.lines.get(key)
+        where = f" (line {line})" if line else ""
+        raise PolicyError(f"policy {self.source}: key '{key}'{where}: {msg}")
+
+    def precision(self, value, key: str) -> str:
+        if value not in PRECISIONS:
+            self.fail(key, f"must be one of {', '.join(PRECISIONS)}; got {value!r}")
+        return value
+
+    def mapping(self, value, key: str, allowed: set) -> dict:
+        if not isinstance(value, dict):
+            self.fail(key, f"must be a mapping with keys from {sorted(allowed)}; got {type(value).__name__}")
+        unknown = sorted(set(map(str, value)) - allowed)
+        if unknown:
+            self.fail(f"{key}.{unknown[0]}" if key else unknown[0],
+                      f"unknown key; allowed: {', '.join(sorted(allowed))}")
+        return value
+
+    def nonneg_int(self, value, key: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            self.fail(key, f"must be a non-negative integer; got {value!r}")
+        return value
+
+    def int_range(self, value, key: str) -> tuple[int, int]:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return self.nonneg_int(value, key), value
+        if isinstance(value, str):
+            parts = value.replace(" ", "").split("-")
+            if len(parts) == 1 and parts[0].isdigit():
+                return int(parts[0]), int(parts[0])
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[0]) <= int(parts[1]):
+                return int(parts[0]), int(parts[1])
+        self.fail(key, f"must be an integer or a range 'a-b' with 0 <= a <= b; got {value!r}")
+
+    def policy(self, data) -> Policy:
+        self.mapping(data, "", _TOP_KEYS)
+        kw: dict = {"source": self.source}
+        if "default" in data:
+            kw["default"] = self.precision(data["default"], "default")
+        for k in ("name", "description"):
+            if k in data:
+                if not isinstance(data[k], str):
+                    self.fail(k, f"must be a string; got {data[k]!r}")
+                kw[k] = data[k]
+        kw["layers"] = tuple(self.layer_rule(r, f"layers[{i}]") for i, r in enumerate(self.seq(data, "layers")))
+        kw["steps"] = tuple(self.step_rule(r, f"steps[{i}]") for i, r in enumerate(self.seq(data, "steps")))
+        fb = self.mapping(data.get("fallback") or {}, "fallback", _FALLBACK_KEYS)
+        if "min_seq_len" in fb:
+            kw["min_seq_len"] = self.nonneg_int(fb["min_seq_len"], "fallback.min_seq_len")
+        if "head_dims" in fb:
+            hd = fb["head_dims"]
+            if not isinstance(hd, list):
+                self.fail("fallback.head_dims", f"must be a list of integers; got {hd!r}")
+            kw["full_head_dims"] = tuple(self.nonneg_int(x, f"fallback.head_dims[{i}]") for i, x in enumerate(hd))
+        if "dtypes" in fb:
+            dts = fb["dtypes"]
+            if not isinstance(dts, list) or any(x not in _DTYPES for x in dts):
+                self.fail("fallback.dtypes", f"must be a list from {', '.join(_DTYPES)}; got {dts!r}")
+            kw["full_dtypes"] = tuple(dts)
+        opts = self.mapping(data.get("options") or {}, "options", _OPTION_KEYS)
+        if "smooth_v" in opts:
+            if not isinstance(opts["smooth_v"], bool):
+                self.fail("options.smooth_v", f"must be true or false; got {opts['smooth_v']!r}")
+            kw["smooth_v"] = opts["smooth_v"]
+        return Policy(**kw)
+
+    def seq(self, data, key):
+        value = data.get(key) or []
+        if not isinstance(value, list):
+            self.fail(key, f"must be a list of rules; got {type(value).__name__}")
+        return value
+
+    def layer_rule(self, r, key) -> LayerRule:
+        self.mapping(r, key, {"match", "index", "precision"})
+        if "precision" not in r:
+            self.fail(key, "a layer rule needs 'precision' and at least one of 'match' (glob) or 'index' (range)")
+        if "match" not in r and "index" not in r:
+            self.fail(key, "a layer rule needs 'match' (a glob on the module name) or 'index' (a layer range)")
+        match = r.get("match")
+        if match is not None and not isinstance(match, str):
+            self.fail(f"{key}.match", f"must be a glob string; got {match!r}")
+        index = None
+        if "index" in r:
+            raw = r["index"] if isinstance(r["index"], list) else [r["index"]]
+            index = tuple(self.int_range(x, f"{key}.index") for x in raw)
+        return LayerRule(self.precision(r["precision"], f"{key}.precision"), match, index)
+
+    def step_rule(self, r, key) -> StepRule:
+        self.mapping(r, key, {"first", "last", "range", "precision"})
+        which = [k for k in ("first", "last", "range") if k in r]
+        if len(which) != 1 or "precision" not in r:
+            self.fail(key, "a step rule needs 'precision' and exactly one of 'first', 'last' or 'range'")
+        prec = self.precision(r["precision"], f"{key}.precision")
+        w = which[0]
+        if w == "range":
+            return StepRule(prec, range=self.int_range(r["range"], f"{key}.range"))
+        return StepRule(prec, **{w: self.nonneg_int(r[w], f"{key}.{w}")})
+
+
+def _ranges_repr(index) -> list:
+    return [a if a == b else f"{a}-{b}" for a, b in index]
+
+
+def _layer_rule_dict(r: LayerRule) -> dict:
+    d: dict = {}
+    if r.match is not None:
+        d["match"] = r.match
+    if r.index is not None:
+        rs = _ranges_repr(r.index)
+        d["index"] = rs[0] if len(rs) == 1 else rs
+    d["precision"] = r.precision
+    return d
+
+
+def _step_rule_dict(r: StepRule) -> dict:
+    if r.first is not None:
+        return {"first": r.first, "precision": r.precision}
+    if r.last is not None:
+        return {"last": r.last, "precision": r.precision}
+    return {"range": f"{r.range[0]}-{r.range[1]}", "precision": r.precision}

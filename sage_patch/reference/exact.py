@@ -1,0 +1,41 @@
+"""Exact attention in float64: the ground truth every precision and kernel is measured against."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def exact_attention(q, k, v, *, is_causal=False, scale=None, attn_mask=None, return_lse=False,
+                    dtype=torch.float64, block_q: int = 1024):
+    """Attention computed in `dtype` (float64 by default). Layout (B, H, S, D); GQA; bool or float additive mask.
+
+    Causal is bottom-right aligned; rows with no visible key give 0 (and LSE -inf). Processes queries in blocks
+    to bound memory. Inputs are never modified.
+    """
+    from ..masks import combined_bool_mask
+
+    sq, skv = q.shape[-2], k.shape[-2]
+    groups = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    kd = k.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else k.to(dtype)
+    vd = v.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else v.to(dtype)
+    float_mask = attn_mask if attn_mask is not None and attn_mask.dtype != torch.bool else None
+    bool_mask = combined_bool_mask(None if float_mask is not None else attn_mask, is_causal, sq, skv, q.device)
+    outs, lses = [], []
+    for i0 in range(0, sq, block_q):
+        i1 = min(i0 + block_q, sq)
+        s = (q[..., i0:i1, :].to(dtype) @ kd.transpose(-1, -2)) * scale
+        if float_mask is not None:
+            fm = torch.broadcast_to(float_mask.to(dtype), (*q.shape[:2], sq, skv))
+            s = s + fm[..., i0:i1, :]
+        if bool_mask is not None:
+            s = s.masked_fill(~bool_mask[..., i0:i1, :], -math.inf)
+        lse = torch.logsumexp(s, dim=-1)
+        nonempty = torch.isfinite(lse)
+        p = torch.exp(s - torch.where(nonempty, lse, 0.0).unsqueeze(-1))
+        o = torch.where(nonempty.unsqueeze(-1), p @ vd, 0.0)
+        outs.append(o)
+        lses.append(torch.where(nonempty, lse, -math.inf))
+    out = torch.cat(outs, dim=-2)
+    return (out, torch.cat(lses, dim=-1).float()) if return_lse else out

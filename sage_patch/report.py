@@ -1,0 +1,111 @@
+"""Per-layer call statistics and the report users read: which precision ran where, and why it fell back."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("sage_patch")
+_logged_reasons: set[str] = set()
+
+STATS_ATTR = "_sage_patch_stats"  # attribute holding a LayerStats on each routed attention module
+
+
+def log_fallback_once(reason: str) -> None:
+    """Log each distinct fallback reason once per process."""
+    if reason not in _logged_reasons:
+        _logged_reasons.add(reason)
+        # Running the reference where no kernel exists is expected (CPU); anything else deserves a warning.
+        level = logging.INFO if reason.startswith("reference simulation") else logging.WARNING
+        logger.log(level, "sage_patch fallback: %s", reason)
+
+
+@dataclass
+class LayerStats:
+    name: str
+    calls: int = 0
+    used: Counter = field(default_factory=Counter)       # precision actually used -> calls
+    impls: Counter = field(default_factory=Counter)      # implementation ("cuda-mma", "reference", "sdpa") -> calls
+    fallbacks: Counter = field(default_factory=Counter)  # reason -> calls
+    requested: Counter = field(default_factory=Counter)  # precision the policy asked for -> calls
+
+    def record(self, decision) -> None:
+        self.calls += 1
+        self.used[decision.precision] += 1
+        self.impls[decision.impl] += 1
+        self.requested[decision.requested] += 1
+        if decision.reason:
+            self.fallbacks[decision.reason] += 1
+
+    def reset(self) -> None:
+        self.calls = 0
+        for c in (self.used, self.impls, self.fallbacks, self.requested):
+            c.clear()
+
+    def to_dict(self) -> dict:
+        return {"calls": self.calls, "used": dict(self.used), "fallbacks": dict(self.fallbacks),
+                "impl": dict(self.impls), "requested": dict(self.requested)}
+
+
+# Calls made outside any routed layer (plain sage_patch.attention / sdpa / sageattn).
+GLOBAL_STATS = LayerStats("<direct calls>")
+
+
+class Report:
+    """`to_dict()` -> {layer: {"calls", "used", "fallbacks", "impl", "requested"}}; `str()` is a table."""
+
+    def __init__(self, layers: dict[str, LayerStats]):
+        self.layers = layers
+
+    def to_dict(self) -> dict:
+        return {name: st.to_dict() for name, st in self.layers.items()}
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __str__(self) -> str:
+        if not self.layers:
+            return "sage_patch report: no attention layers are routed"
+        rows = [("layer", "calls", "used", "impl", "fallbacks")]
+        for name, st in self.layers.items():
+            rows.append((name, str(st.calls), _fmt(st.used), _fmt(st.impls),
+                         "; ".join(f"{r} (x{n})" for r, n in st.fallbacks.items()) or "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = []
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+            if i == 0:
+                lines.append("-" * (sum(widths) + 8 + len(r[4])))
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _fmt(counter: Counter) -> str:
+    return ", ".join(f"{k}:{v}" for k, v in counter.items()) or "-"
+
+
+def report(obj=None) -> Report:
+    """Report of a model (nn.Module), a diffusers pipeline (its module components), or, with no argument,
+    of direct calls made outside any routed layer."""
+    if obj is None:
+        return Report({GLOBAL_STATS.name: GLOBAL_STATS})
+    layers: dict[str, LayerStats] = {}
+    for prefix, module in _modules_of(obj):
+        for name, sub in module.named_modules():
+            st = getattr(sub, STATS_ATTR, None)
+            if isinstance(st, LayerStats):
+                full = f"{prefix}.{name}" if prefix and name else (prefix or name)
+                layers[full] = st
+    return Report(layers)
+
+
+def _modules_of(obj):
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        return [("", obj)]
+    components = getattr(obj, "components", None)
+    if isinstance(components, dict):
+        return [(k, v) for k, v in components.items() if isinstance(v, torch.nn.Module)]
+    raise TypeError(f"report() takes an nn.Module or a diffusers pipeline; got {type(obj).__name__}")

@@ -1,0 +1,69 @@
+"""One function decides, for each call, the precision and implementation that actually run, and why."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+from .precisions import SAFER
+
+
+@dataclass(frozen=True)
+class Decision:
+    requested: str        # what the caller or policy asked for
+    precision: str        # what runs
+    impl: str             # "sdpa" (full), "reference" (PyTorch simulation) or a compiled kernel's name
+    reason: str | None    # why precision/impl differ from the request's fast path; None when as asked
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.reason is not None
+
+
+def _full(requested: str, reason: str | None) -> Decision:
+    return Decision(requested, "full", "sdpa", reason)
+
+
+def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, dropout_p: float,
+            return_lse: bool, smooth_v: bool, policy=None) -> Decision:
+    """Decide precision and implementation. `mask` is a masks.MaskInfo; `policy` a Policy or None.
+
+    Order: explicit full; what no quantized path honours (dropout, autograd, float masks); the policy's
+    fallback rules; then the compiled kernel if it can run this call (else the next safer precision it can
+    run); without loaded kernels (CPU, or no build), the reference simulation.
+    """
+    if requested == "full":
+        return _full(requested, None)
+    if dropout_p > 0:
+        return _full(requested, f"dropout_p={dropout_p} > 0: quantized precisions have no dropout")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _full(requested, "autograd needs a backward pass: quantized precisions are forward-only")
+    if mask.kind == "float":
+        return _full(requested, "float additive attn_mask: quantized precisions take bool masks only")
+    if policy is not None:
+        why = policy.fallback_reason(q.shape[-2] if layout == "bhsd" else q.shape[1],
+                                     k.shape[-2] if layout == "bhsd" else k.shape[1], q.shape[-1], q.dtype)
+        if why:
+            return _full(requested, why)
+
+    st = kernels.status()
+    if not q.is_cuda or not st["loaded"]:
+        why = "tensors on CPU" if not q.is_cuda else f"compiled kernels not loaded: {st['reason']}"
+        return Decision(requested, requested, "reference", f"reference simulation ({why})")
+
+    kmask = mask.mask if mask.kind == "key_padding" else None
+    first_why = None
+    precision = requested
+    if mask.kind == "dense":
+        first_why = "dense (per-query) attn_mask: kernels take key-padding masks only"
+        precision = "full"
+    while precision != "full":
+        impl, why = kernels.can_run(precision, q, k, v, layout=layout, is_causal=is_causal, attn_mask=kmask,
+                                    return_lse=return_lse, smooth_v=smooth_v)
+        if impl is not None:
+            reason = None if precision == requested else f"{requested} unavailable ({first_why}); using {precision}"
+            return Decision(requested, precision, impl, reason)
+        first_why = first_why or why
+        precision = SAFER[precision]
+    return _full(requested, f"{requested} unavailable: {first_why}")

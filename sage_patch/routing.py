@@ -1,0 +1,108 @@
+"""Routing of attention calls from model layers through sage_patch, under a policy.
+
+Integrations bind each attention module to a `LayerBinding` (name, index, policy, stats, shared step state) and
+call `binding.attention(...)`. `route_sdpa(model, policy)` is the generic mechanism: while active, every
+`torch.nn.functional.scaled_dot_product_attention` call made inside one of the model's attention modules runs
+through sage_patch with that layer's precision.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .policy import Policy
+from .report import STATS_ATTR, LayerStats
+
+_current: contextvars.ContextVar["LayerBinding | None"] = contextvars.ContextVar("sage_patch_layer", default=None)
+
+
+@dataclass
+class StepState:
+    """Denoising step shared by all layers of one model or pipeline (None outside a diffusion loop)."""
+    step: int | None = None
+    num_steps: int | None = None
+
+
+class LayerBinding:
+    def __init__(self, name: str, index: int | None, policy: Policy, stats: LayerStats | None = None,
+                 steps: StepState | None = None):
+        self.name, self.index, self.policy = name, index, policy
+        self.stats = stats or LayerStats(name)
+        self.steps = steps or StepState()
+
+    def requested(self) -> str:
+        return self.policy.precision_for(self.name, self.index, self.steps.step, self.steps.num_steps)
+
+    def attention(self, q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, dropout_p=0.0,
+                  return_lse=False):
+        from .api import run_attention
+
+        return run_attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
+                             precision=self.requested(), return_lse=return_lse, smooth_v=self.policy.smooth_v,
+                             dropout_p=dropout_p, policy=self.policy, stats=self.stats)
+
+
+def current_binding() -> "LayerBinding | None":
+    return _current.get()
+
+
+def layer_index(name: str) -> int | None:
+    """The block index in a module name ('model.layers.3.self_attn' -> 3; last number wins), or None."""
+    nums = re.findall(r"\.(\d+)(?:\.|$)", name)
+    return int(nums[-1]) if nums else None
+
+
+def is_attention_module(name: str, module: torch.nn.Module) -> bool:
+    cls = type(module).__name__
+    return cls.endswith(("Attention", "SelfAttention")) or cls == "Attention"
+
+
+@contextlib.contextmanager
+def route_sdpa(model: torch.nn.Module, policy=None, *, select=is_attention_module):
+    """Send every F.scaled_dot_product_attention call made inside `model`'s attention modules through
+    sage_patch under `policy` (path, dict, Policy, precision name or None). Calls outside those modules are
+    untouched. Restores everything on exit. Yields the dict of bindings by module name."""
+    pol = Policy.from_any(policy)
+    bindings, handles = {}, []
+    steps = StepState()
+    for name, mod in model.named_modules():
+        if not name or not select(name, mod):
+            continue
+        stats = getattr(mod, STATS_ATTR, None) or LayerStats(name)
+        setattr(mod, STATS_ATTR, stats)
+        b = bindings[name] = LayerBinding(name, layer_index(name), pol, stats, steps)
+        tokens = []
+
+        def pre(_m, _args, b=b, tokens=tokens):
+            tokens.append(_current.set(b))
+
+        def post(_m, _args, _out, tokens=tokens):
+            if tokens:
+                _current.reset(tokens.pop())
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        b = _current.get()
+        if b is None:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        from .api import sdpa
+
+        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, enable_gqa=enable_gqa)
+
+    torch.nn.functional.scaled_dot_product_attention = routed
+    try:
+        yield bindings
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+        for h in handles:
+            h.remove()
