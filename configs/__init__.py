@@ -1,0 +1,1 @@
+"""Shipped policies, one per model family (installed as sage_patch.configs)."""
