@@ -37,6 +37,7 @@ typedef struct {
     int32_t causal;            /* bottom-right aligned: query i sees keys j <= i + Skv - Sq */
     int32_t dtype;             /* 0 = fp16, 1 = bf16 */
     int32_t pv_fp16;           /* 1 = FP16 P~V (SageAttention1-style, sm_80+), 0 = FP8 P~V (sm_89+) */
+    int32_t device;            /* CUDA device index of the tensors and of the stream */
     int32_t device_cc;         /* compute capability of the current device, e.g. 90 (cached by the caller) */
     float sm_scale;
 } SageAttnParams;

@@ -8,7 +8,12 @@ from .routing import route_sdpa
 
 __version__ = "0.1.0"
 
+from .integrations import install as _install_integrations  # noqa: E402
+from .integrations import set_policy  # noqa: E402
+
+_install_integrations()
+
 __all__ = [
     "attention", "sdpa", "sageattn", "Policy", "PolicyError", "load_policy", "PRECISIONS", "report", "Report",
-    "route_sdpa", "compare", "cosine", "rel_l1", "rmse", "__version__",
+    "route_sdpa", "set_policy", "compare", "cosine", "rel_l1", "rmse", "__version__",
 ]

@@ -13,6 +13,8 @@ from .report import GLOBAL_STATS, log_fallback_once
 from .resolve import resolve
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Captured at import: routing may replace torch.nn.functional.scaled_dot_product_attention while active.
+torch_sdpa = torch.nn.functional.scaled_dot_product_attention
 MAX_HEAD_DIM = 256
 
 
@@ -106,7 +108,7 @@ def _full(q, k, v, layout, is_causal, scale, mask, dropout_p, return_lse):
     sq, skv = qb.shape[-2], kb.shape[-2]
     gqa = qb.shape[1] != kb.shape[1]
     if mask.kind == "none" and (not is_causal or sq == skv):
-        out = torch.nn.functional.scaled_dot_product_attention(
+        out = torch_sdpa(
             qb, kb, vb, dropout_p=dropout_p, is_causal=is_causal and sq > 1, scale=scale, enable_gqa=gqa)
         bool_mask = None
     else:
@@ -118,7 +120,7 @@ def _full(q, k, v, layout, is_causal, scale, mask, dropout_p, return_lse):
         else:
             bool_mask = combined_bool_mask(mask.mask, is_causal, sq, skv, q.device)
             sdpa_mask = bool_mask
-        out = torch.nn.functional.scaled_dot_product_attention(
+        out = torch_sdpa(
             qb, kb, vb, attn_mask=sdpa_mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
         if bool_mask is not None:  # rows with no visible key: SDPA may give NaN, we give 0
             out = torch.where(bool_mask.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype,

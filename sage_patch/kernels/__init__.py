@@ -8,17 +8,197 @@ Contract used by sage_patch.resolve (keep these three names and signatures):
   ``attn_mask`` here is None or a bool key-padding mask (B, Skv), True = attend (resolve normalizes masks first).
 - ``run(impl, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v)``:
   returns ``out`` or ``(out, lse)``; ``out`` in the input layout and dtype, ``lse`` fp32 (B, H, Sq), natural log.
+
+Implementations (see docs/kernels.md):
+
+- ``"cuda-mma-fp8pv"``: "8b" = INT8 QK^T (mma.sync m16n8k32) + FP8 E4M3 P~V (m16n8k32), two-level accumulation;
+  needs sm_89+ (and a build with sm_89 or sm_90a). Reference equivalent: ``SimConfig(q_group=KERNEL_Q_GROUPING,
+  k_group=KERNEL_K_GROUPING, pv="fp8")``.
+- ``"cuda-mma-fp16pv"``: "8b" with FP16 P~V (SageAttention1-style) for sm_80/86; reference: the same with pv="fp16".
+
+Environment: ``SAGE_PATCH_NO_KERNELS=1`` disables loading; ``SAGE_PATCH_KERNELS_LIB`` loads another .so;
+``SAGE_PATCH_PV=fp16`` forces the FP16 P~V variant (to exercise the sm_80 path on newer GPUs).
 """
 from __future__ import annotations
 
+import math
+import os
+
+from . import _lib
+from ._lib import arch_supported
+
+# The per-thread quantization groups of these kernels (16-row warp tiles, 64-key blocks).
+try:  # the reference package is pure torch; keep this import soft so the loader never breaks on it
+    from ..reference.grouping import Grouping as _G
+
+    KERNEL_Q_GROUPING = _G(16, 8, 1)
+    KERNEL_K_GROUPING = _G(64, 8, 2)
+except Exception:  # pragma: no cover
+    KERNEL_Q_GROUPING = KERNEL_K_GROUPING = None
+KERNEL_BLOCK_K = 64
+NATIVE_HEAD_DIMS = (64, 128)
+IMPL_FP8PV = "cuda-mma-fp8pv"
+IMPL_FP16PV = "cuda-mma-fp16pv"
+
+_STATUS_CACHE: dict = {}
+
+
+def _torch():
+    import torch
+
+    return torch
+
 
 def status() -> dict:
-    return {"loaded": False, "reason": "kernels_cuda is not built yet in this version", "path": None, "archs": []}
+    """Whether the compiled kernels can run on the current CUDA device, and why not."""
+    lib = _lib.get()
+    base = {"loaded": False, "reason": lib.reason, "path": lib.path, "archs": list(lib.archs)}
+    if lib.handle is None:
+        return base
+    torch = _torch()
+    if not torch.cuda.is_available():
+        base["reason"] = (f"library loaded ({lib.path}, sm_{', sm_'.join(lib.archs)}) but no CUDA device is "
+                          f"visible to torch (torch {torch.__version__}, CUDA {torch.version.cuda})")
+        return base
+    dev = torch.cuda.current_device()
+    cached = _STATUS_CACHE.get(dev)
+    if cached is not None:
+        return dict(cached)
+    from ._ops import device_cc
+
+    major, minor = device_cc(dev)
+    st = dict(base)
+    if not arch_supported(lib.archs, major, minor):
+        st["reason"] = (f"library built for sm_{', sm_'.join(lib.archs)} but device {dev} is sm_{major}{minor}: "
+                        "rebuild with SAGE_PATCH_CUDA_ARCHS including it")
+    elif (major, minor) < (8, 0):
+        st["reason"] = f"device {dev} is sm_{major}{minor}: the kernels need sm_80 or newer"
+    else:
+        st["loaded"] = True
+        st["reason"] = f"loaded for sm_{major}{minor} (impl {_pick_impl(lib.archs, major, minor)})"
+    _STATUS_CACHE[dev] = st
+    return dict(st)
+
+
+def _pick_impl(archs, major, minor) -> str:
+    if os.environ.get("SAGE_PATCH_PV", "").lower() == "fp16":
+        return IMPL_FP16PV
+    fp8_archs = [a for a in archs if int(a[:2]) >= 89]
+    if (major, minor) >= (8, 9) and arch_supported(fp8_archs, major, minor):
+        return IMPL_FP8PV
+    return IMPL_FP16PV
+
+
+def _layout_ok(layout) -> bool:
+    return str(layout).lower() in ("bhsd", "bshd")
+
+
+def _check_tensor(name, x, torch):
+    if x.dim() != 4:
+        return f"{name} must be 4-D, got {x.dim()}-D"
+    if x.stride(-1) != 1:
+        return f"{name} head dim is not contiguous (stride {x.stride(-1)})"
+    if x.data_ptr() % 16:
+        return f"{name} data pointer is not 16-byte aligned"
+    if any(s % 8 for s in x.stride()[:-1]):
+        return f"{name} strides {tuple(x.stride())} are not multiples of 8 elements (16-byte loads)"
+    if x.numel() >= 2**31 * 8:
+        return f"{name} is too large"
+    return None
 
 
 def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smooth_v):
-    return None, status()["reason"]
+    if precision == "fp4":
+        return None, "fp4 needs Blackwell FP4 tensor cores (sm_100/sm_120); no fp4 kernel for this GPU"
+    if precision == "4b":
+        return None, "4b: no compiled kernel in this version (INT4 numerics on INT8 MMA not implemented yet)"
+    if precision != "8b":
+        return None, f"no compiled kernel for precision {precision!r}"
+    st = status()
+    if not st["loaded"]:
+        return None, st["reason"]
+    torch = _torch()
+    if not (q.is_cuda and k.is_cuda and v.is_cuda) or not (q.device == k.device == v.device):
+        return None, "q, k, v must be CUDA tensors on one device"
+    if q.device.index is not None and q.device.index != torch.cuda.current_device():
+        # the status check above was for the current device; check this one too
+        from ._ops import device_cc
+
+        major, minor = device_cc(q.device.index)
+        if not arch_supported(_lib.get().archs, major, minor) or (major, minor) < (8, 0):
+            return None, f"device {q.device} (sm_{major}{minor}) not supported by this build"
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        return None, f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes fp16 or bf16 (all the same)"
+    if not _layout_ok(layout):
+        return None, f"layout {layout!r} not supported (bhsd, bshd)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        why = _check_tensor(name, x, torch)
+        if why:
+            return None, why
+    bshd = str(layout).lower() == "bshd"
+    d = q.shape[-1]
+    if d not in NATIVE_HEAD_DIMS:
+        return None, f"head_dim {d}: the kernel has head dims {NATIVE_HEAD_DIMS} only"
+    if k.shape[-1] != d or v.shape[-1] != d:
+        return None, f"head dims differ (q {d}, k {k.shape[-1]}, v {v.shape[-1]})"
+    hdim = 2 if bshd else 1
+    sdim = 1 if bshd else 2
+    if q.shape[0] != k.shape[0] or k.shape != v.shape:
+        return None, f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
+    if k.shape[hdim] == 0 or q.shape[hdim] % k.shape[hdim]:
+        return None, f"GQA needs Hq % Hkv == 0 (Hq={q.shape[hdim]}, Hkv={k.shape[hdim]})"
+    if max(q.shape[sdim], k.shape[sdim]) >= 2**30:
+        return None, "sequence too long"
+    if smooth_v:
+        return None, "smooth_v is not implemented in the compiled kernel"
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool or attn_mask.dim() != 2 or attn_mask.device != q.device:
+            return None, "key-padding mask must be a bool (B, Skv) tensor on q's device"
+        if attn_mask.shape[1] != k.shape[sdim] or attn_mask.shape[0] not in (1, q.shape[0]):
+            return None, f"key-padding mask shape {tuple(attn_mask.shape)} does not match (B, Skv)"
+    major, minor = _ops_cc(q)
+    return _pick_impl(_lib.get().archs, major, minor), "ok"
+
+
+def _ops_cc(q):
+    from ._ops import device_cc
+
+    torch = _torch()
+    return device_cc(q.device.index if q.device.index is not None else torch.cuda.current_device())
 
 
 def run(impl, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v):
-    raise RuntimeError(f"no compiled kernel available ({status()['reason']})")
+    if precision != "8b" or impl not in (IMPL_FP8PV, IMPL_FP16PV):
+        raise RuntimeError(f"no compiled kernel {impl!r} for precision {precision!r}")
+    if smooth_v:
+        raise RuntimeError("smooth_v is not implemented in the compiled kernel")
+    out, lse = attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
+                         pv="fp16" if impl == IMPL_FP16PV else "fp8")
+    return (out, lse) if return_lse else out
+
+
+def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, pv=None):
+    """Direct call of the compiled "8b" kernel (no resolver): returns (out, lse). pv: None (auto), "fp8", "fp16"."""
+    from . import _ops
+
+    torch = _torch()
+    if pv is None:
+        pv = "fp16" if _pick_impl(_lib.get().archs, *_ops_cc(q)) == IMPL_FP16PV else "fp8"
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return torch.ops.sage_patch.attn_8b(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale,
+                                        pv == "fp16")
+
+
+def reference_config(impl: str = IMPL_FP8PV):
+    """The reference SimConfig that simulates `impl` exactly (same groupings, block and P~V operands)."""
+    from ..reference import SimConfig
+
+    return SimConfig(block_k=KERNEL_BLOCK_K, q_group=KERNEL_Q_GROUPING, k_group=KERNEL_K_GROUPING,
+                     pv="fp16" if impl == IMPL_FP16PV else "fp8")
+
+
+# Register the custom op at import when torch is importable (so torch.ops.sage_patch.attn_8b exists).
+try:  # pragma: no branch
+    from . import _ops  # noqa: F401,E402
+except Exception:  # pragma: no cover - torch missing or too old: status() still explains
+    pass

@@ -77,8 +77,12 @@ class _Quantized:
         self.precision, self.cfg = precision, cfg
         groups = q.shape[1] // k.shape[1]
         qf, kf, vf = q.float(), k.float(), v.float()
+        self.lse_shift = None
         if cfg.smooth_k:
-            kf = kf - kf.mean(dim=-2, keepdim=True)
+            k_mean = kf.mean(dim=-2, keepdim=True)
+            kf = kf - k_mean
+            # Softmax ignores the per-row shift q.k_mean, the LSE does not: it is added back to the LSE.
+            self.lse_shift = (qf @ _expand_kv(k_mean, groups).transpose(-1, -2)).squeeze(-1)
         self.v_mean = None
         if smooth_v:
             self.v_mean = _expand_kv(vf.mean(dim=-2, keepdim=True), groups)
@@ -194,5 +198,8 @@ def simulate(q, k, v, precision, *, is_causal=False, scale=None, attn_mask=None,
     out = qt.finish(out, nonempty)
     if not return_lse:
         return out
-    lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, 1.0)), -math.inf)
+    lse = m + torch.log(torch.where(nonempty, l, 1.0))
+    if qt.lse_shift is not None:
+        lse = lse + qt.lse_shift * scale
+    lse = torch.where(nonempty, lse, -math.inf)
     return out, lse

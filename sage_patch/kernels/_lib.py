@@ -1,0 +1,107 @@
+"""ctypes binding of libsage_kernels.so (plain C ABI, see kernels_cuda/sage_kernels.h). No torch import here."""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+LIB_NAME = "libsage_kernels.so"
+ABI_VERSION = 1
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class SageAttnParams(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_sb", ctypes.c_int64), ("q_sh", ctypes.c_int64), ("q_ss", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("k_sb", ctypes.c_int64), ("k_sh", ctypes.c_int64), ("k_ss", ctypes.c_int64),
+        ("v", ctypes.c_void_p), ("v_sb", ctypes.c_int64), ("v_sh", ctypes.c_int64), ("v_ss", ctypes.c_int64),
+        ("o", ctypes.c_void_p), ("o_sb", ctypes.c_int64), ("o_sh", ctypes.c_int64), ("o_ss", ctypes.c_int64),
+        ("lse", ctypes.c_void_p),
+        ("kmask", ctypes.c_void_p), ("kmask_sb", ctypes.c_int64),
+        ("workspace", ctypes.c_void_p),
+        ("B", ctypes.c_int32), ("Hq", ctypes.c_int32), ("Hkv", ctypes.c_int32),
+        ("Sq", ctypes.c_int32), ("Skv", ctypes.c_int32), ("D", ctypes.c_int32),
+        ("causal", ctypes.c_int32), ("dtype", ctypes.c_int32), ("pv_fp16", ctypes.c_int32),
+        ("device", ctypes.c_int32), ("device_cc", ctypes.c_int32),
+        ("sm_scale", ctypes.c_float),
+    ]
+
+
+class Lib:
+    """The loaded library, or the reason it is not loaded."""
+
+    def __init__(self):
+        self.handle = None
+        self.path = None
+        self.reason = "not loaded yet"
+        self.archs: list[str] = []
+
+    def load(self) -> None:
+        if os.environ.get("SAGE_PATCH_NO_KERNELS", "") not in ("", "0"):
+            self.reason = "disabled by SAGE_PATCH_NO_KERNELS"
+            return
+        path = os.environ.get("SAGE_PATCH_KERNELS_LIB") or os.path.join(_HERE, LIB_NAME)
+        self.path = path
+        if not os.path.isfile(path):
+            self.reason = (f"{LIB_NAME} not found in {os.path.dirname(path)}: the package was installed without "
+                           "the CUDA kernels (no nvcc at build time, or SAGE_PATCH_NO_KERNELS=1); reinstall with "
+                           "nvcc on PATH to build them")
+            return
+        try:
+            h = ctypes.CDLL(path)
+        except OSError as e:
+            self.reason = f"could not load {path}: {e}"
+            return
+        try:
+            h.sage_abi_version.restype = ctypes.c_int
+            h.sage_compiled_archs.restype = ctypes.c_char_p
+            h.sage_error_string.restype = ctypes.c_char_p
+            h.sage_error_string.argtypes = [ctypes.c_int]
+            h.sage_attn_workspace_bytes.restype = ctypes.c_int64
+            h.sage_attn_workspace_bytes.argtypes = [ctypes.POINTER(SageAttnParams)]
+            h.sage_attn_fwd.restype = ctypes.c_int
+            h.sage_attn_fwd.argtypes = [ctypes.POINTER(SageAttnParams), ctypes.c_void_p]
+            abi = h.sage_abi_version()
+        except AttributeError as e:
+            self.reason = f"{path} is not a sage_patch kernel library ({e})"
+            return
+        if abi != ABI_VERSION:
+            self.reason = f"{path} has ABI version {abi}, this sage_patch expects {ABI_VERSION}: rebuild/reinstall"
+            return
+        self.archs = h.sage_compiled_archs().decode().split()
+        self.handle = h
+        self.reason = "loaded"
+
+
+_LIB: Lib | None = None
+_LOCK = threading.Lock()
+
+
+def get() -> Lib:
+    global _LIB
+    if _LIB is None:
+        with _LOCK:
+            if _LIB is None:
+                lib = Lib()
+                lib.load()
+                _LIB = lib
+    return _LIB
+
+
+def reset() -> None:
+    """Forget the loaded state (tests)."""
+    global _LIB
+    _LIB = None
+
+
+def arch_supported(archs: list[str], major: int, minor: int) -> bool:
+    """SASS compatibility: sm_XY runs on the same major with minor >= Y; sm_90a only on 9.0 exactly."""
+    for a in archs:
+        if a.endswith("a"):
+            if a[:-1] == f"{major}{minor}":
+                return True
+            continue
+        am, an = int(a[:-1]), int(a[-1])
+        if am == major and an <= minor:
+            return True
+    return False

@@ -1,0 +1,90 @@
+"""torch.library custom ops around libsage_kernels.so (launch on the caller's stream, no host sync)."""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from . import _lib
+
+_DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}
+_CC: dict[int, tuple[int, int]] = {}  # device index -> compute capability, queried once per device
+
+
+def device_cc(index: int) -> tuple[int, int]:
+    cc = _CC.get(index)
+    if cc is None:
+        cc = tuple(torch.cuda.get_device_capability(index))
+        _CC[index] = cc
+    return cc
+
+
+def _dims(x: torch.Tensor, bshd: bool):
+    """(B, H, S, D) and element strides (batch, head, seq) of a BHSD or BSHD tensor."""
+    if bshd:
+        b, s, h, d = x.shape
+        return (b, h, s, d), (x.stride(0), x.stride(2), x.stride(1))
+    b, h, s, d = x.shape
+    return (b, h, s, d), (x.stride(0), x.stride(1), x.stride(2))
+
+
+def _lse_shape(q: torch.Tensor, bshd: bool):
+    (b, h, s, _), _ = _dims(q, bshd)
+    return (b, h, s)
+
+
+@torch.library.custom_op("sage_patch::attn_8b", mutates_args=(), device_types="cuda")
+def attn_8b(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[torch.Tensor], bshd: bool,
+            is_causal: bool, scale: float, pv_fp16: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """SageAttention2-8b forward. q/k/v fp16|bf16 in BHSD (bshd=False) or BSHD; kmask None or bool (B, Skv).
+
+    Returns (out in q's layout and dtype, lse fp32 (B, Hq, Sq) natural log, -inf on empty rows)."""
+    lib = _lib.get()
+    if lib.handle is None:
+        raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
+    (B, Hq, Sq, D), qs = _dims(q, bshd)
+    (_, Hkv, Skv, _), ks = _dims(k, bshd)
+    _, vs = _dims(v, bshd)
+    out = q.new_empty(q.shape)
+    lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
+    if Sq == 0 or B == 0 or Hq == 0:
+        return out, lse
+    if Skv == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    _, os_ = _dims(out, bshd)
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    major, minor = device_cc(dev)
+    p = _lib.SageAttnParams()
+    p.q, (p.q_sb, p.q_sh, p.q_ss) = q.data_ptr(), qs
+    p.k, (p.k_sb, p.k_sh, p.k_ss) = k.data_ptr(), ks
+    p.v, (p.v_sb, p.v_sh, p.v_ss) = v.data_ptr(), vs
+    p.o, (p.o_sb, p.o_sh, p.o_ss) = out.data_ptr(), os_
+    p.lse = lse.data_ptr()
+    if kmask is not None:
+        if kmask.stride(-1) != 1:
+            kmask = kmask.contiguous()
+        p.kmask = kmask.data_ptr()
+        p.kmask_sb = kmask.stride(0) if kmask.shape[0] > 1 else 0
+    p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = B, Hq, Hkv, Sq, Skv, D
+    p.causal = int(bool(is_causal))
+    p.dtype = _DTYPE_CODE[q.dtype]
+    p.pv_fp16 = int(bool(pv_fp16))
+    p.device, p.device_cc = dev, major * 10 + minor
+    p.sm_scale = float(scale)
+    h = lib.handle
+    nbytes = h.sage_attn_workspace_bytes(ctypes.byref(p))
+    ws = torch.empty(nbytes, device=q.device, dtype=torch.uint8)
+    p.workspace = ws.data_ptr()
+    rc = h.sage_attn_fwd(ctypes.byref(p), ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream))
+    if rc != 0:
+        raise RuntimeError(f"sage_patch kernel launch failed ({rc}): {h.sage_error_string(rc).decode()}")
+    return out, lse
+
+
+@attn_8b.register_fake
+def _attn_8b_fake(q, k, v, kmask, bshd, is_causal, scale, pv_fp16):
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, bshd), dtype=torch.float32)
