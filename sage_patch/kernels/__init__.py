@@ -25,6 +25,7 @@ import math
 import os
 
 from . import _lib
+from . import _ops  # registers the custom op torch.ops.sage_patch.attn_8b
 from ._lib import arch_supported
 
 # The per-thread quantization groups of these kernels (16-row warp tiles, 64-key blocks).
@@ -41,6 +42,7 @@ IMPL_FP8PV = "cuda-mma-fp8pv"
 IMPL_FP16PV = "cuda-mma-fp16pv"
 
 _STATUS_CACHE: dict = {}
+_FORCE_PV16 = os.environ.get("SAGE_PATCH_PV", "").lower() == "fp16"  # read once (keeps traced code env-free)
 
 
 def _torch():
@@ -81,7 +83,7 @@ def status() -> dict:
 
 
 def _pick_impl(archs, major, minor) -> str:
-    if os.environ.get("SAGE_PATCH_PV", "").lower() == "fp16":
+    if _FORCE_PV16:
         return IMPL_FP16PV
     fp8_archs = [a for a in archs if int(a[:2]) >= 89]
     if (major, minor) >= (8, 9) and arch_supported(fp8_archs, major, minor):
@@ -161,10 +163,8 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
 
 
 def _ops_cc(q):
-    from ._ops import device_cc
-
-    torch = _torch()
-    return device_cc(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    idx = q.device.index
+    return _ops.device_cc(idx if idx is not None else _torch().cuda.current_device())
 
 
 def run(impl, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v):
@@ -179,8 +179,6 @@ def run(impl, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return
 
 def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, pv=None):
     """Direct call of the compiled "8b" kernel (no resolver): returns (out, lse). pv: None (auto), "fp8", "fp16"."""
-    from . import _ops
-
     torch = _torch()
     if pv is None:
         pv = "fp16" if _pick_impl(_lib.get().archs, *_ops_cc(q)) == IMPL_FP16PV else "fp8"
@@ -197,8 +195,3 @@ def reference_config(impl: str = IMPL_FP8PV):
                      pv="fp16" if impl == IMPL_FP16PV else "fp8")
 
 
-# Register the custom op at import when torch is importable (so torch.ops.sage_patch.attn_8b exists).
-try:  # pragma: no branch
-    from . import _ops  # noqa: F401,E402
-except Exception:  # pragma: no cover - torch missing or too old: status() still explains
-    pass

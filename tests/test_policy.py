@@ -1,0 +1,130 @@
+"""Policies: parsing, precedence, fallbacks, error messages, shipped configs."""
+import glob
+import os
+
+import pytest
+import torch
+
+from sage_patch import Policy, PolicyError, load_policy
+from sage_patch.policy import shipped_policy_path
+
+EXAMPLE = """\
+default: 8b
+layers:
+  - match: "single_transformer_blocks.*"
+    precision: full
+  - index: "0-1"
+    precision: 4b
+steps:
+  - first: 2
+    precision: full
+  - last: 2
+    precision: full
+  - range: "10-20"
+    precision: 4b
+fallback:
+  min_seq_len: 128
+  head_dims: [256]
+  dtypes: [float32]
+options:
+  smooth_v: true
+"""
+
+
+def test_example_schema_parses_and_matches():
+    p = Policy.from_yaml(EXAMPLE)
+    assert p.default == "8b" and p.smooth_v is True and p.min_seq_len == 128
+    assert p.precision_for("single_transformer_blocks.3.attn", 40) == "full"
+    assert p.precision_for("transformer_blocks.1.attn", 1) == "4b"
+    assert p.precision_for("transformer_blocks.5.attn", 5) == "8b"
+
+
+def test_step_rules_and_precedence():
+    p = Policy.from_yaml(EXAMPLE)
+    name = "transformer_blocks.5.attn"
+    got = [p.precision_for(name, 5, step=s, num_steps=28) for s in range(28)]
+    assert got[:2] == ["full", "full"] and got[-2:] == ["full", "full"]
+    assert got[10:21] == ["4b"] * 11 and got[2] == "8b" and got[21] == "8b"
+    # a layer pinned to full by a layer rule is never lowered by a step rule
+    assert p.precision_for("single_transformer_blocks.0.attn", 40, step=15, num_steps=28) == "full"
+    # without step information (not a diffusion loop), step rules do not apply
+    assert p.precision_for(name, 5) == "8b"
+    # 'last' needs the number of steps; without it the rule cannot match
+    assert p.precision_for(name, 5, step=27, num_steps=None) == "8b"
+
+
+def test_fallback_rules():
+    p = Policy.from_yaml(EXAMPLE)
+    assert "min_seq_len" in p.fallback_reason(1, 4096, 128, torch.float16)
+    assert "head dim 256" in p.fallback_reason(4096, 4096, 256, torch.float16)
+    assert "float32" in p.fallback_reason(4096, 4096, 128, torch.float32)
+    assert p.fallback_reason(4096, 4096, 128, torch.bfloat16) is None
+
+
+def test_roundtrip_yaml_and_dict():
+    p = Policy.from_yaml(EXAMPLE)
+    again = Policy.from_yaml(p.to_yaml())
+    assert again == p
+    assert Policy.from_dict(p.to_dict()) == p
+
+
+def test_from_any_accepts_every_form(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(EXAMPLE)
+    assert Policy.from_any(str(path)) == Policy.from_any(path) == load_policy(path)
+    assert Policy.from_any({"default": "4b"}).default == "4b"
+    assert Policy.from_any("fp4").default == "fp4"
+    assert Policy.from_any(None).default == "8b"
+    with pytest.raises(PolicyError):
+        Policy.from_any(3)
+
+
+@pytest.mark.parametrize("text,key,line,allowed", [
+    ("default: int8\n", "default", 1, "8b, 4b, fp4, full"),
+    ("default: 8b\nlayers:\n  - match: 'a.*'\n    precision: fast\n", "layers[0].precision", 4, "8b, 4b, fp4, full"),
+    ("default: 8b\nlayerz: []\n", "layerz", 2, "allowed: default"),
+    ("layers:\n  - precision: full\n", "layers[0]", 2, "'match'"),
+    ("steps:\n  - first: 2\n    last: 2\n    precision: full\n", "steps[0]", 2, "exactly one of"),
+    ("steps:\n  - range: '5-2'\n    precision: full\n", "steps[0].range", 2, "range 'a-b'"),
+    ("fallback:\n  min_seq_len: -3\n", "fallback.min_seq_len", 2, "non-negative integer"),
+    ("fallback:\n  dtypes: [float64]\n", "fallback.dtypes", 2, "float16, bfloat16, float32"),
+    ("options:\n  smooth_v: maybe\n", "options.smooth_v", 2, "true or false"),
+    ("options:\n  smooth_q: true\n", "options.smooth_q", 2, "allowed: smooth_v"),
+])
+def test_validation_errors_name_file_key_line_and_allowed(tmp_path, text, key, line, allowed):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(PolicyError) as e:
+        load_policy(path)
+    msg = str(e.value)
+    assert str(path) in msg and f"'{key}'" in msg and f"line {line}" in msg and allowed in msg, msg
+
+
+def test_malformed_yaml_reports_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("default: 8b\nlayers:\n  - match: [unclosed\n")
+    with pytest.raises(PolicyError, match=r"broken.yaml: malformed YAML \(line \d+"):
+        load_policy(path)
+
+
+def test_missing_file_is_a_policy_error(tmp_path):
+    with pytest.raises(PolicyError, match="cannot read"):
+        load_policy(tmp_path / "nope.yaml")
+
+
+SHIPPED = ["llama", "flux", "sd35", "cogvideox", "hunyuanvideo"]
+
+
+@pytest.mark.parametrize("family", SHIPPED)
+def test_shipped_configs_validate_and_explain_themselves(family):
+    path = shipped_policy_path(family)
+    p = load_policy(path)
+    assert p.name == family
+    first = open(path).readline()
+    assert first.startswith("# ") and len(first) > 40  # says what its choices rest on
+
+
+def test_every_config_in_repo_is_shipped():
+    here = os.path.join(os.path.dirname(__file__), "..", "configs")
+    names = sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(here, "*.yaml")))
+    assert names == sorted(SHIPPED)

@@ -1,0 +1,77 @@
+"""Report and the generic routing context manager on a tiny model."""
+import pytest
+import torch
+
+import sage_patch
+from sage_patch.report import LayerStats, Report
+from sage_patch.resolve import Decision
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, d=32, heads=2):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return o.transpose(1, 2).reshape(b, s, d)
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(TinyAttention() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_report_dict_and_table():
+    st = LayerStats("blocks.0.attn")
+    st.record(Decision("8b", "8b", "reference", "reference simulation (tensors on CPU)"))
+    st.record(Decision("8b", "full", "sdpa", "sequence length 1 < policy min_seq_len 128"))
+    d = Report({"blocks.0.attn": st}).to_dict()
+    assert d["blocks.0.attn"]["calls"] == 2
+    assert d["blocks.0.attn"]["used"] == {"8b": 1, "full": 1}
+    assert d["blocks.0.attn"]["fallbacks"]["sequence length 1 < policy min_seq_len 128"] == 1
+    text = str(Report({"blocks.0.attn": st}))
+    assert "blocks.0.attn" in text and "min_seq_len" in text and "calls" in text.splitlines()[0]
+
+
+def test_route_sdpa_per_layer_rules_and_report():
+    torch.manual_seed(0)
+    net = TinyNet().eval()
+    x = torch.randn(2, 160, 32)
+    base = net(x)
+    policy = {"default": "8b", "layers": [{"index": 1, "precision": "full"}], "fallback": {"min_seq_len": 0}}
+    with torch.no_grad(), sage_patch.route_sdpa(net, policy) as bindings:
+        out = net(x)
+        assert sorted(bindings) == ["layers.0", "layers.1", "layers.2"]
+    assert sage_patch.cosine(out, base) >= 0.999
+    rep = sage_patch.report(net).to_dict()
+    assert rep["layers.0"]["used"] == {"8b": 1}
+    assert rep["layers.1"]["used"] == {"full": 1}
+    assert rep["layers.2"]["calls"] == 1
+    # after the context, SDPA is torch's own again and nothing is routed
+    assert torch.nn.functional.scaled_dot_product_attention is sage_patch.api.torch_sdpa
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), base)
+    assert sage_patch.report(net).to_dict()["layers.0"]["calls"] == 1
+
+
+def test_policy_min_seq_len_is_reported_as_fallback():
+    net = TinyNet().eval()
+    with torch.no_grad(), sage_patch.route_sdpa(net, "configs/llama.yaml"):
+        net(torch.randn(1, 16, 32))
+    fb = sage_patch.report(net).to_dict()["layers.0"]["fallbacks"]
+    assert any("min_seq_len 128" in r for r in fb)
+
+
+def test_report_rejects_other_objects():
+    with pytest.raises(TypeError, match="nn.Module or a diffusers pipeline"):
+        sage_patch.report(42)
