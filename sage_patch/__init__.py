@@ -1,6 +1,7 @@
 """sage-patch: SageAttention-family quantized attention for transformers and diffusers, with per-layer policies."""
 from .accuracy import compare, cosine, rel_l1, rmse
 from .api import attention, sageattn, sdpa
+from .calibrate import calibrate
 from .policy import Policy, PolicyError, load_policy
 from .precisions import PRECISIONS
 from .report import Report, report
@@ -15,5 +16,5 @@ _install_integrations()
 
 __all__ = [
     "attention", "sdpa", "sageattn", "Policy", "PolicyError", "load_policy", "PRECISIONS", "report", "Report",
-    "route_sdpa", "set_policy", "compare", "cosine", "rel_l1", "rmse", "__version__",
+    "route_sdpa", "set_policy", "calibrate", "compare", "cosine", "rel_l1", "rmse", "__version__",
 ]

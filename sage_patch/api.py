@@ -158,12 +158,12 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         attn_mask = torch.ones(sq, skv, dtype=torch.bool, device=query.device).tril()[None, None]
         is_causal = False
     binding = current_binding()
-    routed = {} if binding is None else {"policy": binding.policy, "stats": binding.stats,
-                                          "smooth_v": binding.policy.smooth_v}
-    if precision is None:
-        precision = binding.requested() if binding is not None else "8b"
-    out = run_attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                        precision=precision, dropout_p=dropout_p, **routed)
+    if binding is not None and precision is None:  # inside a routed layer: its policy, stats, guard, observer
+        out = binding.attention(query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
+                                dropout_p=dropout_p)
+    else:
+        out = run_attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scale,
+                            attn_mask=attn_mask, precision=precision or "8b", dropout_p=dropout_p)
     return out.squeeze(1) if squeeze else out
 
 

@@ -21,6 +21,10 @@ Schema (first matching layer rule wins; see configs/ for examples):
       dtypes: [float32]              # these input dtypes use full
     options:
       smooth_v: false
+    guard:                           # runtime guard (off unless given)
+      every: 50                      # every 50th call of a layer, one sampled head is recomputed in full
+      min_cos: 0.999                 # below this (or above max_rel_l1) the layer is demoted to a safer precision
+      max_rel_l1: 0.05
 
 Precedence: a matching step rule overrides the layer rules and the default, except that a layer pinned to
 "full" by a layer rule stays full (accuracy exclusions are never undone by a step rule).
@@ -35,7 +39,8 @@ import yaml
 
 from .precisions import PRECISIONS
 
-_TOP_KEYS = {"default", "layers", "steps", "fallback", "options", "name", "description"}
+_TOP_KEYS = {"default", "layers", "steps", "fallback", "options", "guard", "name", "description"}
+_GUARD_KEYS = {"every", "min_cos", "max_rel_l1"}
 _FALLBACK_KEYS = {"min_seq_len", "head_dims", "dtypes"}
 _OPTION_KEYS = {"smooth_v"}
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -45,6 +50,15 @@ class PolicyError(ValueError):
     """A policy that does not validate. The message names the source, the key, the line if known, and what is allowed."""
 
 
+def _glob_match(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+# torch.compile cannot trace fnmatch (regex compilation); with constant (str) arguments dynamo may run it at trace
+# time instead. This is the attribute torch._dynamo.assume_constant_result sets, without importing dynamo here.
+_glob_match._dynamo_marked_constant = True
+
+
 @dataclass(frozen=True)
 class LayerRule:
     precision: str
@@ -52,7 +66,7 @@ class LayerRule:
     index: tuple[tuple[int, int], ...] | None = None
 
     def matches(self, name: str | None, index: int | None) -> bool:
-        if self.match is not None and (name is None or not fnmatch.fnmatchcase(name, self.match)):
+        if self.match is not None and (name is None or not _glob_match(name, self.match)):
             return False
         if self.index is not None and (index is None or not any(a <= index <= b for a, b in self.index)):
             return False
@@ -83,6 +97,9 @@ class Policy:
     full_head_dims: tuple[int, ...] = ()
     full_dtypes: tuple[str, ...] = ()
     smooth_v: bool = False
+    guard_every: int = 0                 # 0: runtime guard off
+    guard_min_cos: float = 0.999
+    guard_max_rel_l1: float | None = None
     name: str | None = None
     description: str | None = None
     source: str = field(default="<dict>", compare=False)
@@ -182,6 +199,10 @@ class Policy:
         if fb:
             d["fallback"] = fb
         d["options"] = {"smooth_v": self.smooth_v}
+        if self.guard_every:
+            d["guard"] = {"every": self.guard_every, "min_cos": self.guard_min_cos}
+            if self.guard_max_rel_l1 is not None:
+                d["guard"]["max_rel_l1"] = self.guard_max_rel_l1
         return d
 
     def to_yaml(self) -> str:
@@ -298,7 +319,22 @@ class _Parser:
             if not isinstance(opts["smooth_v"], bool):
                 self.fail("options.smooth_v", f"must be true or false; got {opts['smooth_v']!r}")
             kw["smooth_v"] = opts["smooth_v"]
+        if "guard" in data:
+            g = self.mapping(data["guard"] or {}, "guard", _GUARD_KEYS)
+            every = g.get("every", 50)
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                self.fail("guard.every", f"must be a positive integer (calls between checks); got {every!r}")
+            kw["guard_every"] = every
+            if "min_cos" in g:
+                kw["guard_min_cos"] = self.fraction(g["min_cos"], "guard.min_cos")
+            if g.get("max_rel_l1") is not None:
+                kw["guard_max_rel_l1"] = self.fraction(g["max_rel_l1"], "guard.max_rel_l1")
         return Policy(**kw)
+
+    def fraction(self, value, key: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            self.fail(key, f"must be a number between 0 and 1; got {value!r}")
+        return float(value)
 
     def seq(self, data, key):
         value = data.get(key) or []

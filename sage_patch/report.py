@@ -1,9 +1,13 @@
 """Per-layer call statistics and the report users read: which precision ran where, and why it fell back."""
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+
+import torch
 
 logger = logging.getLogger("sage_patch")
 _logged_reasons: set[str] = set()
@@ -28,23 +32,51 @@ class LayerStats:
     impls: Counter = field(default_factory=Counter)      # implementation ("cuda-mma", "reference", "sdpa") -> calls
     fallbacks: Counter = field(default_factory=Counter)  # reason -> calls
     requested: Counter = field(default_factory=Counter)  # precision the policy asked for -> calls
+    guard: Counter = field(default_factory=Counter)      # runtime-guard demotions (reason -> 1)
+
+    def __post_init__(self):
+        self._key = next(_keys)
+        _BY_KEY[self._key] = self
 
     def record(self, decision) -> None:
+        """Count one call. Inside a torch.compile graph the decision is recorded once, when the graph is traced
+        (the compiled graph runs without Python, and counting there would make dynamo guard on the counters and
+        recompile at every call)."""
+        if torch.compiler.is_compiling():
+            _record_traced(self._key, decision.requested, decision.precision, decision.impl, decision.reason)
+            return
+        self._add(decision.requested, decision.precision, decision.impl, decision.reason)
+
+    def _add(self, requested: str, precision: str, impl: str, reason: str | None) -> None:
         self.calls += 1
-        self.used[decision.precision] += 1
-        self.impls[decision.impl] += 1
-        self.requested[decision.requested] += 1
-        if decision.reason:
-            self.fallbacks[decision.reason] += 1
+        self.used[precision] += 1
+        self.impls[impl] += 1
+        self.requested[requested] += 1
+        if reason:
+            self.fallbacks[reason] += 1
 
     def reset(self) -> None:
         self.calls = 0
-        for c in (self.used, self.impls, self.fallbacks, self.requested):
+        for c in (self.used, self.impls, self.fallbacks, self.requested, self.guard):
             c.clear()
 
     def to_dict(self) -> dict:
         return {"calls": self.calls, "used": dict(self.used), "fallbacks": dict(self.fallbacks),
-                "impl": dict(self.impls), "requested": dict(self.requested)}
+                "impl": dict(self.impls), "requested": dict(self.requested), "guard": dict(self.guard)}
+
+
+_keys = itertools.count()
+_BY_KEY: "weakref.WeakValueDictionary[int, LayerStats]" = weakref.WeakValueDictionary()
+
+
+def _record_traced(key: int, requested: str, precision: str, impl: str, reason: str | None) -> None:
+    """Runs at trace time only: dynamo calls a function marked constant-result with constant arguments."""
+    st = _BY_KEY.get(key)
+    if st is not None:
+        st._add(requested, precision, impl, reason)
+
+
+_record_traced._dynamo_marked_constant = True  # what torch._dynamo.assume_constant_result sets, without importing dynamo
 
 
 # Calls made outside any routed layer (plain sage_patch.attention / sdpa / sageattn).
@@ -52,7 +84,7 @@ GLOBAL_STATS = LayerStats("<direct calls>")
 
 
 class Report:
-    """`to_dict()` -> {layer: {"calls", "used", "fallbacks", "impl", "requested"}}; `str()` is a table."""
+    """`to_dict()` -> {layer: {"calls", "used", "fallbacks", "impl", "requested", "guard"}}; `str()` is a table."""
 
     def __init__(self, layers: dict[str, LayerStats]):
         self.layers = layers
@@ -68,8 +100,8 @@ class Report:
             return "sage_patch report: no attention layers are routed"
         rows = [("layer", "calls", "used", "impl", "fallbacks")]
         for name, st in self.layers.items():
-            rows.append((name, str(st.calls), _fmt(st.used), _fmt(st.impls),
-                         "; ".join(f"{r} (x{n})" for r, n in st.fallbacks.items()) or "-"))
+            notes = [f"{r} (x{n})" for r, n in st.fallbacks.items()] + list(st.guard)
+            rows.append((name, str(st.calls), _fmt(st.used), _fmt(st.impls), "; ".join(notes) or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = []
         for i, r in enumerate(rows):

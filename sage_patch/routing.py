@@ -14,8 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .guard import Guard
 from .policy import Policy
 from .report import STATS_ATTR, LayerStats
+
+BINDING_ATTR = "_sage_patch_binding"  # attribute holding a LayerBinding on each routed attention module
 
 _current: contextvars.ContextVar["LayerBinding | None"] = contextvars.ContextVar("sage_patch_layer", default=None)
 
@@ -28,22 +31,34 @@ class StepState:
 
 
 class LayerBinding:
+    """One attention layer's routing state. `observer`, when set (calibration), sees every call's q/k/v."""
+
     def __init__(self, name: str, index: int | None, policy: Policy, stats: LayerStats | None = None,
                  steps: StepState | None = None):
         self.name, self.index, self.policy = name, index, policy
         self.stats = stats or LayerStats(name)
         self.steps = steps or StepState()
+        self.guard = Guard()
+        self.observer = None
 
     def requested(self) -> str:
-        return self.policy.precision_for(self.name, self.index, self.steps.step, self.steps.num_steps)
+        """The policy's precision for this layer at the current step, after any runtime-guard demotion."""
+        return self.guard.effective(
+            self.policy.precision_for(self.name, self.index, self.steps.step, self.steps.num_steps))
 
     def attention(self, q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, dropout_p=0.0,
                   return_lse=False):
         from .api import run_attention
 
-        return run_attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                             precision=self.requested(), return_lse=return_lse, smooth_v=self.policy.smooth_v,
-                             dropout_p=dropout_p, policy=self.policy, stats=self.stats)
+        precision = self.requested()
+        call = {"layout": layout, "is_causal": is_causal, "scale": scale, "attn_mask": attn_mask}
+        if self.observer is not None:
+            self.observer(self, q, k, v, call)
+        res = run_attention(q, k, v, **call, precision=precision, return_lse=return_lse,
+                            smooth_v=self.policy.smooth_v, dropout_p=dropout_p, policy=self.policy, stats=self.stats)
+        if self.policy.guard_every:
+            self.guard.after_call(self, precision, q, k, v, call, res[0] if return_lse else res)
+        return res
 
 
 def current_binding() -> "LayerBinding | None":
@@ -75,6 +90,7 @@ def route_sdpa(model: torch.nn.Module, policy=None, *, select=is_attention_modul
         stats = getattr(mod, STATS_ATTR, None) or LayerStats(name)
         setattr(mod, STATS_ATTR, stats)
         b = bindings[name] = LayerBinding(name, layer_index(name), pol, stats, steps)
+        setattr(mod, BINDING_ATTR, b)
         tokens = []
 
         def pre(_m, _args, b=b, tokens=tokens):
@@ -106,3 +122,19 @@ def route_sdpa(model: torch.nn.Module, policy=None, *, select=is_attention_modul
         torch.nn.functional.scaled_dot_product_attention = original
         for h in handles:
             h.remove()
+        for name, mod in model.named_modules():
+            if name in bindings and getattr(mod, BINDING_ATTR, None) is bindings[name]:
+                delattr(mod, BINDING_ATTR)
+
+
+def bindings_of(obj) -> dict[str, "LayerBinding"]:
+    """Every LayerBinding of a model or pipeline (integrations and route_sdpa store them on the modules)."""
+    from .report import _modules_of
+
+    out = {}
+    for prefix, module in _modules_of(obj):
+        for name, sub in module.named_modules():
+            b = getattr(sub, BINDING_ATTR, None)
+            if isinstance(b, LayerBinding):
+                out[f"{prefix}.{name}" if prefix and name else (prefix or name)] = b
+    return out

@@ -11,13 +11,16 @@ Contract used by sage_patch.resolve (keep these three names and signatures):
 
 Implementations (see docs/kernels.md):
 
-- ``"cuda-mma-fp8pv"``: "8b" = INT8 QK^T (mma.sync m16n8k32) + FP8 E4M3 P~V (m16n8k32), two-level accumulation;
-  needs sm_89+ (and a build with sm_89 or sm_90a). Reference equivalent: ``SimConfig(q_group=KERNEL_Q_GROUPING,
-  k_group=KERNEL_K_GROUPING, pv="fp8")``.
+- ``"cuda-mma-fp8pv"``: "8b" = INT8 QK^T (mma.sync m16n8k32) + FP8 E4M3 P~V with two-level accumulation;
+  needs sm_89+ (and a build with sm_89 or sm_90a). On sm_89 the P~V MMA is e4m3 mma.sync m16n8k32 (pv mode
+  "fp8-mma"); on sm_90 ptxas lowers that instruction to fp16 MMAs plus per-MMA conversions, so there the same
+  e4m3 values are carried in fp16 through m16n8k16 (pv mode "fp8-f16"): identical numerics, fewer instructions.
+  Reference equivalent: ``reference_config(IMPL_FP8PV)`` = ``SimConfig(q_group=Grouping(16, 8, 1),
+  k_group=Grouping(64, 8, 2), pv="fp8")``.
 - ``"cuda-mma-fp16pv"``: "8b" with FP16 P~V (SageAttention1-style) for sm_80/86; reference: the same with pv="fp16".
 
 Environment: ``SAGE_PATCH_NO_KERNELS=1`` disables loading; ``SAGE_PATCH_KERNELS_LIB`` loads another .so;
-``SAGE_PATCH_PV=fp16`` forces the FP16 P~V variant (to exercise the sm_80 path on newer GPUs).
+``SAGE_PATCH_PV=fp16|fp8-mma|fp8-f16`` forces a P~V mode (e.g. to exercise the sm_80 path on newer GPUs).
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ IMPL_FP8PV = "cuda-mma-fp8pv"
 IMPL_FP16PV = "cuda-mma-fp16pv"
 
 _STATUS_CACHE: dict = {}
-_FORCE_PV16 = os.environ.get("SAGE_PATCH_PV", "").lower() == "fp16"  # read once (keeps traced code env-free)
+_FORCE_PV = os.environ.get("SAGE_PATCH_PV", "").lower() or None  # read once (keeps traced code env-free)
+PV_MODES = {"fp8-mma": 0, "fp16": 1, "fp8-f16": 2}
 
 
 def _torch():
@@ -83,7 +87,7 @@ def status() -> dict:
 
 
 def _pick_impl(archs, major, minor) -> str:
-    if _FORCE_PV16:
+    if _FORCE_PV == "fp16":
         return IMPL_FP16PV
     fp8_archs = [a for a in archs if int(a[:2]) >= 89]
     if (major, minor) >= (8, 9) and arch_supported(fp8_archs, major, minor):
@@ -177,14 +181,30 @@ def run(impl, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return
     return (out, lse) if return_lse else out
 
 
+def pv_mode(pv, major: int) -> int:
+    """P~V mode of the C ABI for pv "fp8" (best FP8 mode for this GPU), "fp16", "fp8-mma" or "fp8-f16"."""
+    if pv == "fp8":
+        if _FORCE_PV in ("fp8-mma", "fp8-f16"):
+            return PV_MODES[_FORCE_PV]
+        return 2 if major == 9 else 0
+    if pv not in PV_MODES:
+        raise ValueError(f"pv must be None, 'fp8', 'fp16', 'fp8-mma' or 'fp8-f16', got {pv!r}")
+    return PV_MODES[pv]
+
+
 def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, pv=None):
-    """Direct call of the compiled "8b" kernel (no resolver): returns (out, lse). pv: None (auto), "fp8", "fp16"."""
+    """Direct call of the compiled "8b" kernel (no resolver): returns (out, lse).
+
+    pv: None (the variant can_run would pick), "fp8" (best FP8 P~V mode for this GPU), "fp16", "fp8-mma",
+    "fp8-f16"."""
     torch = _torch()
+    major, minor = _ops_cc(q)
     if pv is None:
-        pv = "fp16" if _pick_impl(_lib.get().archs, *_ops_cc(q)) == IMPL_FP16PV else "fp8"
+        pv = "fp16" if _pick_impl(_lib.get().archs, major, minor) == IMPL_FP16PV else "fp8"
+    mode = pv_mode(pv, major)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.sage_patch.attn_8b(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale,
-                                        pv == "fp16")
+                                        mode)
 
 
 def reference_config(impl: str = IMPL_FP8PV):

@@ -6,7 +6,7 @@ import os
 import threading
 
 LIB_NAME = "libsage_kernels.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -21,7 +21,7 @@ class SageAttnParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("B", ctypes.c_int32), ("Hq", ctypes.c_int32), ("Hkv", ctypes.c_int32),
         ("Sq", ctypes.c_int32), ("Skv", ctypes.c_int32), ("D", ctypes.c_int32),
-        ("causal", ctypes.c_int32), ("dtype", ctypes.c_int32), ("pv_fp16", ctypes.c_int32),
+        ("causal", ctypes.c_int32), ("dtype", ctypes.c_int32), ("pv_mode", ctypes.c_int32),
         ("device", ctypes.c_int32), ("device_cc", ctypes.c_int32),
         ("sm_scale", ctypes.c_float),
     ]

@@ -37,8 +37,10 @@ def _lse_shape(q: torch.Tensor, bshd: bool):
 
 @torch.library.custom_op("sage_patch::attn_8b", mutates_args=(), device_types="cuda")
 def attn_8b(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[torch.Tensor], bshd: bool,
-            is_causal: bool, scale: float, pv_fp16: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+            is_causal: bool, scale: float, pv_mode: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """SageAttention2-8b forward. q/k/v fp16|bf16 in BHSD (bshd=False) or BSHD; kmask None or bool (B, Skv).
+
+    pv_mode: 0 = FP8 P~V on e4m3 mma.sync (sm_89+), 1 = FP16 P~V (sm_80+), 2 = FP8 P~V numerics on fp16 mma.sync.
 
     Returns (out in q's layout and dtype, lse fp32 (B, Hq, Sq) natural log, -inf on empty rows)."""
     lib = _lib.get()
@@ -72,7 +74,7 @@ def attn_8b(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[t
     p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = B, Hq, Hkv, Sq, Skv, D
     p.causal = int(bool(is_causal))
     p.dtype = _DTYPE_CODE[q.dtype]
-    p.pv_fp16 = int(bool(pv_fp16))
+    p.pv_mode = int(pv_mode)
     p.device, p.device_cc = dev, major * 10 + minor
     p.sm_scale = float(scale)
     h = lib.handle
@@ -86,5 +88,5 @@ def attn_8b(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[t
 
 
 @attn_8b.register_fake
-def _attn_8b_fake(q, k, v, kmask, bshd, is_causal, scale, pv_fp16):
+def _attn_8b_fake(q, k, v, kmask, bshd, is_causal, scale, pv_mode):
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, bshd), dtype=torch.float32)

@@ -54,6 +54,11 @@ class SimConfig:
             raise ValueError(f"p_scaling must be 'two_level' or 'direct', got {self.p_scaling!r}")
 
 
+# A module-level default: torch.compile cannot build SimConfig() inside a graph (its Grouping defaults are objects
+# dynamo has no source for), but it can read this global.
+_DEFAULT_CONFIG = SimConfig()
+
+
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
@@ -167,7 +172,7 @@ def simulate(q, k, v, precision, *, is_causal=False, scale=None, attn_mask=None,
     """
     from ..masks import combined_bool_mask
 
-    cfg = config or SimConfig()
+    cfg = config or _DEFAULT_CONFIG
     sq, skv = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     qt = _Quantized(precision, q, k, v, cfg, smooth_v)

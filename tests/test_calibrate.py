@@ -1,0 +1,129 @@
+"""Calibration (per-layer precision from measured error) and the runtime guard."""
+import pytest
+import torch
+
+import sage_patch
+from sage_patch import load_policy
+from sage_patch.calibrate import calibrate
+from sage_patch.cli import main
+from tests.test_report_routing import TinyNet
+
+
+def tiny_llama(outlier_layer=1, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, attention_bias=True)
+    m = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for layer in m.model.layers:  # peakier attention than random init gives, as trained models have
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+        if outlier_layer is not None:  # a huge channel bias in Q: INT8 Q without smoothing loses the rest
+            m.model.layers[outlier_layer].self_attn.q_proj.bias[::16] += 300.0
+    return m
+
+
+def test_outlier_layer_is_demoted_and_thresholds_hold(tmp_path):
+    m = tiny_llama()
+    out = tmp_path / "calibrated.yaml"
+    policy, res = calibrate(m, out=out, min_cos=0.998, precisions=["8b"], progress=False, return_details=True)
+    assert res.choice["model.layers.1.self_attn"] == "full"
+    assert res.choice["model.layers.0.self_attn"] == "8b" and res.choice["model.layers.2.self_attn"] == "8b"
+    for name, p in res.choice.items():
+        s = res.errors[name].summary("8b")
+        assert s["n"] >= 2 and res.errors[name].calls >= 2
+        assert (p == "8b") == (s["cos_worst"] >= 0.998)
+    assert policy.precision_for("model.layers.1.self_attn", 1) == "full"
+    assert policy.precision_for("model.layers.0.self_attn", 0) == "8b"
+    # the YAML validates and round-trips
+    assert load_policy(out) == policy
+    assert sage_patch.Policy.from_yaml(policy.to_yaml()) == policy
+
+
+def test_rel_l1_threshold_is_respected():
+    m = tiny_llama(outlier_layer=None)
+    _, res = calibrate(m, min_cos=0.0, max_rel_l1=1e-6, precisions=["8b", "4b"], progress=False,
+                       return_details=True)
+    assert set(res.choice.values()) == {"full"}  # nothing quantized is that exact
+    _, res = calibrate(m, min_cos=0.0, max_rel_l1=10.0, precisions=["8b", "4b"], progress=False,
+                       return_details=True)
+    assert set(res.choice.values()) == {"4b"}  # the fastest candidate wins when all qualify
+
+
+def test_calibration_restores_the_model_and_writes_heatmap(tmp_path):
+    m = tiny_llama()
+    ids = torch.randint(0, 128, (1, 200))
+    with torch.no_grad():
+        before = m(input_ids=ids).logits
+    png = tmp_path / "heat.png"
+    calibrate(m, [ids, {"input_ids": ids[:, :150]}], heatmap=png, progress=False)
+    assert png.stat().st_size > 1000
+    assert torch.nn.functional.scaled_dot_product_attention is sage_patch.api.torch_sdpa
+    with torch.no_grad():
+        torch.testing.assert_close(m(input_ids=ids).logits, before)
+
+
+def test_bad_precision_and_inputs():
+    with pytest.raises(ValueError, match="precisions"):
+        calibrate(tiny_llama(), precisions=["int8"], progress=False)
+    with pytest.raises(ValueError, match="needs `inputs`"):
+        calibrate(TinyNet(), progress=False)
+
+
+def test_speedup_estimate_from_bench_numbers():
+    m = tiny_llama()
+    _, res = calibrate(m, min_cos=0.998, precisions=["8b"], bench={"8b": 2.0}, progress=False, return_details=True)
+    # two layers at 2x, one at 1x: 3 / (0.5 + 0.5 + 1) = 1.5
+    assert res.speedup == pytest.approx(1.5)
+    assert "1.50x" in res.table()
+
+
+def test_cli_calibrate_on_saved_model(tmp_path, capsys):
+    m = tiny_llama()
+    m.save_pretrained(tmp_path / "model")
+    out, png = tmp_path / "p.yaml", tmp_path / "h.png"
+    rc = main(["calibrate", str(tmp_path / "model"), "--out", str(out), "--tokens", "160", "--batches", "1",
+               "--min-cos", "0.998", "--precisions", "8b", "--heatmap", str(png)])
+    assert rc == 0
+    assert "model.layers.1.self_attn" in capsys.readouterr().out
+    assert load_policy(out).precision_for("model.layers.1.self_attn", 1) == "full"
+    assert png.exists()
+
+
+def test_runtime_guard_demotes_a_drifting_layer():
+    torch.manual_seed(0)
+    net = TinyNet().eval()
+    x = torch.randn(1, 160, 32)
+    policy = {"default": "8b", "fallback": {"min_seq_len": 0}, "guard": {"every": 2, "min_cos": 0.999}}
+    with torch.no_grad(), sage_patch.route_sdpa(net, policy):
+        for _ in range(4):
+            net(x)
+        rep = sage_patch.report(net).to_dict()
+        assert all(not r["guard"] for r in rep.values())  # healthy layers are not demoted
+        with torch.no_grad():  # layer 1 drifts: a huge Q channel whose K channel is constant (so it adds
+            qkv = net.layers[1].qkv  # nothing to S) takes every INT8 Q scale, and the rest of Q is lost
+            for c in (0, 16):  # channel 0 of each head; K channels start at 32
+                qkv.weight[32 + c].zero_()
+                qkv.bias[32 + c] = 3.0
+                qkv.bias[c] += 500.0
+        for _ in range(4):
+            net(x)
+        rep = sage_patch.report(net).to_dict()
+    assert len(rep["layers.1"]["guard"]) == 1
+    assert "demoted 8b -> full" in next(iter(rep["layers.1"]["guard"]))
+    assert rep["layers.1"]["used"]["full"] >= 1  # calls after the demotion run full
+    assert not rep["layers.0"]["guard"]
+    assert "demoted 8b -> full" in str(sage_patch.report(net))
+
+
+def test_guard_policy_validation():
+    p = sage_patch.Policy.from_yaml("guard:\n  every: 10\n  min_cos: 0.99\n")
+    assert p.guard_every == 10 and p.guard_min_cos == 0.99
+    assert sage_patch.Policy.from_yaml(p.to_yaml()) == p
+    with pytest.raises(sage_patch.PolicyError, match="guard.every"):
+        sage_patch.Policy.from_yaml("guard:\n  every: 0\n")
+    with pytest.raises(sage_patch.PolicyError, match="guard.min_cos"):
+        sage_patch.Policy.from_yaml("guard:\n  min_cos: 2\n")
