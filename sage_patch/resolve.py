@@ -21,6 +21,17 @@ class Decision:
         return self.reason is not None
 
 
+# Kernel availability is fixed for the process: constants to torch.compile (no tracing into the loader).
+@torch.compiler.assume_constant_result
+def _kernels_loaded() -> bool:
+    return bool(kernels.status()["loaded"])
+
+
+@torch.compiler.assume_constant_result
+def _kernels_reason() -> str:
+    return str(kernels.status()["reason"])
+
+
 def _full(requested: str, reason: str | None) -> Decision:
     return Decision(requested, "full", "sdpa", reason)
 
@@ -47,10 +58,11 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
         if why:
             return _full(requested, why)
 
-    st = kernels.status()
-    if not q.is_cuda or not st["loaded"]:
-        why = "tensors on CPU" if not q.is_cuda else f"compiled kernels not loaded: {st['reason']}"
-        return Decision(requested, requested, "reference", f"reference simulation ({why})")
+    if not q.is_cuda:
+        return Decision(requested, requested, "reference", "reference simulation (tensors on CPU)")
+    if not _kernels_loaded():
+        return Decision(requested, requested, "reference",
+                        f"reference simulation (compiled kernels not loaded: {_kernels_reason()})")
 
     kmask = mask.mask if mask.kind == "key_padding" else None
     first_why = None

@@ -164,3 +164,14 @@ def test_bad_tensors_raise_clear_errors():
         sage_patch.attention(q, k[..., :8], v)
     with pytest.raises(ValueError, match="sequence lengths"):
         sage_patch.attention(q[:, :, :0], k, v)
+
+
+def test_torch_compile_fullgraph_reference_path():
+    q, k, v = structured_qkv(b=1, h=2, sq=128, d=64, seed=13)
+
+    def f(q, k, v):
+        return sage_patch.attention(q, k, v, precision="8b", is_causal=True)
+
+    with torch.no_grad():
+        compiled = torch.compile(f, fullgraph=True)(q, k, v)
+        torch.testing.assert_close(compiled, f(q, k, v), atol=1e-5, rtol=1e-5)
