@@ -127,3 +127,19 @@ def test_guard_policy_validation():
         sage_patch.Policy.from_yaml("guard:\n  every: 0\n")
     with pytest.raises(sage_patch.PolicyError, match="guard.min_cos"):
         sage_patch.Policy.from_yaml("guard:\n  min_cos: 2\n")
+
+
+def test_calibrate_a_diffusers_pipeline_over_steps(tmp_path):
+    from tests.test_diffusers_integration import tiny_flux_pipe
+
+    pipe = tiny_flux_pipe()
+    g = torch.Generator().manual_seed(0)
+    call = dict(prompt_embeds=torch.randn(1, 13, 32, generator=g), pooled_prompt_embeds=torch.randn(1, 32, generator=g),
+                height=32, width=64, num_inference_steps=4, output_type="pt")
+    policy, res = calibrate(pipe, [call], min_cos=0.99, precisions=["8b"], max_calls=2, progress=False,
+                            return_details=True, out=tmp_path / "flux.yaml")
+    assert len(res.choice) == 4  # 2 joint + 2 single blocks of the tiny Flux transformer
+    for name, e in res.errors.items():
+        assert e.calls == 4 and e.sampled == 2  # 4 steps seen, 2 sampled (spread over the steps)
+    assert load_policy(tmp_path / "flux.yaml") == policy
+    assert not hasattr(pipe.transformer, "_sage_patch_state")  # enabled for calibration, then disabled
