@@ -34,12 +34,11 @@ import torch
 from sage_patch.policy import Policy, load_policy, shipped_policy_path
 from sage_patch.report import STATS_ATTR, LayerStats, log_fallback_once
 from sage_patch.resolve import Decision
-from sage_patch.routing import LayerBinding, StepState, layer_index
+from sage_patch.routing import BINDING_ATTR, LayerBinding, StepState, layer_index
 
 logger = logging.getLogger("sage_patch")
 
 NAME = "sage"
-BINDING_ATTR = "_sage_patch_binding"
 _WRAPPED = "_sage_patch_wrapped"
 
 # config.model_type -> shipped policy family (configs/<family>.yaml); anything else uses DEFAULT_FAMILY[None].
@@ -74,7 +73,7 @@ def _bind_after(method):
     def wrapper(self, *args, **kwargs):
         out = method(self, *args, **kwargs)
         if uses_sage(self):
-            bind(self)
+            bind(self, only_sage=True)
         return out
 
     setattr(wrapper, _WRAPPED, True)
@@ -112,23 +111,32 @@ def attention_modules(model: torch.nn.Module):
     return [(n, m) for n, m in model.named_modules() if _calls_attention_interface(type(m))]
 
 
-def bind(model: torch.nn.Module, policy=None) -> dict[str, LayerBinding]:
-    """Bind every attention module of `model` (names relative to `model`). Keeps each module's stats and, when
-    `policy` is None, the policy it already has (else the default for `config.model_type`): a policy set before
-    the model is switched to "sage" survives the switch."""
+def bind(model: torch.nn.Module, policy=None, only_sage: bool = False) -> dict[str, LayerBinding]:
+    """Bind every attention module of `model` (names relative to `model`); with `only_sage`, only those whose
+    config uses "sage" (a composite model may run its vision tower on another implementation). An existing
+    binding is kept (its stats, guard and observer too) and renamed; its policy is replaced only when `policy`
+    is given, so a policy set before the model is switched to "sage" survives the switch. New bindings get the
+    default policy."""
     explicit = None if policy is None else Policy.from_any(policy)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     steps = StepState()
     out = {}
     for name, mod in attention_modules(model):
-        old = getattr(mod, BINDING_ATTR, None)
-        pol = explicit or (old.policy if old is not None else default_policy(model_type))
-        stats = old.stats if old is not None else LayerStats(name)
-        stats.name = name
+        impl = getattr(getattr(mod, "config", None), "_attn_implementation", NAME)
+        if only_sage and impl != NAME:
+            continue
         idx = getattr(mod, "layer_idx", None)
-        b = LayerBinding(name, idx if isinstance(idx, int) else layer_index(name), pol, stats, steps)
-        setattr(mod, BINDING_ATTR, b)
-        setattr(mod, STATS_ATTR, stats)
+        idx = idx if isinstance(idx, int) else layer_index(name)
+        b = getattr(mod, BINDING_ATTR, None)
+        if isinstance(b, LayerBinding):
+            b.name, b.index, b.stats.name = name, idx, name
+            if explicit is not None:
+                b.policy = explicit
+        else:
+            b = LayerBinding(name, idx, explicit or default_policy(model_type), getattr(mod, STATS_ATTR, None), steps)
+            b.stats.name = name
+            setattr(mod, BINDING_ATTR, b)
+        setattr(mod, STATS_ATTR, b.stats)
         out[name] = b
     return out
 
@@ -181,13 +189,14 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
 
     dropout_p = float(dropout) if module.training else 0.0
     q_len, kv_len = query.shape[2], key.shape[2]
-    is_causal = q_len > 1 and attention_mask is None and bool(is_causal)
+    causal_module = bool(is_causal)
+    is_causal = q_len > 1 and attention_mask is None and causal_module
     if is_causal and kv_len > q_len:
         # transformers skips the mask of a prefill into an empty, longer (static) cache only when the keys past
         # q_len are unused slots; causal is top-left there (as in transformers' sdpa): keep the first q_len keys.
         key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
     if attention_mask is None and sliding_window is not None and kv_len > sliding_window:
-        attention_mask = _window_mask(q_len, kv_len, sliding_window, is_causal, query.device)
+        attention_mask = _window_mask(q_len, kv_len, sliding_window, causal_module, query.device)
         is_causal = False
     if softcap is not None or s_aux is not None:
         why = "softcap (logit soft-capping)" if softcap is not None else "s_aux (attention sinks)"
@@ -217,13 +226,13 @@ def _delegate_sdpa(binding, what, module, query, key, value, attention_mask, sca
                                   **kwargs)
 
 
-def _window_mask(q_len: int, kv_len: int, window: int, is_causal: bool, device) -> torch.Tensor:
-    """(1, 1, Sq, Skv) bool: key j visible from query i when q_pos - window < j (and j <= q_pos if causal),
-    with q_pos = i + Skv - Sq (queries are the last Sq positions), as transformers' sliding_window_overlay."""
+def _window_mask(q_len: int, kv_len: int, window: int, causal: bool, device) -> torch.Tensor:
+    """(1, 1, Sq, Skv) bool, as transformers' overlays: causal, key j is visible from query i when
+    q_pos - window < j <= q_pos; bidirectional, when |q_pos - j| <= window. q_pos = i + Skv - Sq (the queries
+    are the last Sq positions)."""
     q_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
     kv = torch.arange(kv_len, device=device)[None, :]
-    m = kv > q_pos - window
-    m = m & (kv <= q_pos) if is_causal else m & (kv < q_pos + window)
+    m = (kv > q_pos - window) & (kv <= q_pos) if causal else (kv - q_pos).abs() <= window
     return m[None, None]
 
 

@@ -38,6 +38,10 @@ class LayerStats:
         self._key = next(_keys)
         _BY_KEY[self._key] = self
 
+    def __setstate__(self, state):  # copies (deepcopy, pickle) get their own key, or traced records would go astray
+        self.__dict__.update(state)
+        self.__post_init__()
+
     def record(self, decision) -> None:
         """Count one call. Inside a torch.compile graph the decision is recorded once, when the graph is traced
         (the compiled graph runs without Python, and counting there would make dynamo guard on the counters and
