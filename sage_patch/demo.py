@@ -1,6 +1,7 @@
 """`sage-patch demo`: tiny models with random weights, each precision against full precision, on any machine."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -44,9 +45,35 @@ def _timed(fn):
     return out, (time.perf_counter() - t0) * 1e3
 
 
-def run_demo(precisions=("8b", "4b", "fp4", "full"), seed: int = 0) -> int:
+@contextlib.contextmanager
+def _sage(model, precision: str):
+    """Route the model through its library's integration (or the generic route_sdpa) at one precision."""
+    from .integrations import STATUS
     from .routing import route_sdpa
 
+    policy = Policy(default=precision)  # min_seq_len 0: every call of these tiny models is quantized
+    if hasattr(model, "enable_sage_attention"):  # diffusers model
+        model.enable_sage_attention(policy=policy)
+        try:
+            yield "diffusers integration"
+        finally:
+            model.disable_sage_attention()
+    elif STATUS.get("transformers") == "installed" and hasattr(model, "set_attn_implementation"):
+        from . import set_policy
+
+        before = model.config._attn_implementation
+        model.set_attn_implementation("sage")
+        set_policy(model, policy)
+        try:
+            yield 'transformers attn_implementation="sage"'
+        finally:
+            model.set_attn_implementation(before)
+    else:
+        with route_sdpa(model, policy):
+            yield "generic route_sdpa"
+
+
+def run_demo(precisions=("8b", "4b", "fp4", "full"), seed: int = 0) -> int:
     builders = []
     for build in (_tiny_flux, _tiny_llama):
         try:
@@ -58,15 +85,17 @@ def run_demo(precisions=("8b", "4b", "fp4", "full"), seed: int = 0) -> int:
         base, t_base = _timed(lambda: forward(model))
         rows.append((title, "original (torch SDPA)", 1.0, 0.0, t_base, "-"))
         for prec in precisions:
-            with route_sdpa(model, Policy(default=prec)):
+            with _sage(model, prec) as how:
                 for st in report(model).layers.values():
                     st.reset()
                 out, t = _timed(lambda: forward(model))
-            impls = set()
-            for st in report(model).layers.values():
-                impls.update(st.impls)
+                impls = set()
+                for st in report(model).layers.values():
+                    impls.update(st.impls)
+            title_how = f"{title} via {how}"
             m = compare(out, base)
             rows.append((title, prec, m["cos"], m["rel_l1"], t, ",".join(sorted(impls))))
+        print(f"{title_how}")
     print(f"{'model':45s} {'precision':22s} {'cos vs orig':>12s} {'rel L1':>9s} {'ms':>8s}  impl")
     for title, prec, cos, l1, t, impl in rows:
         print(f"{title:45s} {prec:22s} {cos:12.6f} {l1:9.5f} {t:8.1f}  {impl}")
