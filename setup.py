@@ -23,4 +23,29 @@ class BuildWithKernels(build_py):
             os.path.dirname(os.path.abspath(__file__)), "sage_patch", "kernels"))
 
 
-setup(cmdclass={"build_py": BuildWithKernels})
+cmdclass = {"build_py": BuildWithKernels}
+try:  # a wheel that carries libsage_kernels.so is platform-specific (but not Python-specific: plain C ABI)
+    try:
+        from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
+    except ImportError:
+        from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
+
+    class BdistWheel(_bdist_wheel):
+        def finalize_options(self):
+            super().finalize_options()
+            try:
+                import build_kernels
+
+                self.root_is_pure = not build_kernels.will_build()
+            except ImportError:
+                pass
+
+        def get_tag(self):
+            py, abi, plat = super().get_tag()
+            return (py, abi, plat) if self.root_is_pure else ("py3", "none", plat)
+
+    cmdclass["bdist_wheel"] = BdistWheel
+except ImportError:
+    pass
+
+setup(cmdclass=cmdclass)

@@ -68,12 +68,17 @@ def nvcc_command(nvcc: str, archs: list[str], out_path: str, threads: int | None
     if threads is None:
         threads = int(os.environ.get("SAGE_PATCH_NVCC_THREADS", "0") or 0) or min(4, os.cpu_count() or 1)
     return [
-        nvcc, "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC,-Wall", "-lineinfo",
+        nvcc, "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC,-Wall,-Wextra,-Werror", "-lineinfo",
         "-Werror", "all-warnings", "--threads", str(threads),
         f'-DSAGE_ARCHS="{" ".join(archs)}"',
         *gencode_flags(archs),
         "-o", out_path, *[os.path.join(HERE, s) for s in SOURCES],
     ]
+
+
+def will_build() -> bool:
+    """Whether build() would try to compile (for the wheel tag): not disabled and nvcc present."""
+    return os.environ.get("SAGE_PATCH_NO_KERNELS", "") in ("", "0") and find_nvcc() is not None
 
 
 def build(out_dir: str, archs: list[str] | None = None, nvcc: str | None = None) -> str | None:
@@ -121,6 +126,12 @@ def build(out_dir: str, archs: list[str] | None = None, nvcc: str | None = None)
 def build_into(build_lib_kernels_dir: str, inplace_dir: str | None = None) -> str | None:
     """setup.py hook: build once, place the library in the build tree and (if given) in the source tree."""
     path = build(build_lib_kernels_dir)
+    stale = os.path.join(build_lib_kernels_dir, LIB_NAME)
+    if path is None and os.path.exists(stale):
+        # build_py copied a library left in the source tree by an earlier build: never ship a binary this
+        # build did not make (the wheel would be tagged pure and could carry the wrong targets)
+        os.remove(stale)
+        _log(f"removed {stale}: copied from the source tree, not built by this build")
     if path and inplace_dir and os.path.abspath(inplace_dir) != os.path.abspath(build_lib_kernels_dir):
         os.makedirs(inplace_dir, exist_ok=True)
         dst = os.path.join(inplace_dir, LIB_NAME)

@@ -14,36 +14,55 @@
 namespace {
 
 constexpr int kThreads = 128;  // 4 warps everywhere
-constexpr int kBQ = 64;        // query rows per attention CTA (4 warps x 16 rows)
+// rows per warp (WQ) in the attention kernel: 32 = two m16 tiles sharing every K/V fragment (half the shared-memory
+// traffic per MMA of WQ = 16, at the price of registers). The Q scale groups follow: Grouping(WQ, 8, 1).
+#ifndef SAGE_WQ_D64
+#define SAGE_WQ_D64 32
+#endif
+#ifndef SAGE_WQ_D128
+#define SAGE_WQ_D128 32
+#endif
+__host__ __device__ constexpr int warp_rows(int D) { return D == 64 ? SAGE_WQ_D64 : SAGE_WQ_D128; }
 constexpr int kBK = 64;        // keys per KV block
 constexpr int kMaxSplit = 32;  // partial-reduction chunks for mean(K) and amax(V)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kFp8Max = 448.f;
+constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448)
+constexpr float kLnFp8Max = 6.104793232414985f;    // ln(448)
+// P~V variants (SageAttnParams.pv_mode)
+constexpr int PV_FP8_MMA = 0;  // e4m3 operands, mma.sync m16n8k32 e4m3 (sm_89+; native FP8 rate on Ada)
+constexpr int PV_FP16 = 1;     // fp16 P~ and V, m16n8k16 (SageAttention1-style, sm_80+)
+constexpr int PV_FP8_F16 = 2;  // e4m3 VALUES (same numerics as PV_FP8_MMA) carried in fp16 through m16n8k16: on
+                               // sm_90 mma.sync e4m3 is lowered to fp16 MMAs anyway; this skips per-MMA converts
 
 struct Layout {  // workspace carve-up, all offsets 256-byte aligned
     int64_t sq_pad, skv_pad, nsplit;
-    int64_t qi8, qscale, ki8, kscale, kpart, vt, vscale, vpart, total;
+    int64_t qi8, qscale, qshift, ki8, kscale, kpart, vt, vscale, vpart, ksum, vmax, total;
 };
 
 __host__ __device__ inline int64_t align256(int64_t x) { return (x + 255) & ~int64_t(255); }
 
 inline Layout make_layout(const SageAttnParams& p) {
     Layout L;
-    L.sq_pad = (p.Sq + kBQ - 1) / kBQ * kBQ;
+    const int64_t bq = 4 * warp_rows(p.D);  // query rows per attention CTA
+    L.sq_pad = (p.Sq + bq - 1) / bq * bq;
     L.skv_pad = (p.Skv + kBK - 1) / kBK * kBK;
     int64_t ns = (p.Skv + 255) / 256;
     L.nsplit = ns < 1 ? 1 : (ns > kMaxSplit ? kMaxSplit : ns);
     const int64_t bhq = (int64_t)p.B * p.Hq, bhk = (int64_t)p.B * p.Hkv, D = p.D;
     int64_t off = 0;
     L.qi8 = off;    off = align256(off + bhq * L.sq_pad * D);
-    L.qscale = off; off = align256(off + bhq * (L.sq_pad / 16) * 8 * 4);
+    L.qscale = off; off = align256(off + bhq * (L.sq_pad / 16) * 8 * 4);  // enough for any WQ >= 16
+    L.qshift = off; off = align256(off + bhq * L.sq_pad * 4);
     L.ki8 = off;    off = align256(off + bhk * L.skv_pad * D);
     L.kscale = off; off = align256(off + bhk * (L.skv_pad / kBK) * 4 * 4);
     L.kpart = off;  off = align256(off + bhk * L.nsplit * D * 4);
-    L.vt = off;     off = align256(off + bhk * D * L.skv_pad * (p.pv_fp16 ? 2 : 1));
+    L.vt = off;     off = align256(off + bhk * D * L.skv_pad * (p.pv_mode == PV_FP8_MMA ? 1 : 2));
     L.vscale = off; off = align256(off + bhk * D * 4);
     L.vpart = off;  off = align256(off + bhk * L.nsplit * D * 4);
+    L.ksum = off;   off = align256(off + bhk * D * 4);
+    L.vmax = off;   off = align256(off + bhk * D * 4);
     L.total = off;
     return L;
 }
@@ -85,7 +104,7 @@ __device__ __forceinline__ int quant_i8(float x, float scale) {
 }
 
 // FP8 E4M3, round to nearest even, saturating to +-448 (NaN stays NaN). Needs sm_89.
-__device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
+[[maybe_unused]] __device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     uint16_t r;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
@@ -95,6 +114,27 @@ __device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
     return 0u;
 #endif
 }
+
+// two e4m3 (low byte first) -> f16x2 (low half first). Needs sm_89.
+[[maybe_unused]] __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint32_t r;
+    const uint16_t h = (uint16_t)x;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(h));
+    return r;
+#else
+    (void)x;
+    return 0u;
+#endif
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // MUFU.EX2; exp2(-inf) = 0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+// exact int32 -> fp32 for |x| < 2^22 on the FP32 pipe (no I2F): |QK^T| <= 127*127*128 < 2^21
+__device__ __forceinline__ float small_i2f(int x) { return __int_as_float(x + 0x4B400000) - 12582912.f; }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -116,7 +156,7 @@ __device__ __forceinline__ void mma_s8(int* c, const uint32_t* a, uint32_t b0, u
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void mma_e4m3(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+[[maybe_unused]] __device__ __forceinline__ void mma_e4m3(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -173,55 +213,86 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float
     }
 }
 
-// 2a. Q -> INT8, groups Grouping(16, 8, 1): in each 16-row warp tile rows r and r+8 share a scale.
-template <int D, typename T>
-__global__ void __launch_bounds__(kThreads) quant_q_kernel(SageAttnParams p, int8_t* qi8, float* qscale, int sq_pad) {
+// 1b. reduce the partials once per (b, kv-head): sum(K) and max|V| per channel (the quantization passes then read
+// D floats instead of nsplit * D at the start of every CTA). Same summation order as a per-CTA reduction.
+template <int D>
+__global__ void __launch_bounds__(D) finalize_stats_kernel(const float* kpart, const float* vpart, int nsplit,
+                                                           float* ksum, float* vmax, int do_v) {
+    const int64_t bh = blockIdx.x;
+    const int d = threadIdx.x;
+    float s = 0.f, m = 0.f;
+    for (int j = 0; j < nsplit; ++j) {
+        s += kpart[(bh * nsplit + j) * D + d];
+        if (do_v) m = fmaxf(m, vpart[(bh * nsplit + j) * D + d]);
+    }
+    ksum[bh * D + d] = s;
+    if (do_v) vmax[bh * D + d] = m;
+}
+
+// 2a. Q -> INT8, groups Grouping(WQ, 8, 1): in each WQ-row warp tile, rows with equal r % 8 share a scale (the
+// rows one lane holds in the m16n8 accumulators: g, g+8 of each of the WQ/16 m-tiles).
+// Also writes qshift[row] = sm_scale * q . mean(K): the LSE of the smoothed scores plus it is the true LSE.
+template <int D, typename T, int WQ>
+__global__ void __launch_bounds__(kThreads) quant_q_kernel(SageAttnParams p, int8_t* qi8, float* qscale,
+                                                           float* qshift, const float* kpart, int nsplit, int sq_pad) {
     constexpr int CPL = D / 32;  // 8-element chunks per lane per row
+    constexpr int NR = WQ / 8;   // rows per lane
+    __shared__ float smean[D];
     const int bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
+    if (threadIdx.x < D) {
+        const int64_t bhk = (int64_t)b * p.Hkv + h / (p.Hq / p.Hkv);
+        float s = 0.f;
+        for (int j = 0; j < nsplit; ++j) s += kpart[(bhk * nsplit + j) * D + threadIdx.x];
+        smean[threadIdx.x] = s / (float)p.Skv;
+    }
+    __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x * 4 + warp;
-    const int r0 = tile * 16 + g, r1 = r0 + 8;
     const T* base = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
-    float x0[CPL][8], x1[CPL][8];
+    float x[NR][CPL][8];
     float am = 0.f;
 #pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-        const int c = (t + 4 * i) * 8;
-        if (r0 < p.Sq) Vec8<T>::load(base + r0 * p.q_ss + c, x0[i]);
-        else {
+    for (int r = 0; r < NR; ++r) {
+        const int row = tile * WQ + g + 8 * r;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) x0[i][e] = 0.f;
+        for (int i = 0; i < CPL; ++i) {
+            if (row < p.Sq) Vec8<T>::load(base + row * p.q_ss + (t + 4 * i) * 8, x[r][i]);
+            else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) x[r][i][e] = 0.f;
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(x[r][i][e]));
         }
-        if (r1 < p.Sq) Vec8<T>::load(base + r1 * p.q_ss + c, x1[i]);
-        else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) x1[i][e] = 0.f;
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) am = fmaxf(am, fmaxf(fabsf(x0[i][e]), fabsf(x1[i][e])));
     }
     am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
     am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
     const float sc = am / 127.f;
-    if (t == 0) qscale[((int64_t)bh * (sq_pad / 16) + tile) * 8 + g] = sc;
-    int8_t* o0 = qi8 + ((int64_t)bh * sq_pad + r0) * D;
-    int8_t* o1 = qi8 + ((int64_t)bh * sq_pad + r1) * D;
+    if (t == 0) qscale[((int64_t)bh * (sq_pad / WQ) + tile) * 8 + g] = sc;
 #pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-        const int c = (t + 4 * i) * 8;
-        uint32_t w0[2], w1[2];
+    for (int r = 0; r < NR; ++r) {
+        const int row = tile * WQ + g + 8 * r;
+        float dot = 0.f;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            uint32_t a = 0, bb = 0;
+        for (int i = 0; i < CPL; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                a |= (uint32_t)(quant_i8(x0[i][4 * hh + e], sc) & 0xff) << (8 * e);
-                bb |= (uint32_t)(quant_i8(x1[i][4 * hh + e], sc) & 0xff) << (8 * e);
+            for (int e = 0; e < 8; ++e) dot = fmaf(x[r][i][e], smean[(t + 4 * i) * 8 + e], dot);
+        dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+        dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+        if (t == 0) qshift[(int64_t)bh * sq_pad + row] = dot * p.sm_scale;
+        int8_t* o = qi8 + ((int64_t)bh * sq_pad + row) * D;
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) {
+            uint32_t w[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                uint32_t a = 0;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a |= (uint32_t)(quant_i8(x[r][i][4 * hh + e], sc) & 0xff) << (8 * e);
+                w[hh] = a;
             }
-            w0[hh] = a; w1[hh] = bb;
+            *reinterpret_cast<uint2*>(o + (t + 4 * i) * 8) = make_uint2(w[0], w[1]);
         }
-        *reinterpret_cast<uint2*>(o0 + c) = make_uint2(w0[0], w0[1]);
-        *reinterpret_cast<uint2*>(o1 + c) = make_uint2(w1[0], w1[1]);
     }
 }
 
@@ -284,14 +355,15 @@ __global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, con
 // 2c. V -> FP8 E4M3 per channel (scale amax/448), transposed to [d][key slot] per 64-key block, with the keys of
 // each 32-key half permuted so that the m16n8k32 accumulator fragment of S is directly the A fragment of P~:
 // slot s (0..31) holds key 16*(s/16) + 8*((s%4)/2) + 2*((s%16)/4) + (s%2).
-// FP16 variant (PV_FP16): V as fp16, transposed, natural key order (m16n8k16 fragments match the S layout).
-template <int D, typename T, bool PV_FP16>
+// PV_FP16: V as fp16, transposed, natural key order (m16n8k16 fragments match the S layout).
+// PV_FP8_F16: like PV_FP16 but each value is e4m3(v / scale) (exactly representable in fp16).
+template <int D, typename T, int PV>
 __global__ void __launch_bounds__(kThreads) quant_v_kernel(SageAttnParams p, const float* vpart, int nsplit,
                                                            uint8_t* vt, float* vscale, int skv_pad) {
     __shared__ float tile[kBK][D + 1];
     __shared__ float sscale[D];
     const int kb = blockIdx.x, bh = blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
-    if (!PV_FP16 && threadIdx.x < D) {
+    if (PV != PV_FP16 && threadIdx.x < D) {
         float m = 0.f;
         for (int j = 0; j < nsplit; ++j) m = fmaxf(m, vpart[((int64_t)bh * nsplit + j) * D + threadIdx.x]);
         const float sc = m / kFp8Max;
@@ -312,7 +384,7 @@ __global__ void __launch_bounds__(kThreads) quant_v_kernel(SageAttnParams p, con
         for (int e = 0; e < 8; ++e) tile[r][c * 8 + e] = x[e];
     }
     __syncthreads();
-    if constexpr (!PV_FP16) {
+    if constexpr (PV == PV_FP8_MMA) {
         for (int task = threadIdx.x; task < D * 4; task += kThreads) {
             const int d = task >> 2, sg = task & 3;
             const float sc = sscale[d];
@@ -336,9 +408,19 @@ __global__ void __launch_bounds__(kThreads) quant_v_kernel(SageAttnParams p, con
         for (int task = threadIdx.x; task < D * 8; task += kThreads) {
             const int d = task >> 3, grp = task & 7;
             uint32_t w[4];
+            if constexpr (PV == PV_FP16) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                w[i] = pack2<__half>(tile[grp * 8 + 2 * i][d], tile[grp * 8 + 2 * i + 1][d]);
+                for (int i = 0; i < 4; ++i)
+                    w[i] = pack2<__half>(tile[grp * 8 + 2 * i][d], tile[grp * 8 + 2 * i + 1][d]);
+            } else {
+                const float sc = sscale[d];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float a = sc > 0.f ? tile[grp * 8 + 2 * i][d] / sc : 0.f;
+                    const float c = sc > 0.f ? tile[grp * 8 + 2 * i + 1][d] / sc : 0.f;
+                    w[i] = e4m3x2_to_f16x2(cvt_e4m3x2(a, c));
+                }
+            }
             *reinterpret_cast<uint4*>(vt + (((int64_t)bh * D + d) * skv_pad + kb * kBK + grp * 8) * 2) =
                 make_uint4(w[0], w[1], w[2], w[3]);
         }
@@ -346,60 +428,76 @@ __global__ void __launch_bounds__(kThreads) quant_v_kernel(SageAttnParams p, con
 }
 
 // ----------------------------------------------------------------------------------------------
-// 3. attention. CTA = 4 warps x 16 query rows; KV blocks of 64 keys, double-buffered with cp.async.
-template <int D, bool PV_FP16>
+// 3. attention. CTA = 4 warps x WQ query rows (WQ/16 m16 tiles per warp, sharing every K/V fragment);
+// KV blocks of 64 keys, double-buffered with cp.async.
+// Q fragments: in registers for WQ = 16; for WQ = 32 the Q tile stays in shared memory (registers go to the two
+// m-tiles' accumulators) and each k-step reloads its A fragments with ldmatrix.
+template <int D, int PV, int WQ>
 struct AttnSmem {
-    static constexpr int KSTR = D + 16;                       // bytes per K row (int8) + pad
-    static constexpr int VROWB = PV_FP16 ? kBK * 2 : kBK;     // bytes per V^T row
+    static constexpr bool QSMEM = WQ > 16;
+    static constexpr int KSTR = D + 16;                       // bytes per K (and Q) row (int8) + pad
+    static constexpr int VROWB = PV != PV_FP8_MMA ? kBK * 2 : kBK;  // bytes per V^T row
     static constexpr int VSTR = VROWB + 16;
     static constexpr int KBYTES = kBK * KSTR, VBYTES = D * VSTR;
-    static constexpr int TOTAL = 2 * (KBYTES + VBYTES);
+    static constexpr int QBYTES = QSMEM ? 4 * WQ * KSTR : 0;
+    static constexpr int TOTAL = 2 * (KBYTES + VBYTES) + QBYTES;
 };
 
-template <int D, bool PV_FP16, typename T>
+template <int D, int PV, typename T, int WQ>
 __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t* qi8, const float* qscale,
+                                          const float* qshift,
                                           const int8_t* ki8, const float* kscale, const uint8_t* vt,
                                           const float* vscale, int sq_pad, int skv_pad) {
-    using S = AttnSmem<D, PV_FP16>;
+    using S = AttnSmem<D, PV, WQ>;
+    constexpr int MT = WQ / 16, BQ = 4 * WQ;
+    constexpr int QR = S::QSMEM ? 1 : MT;  // Q fragment sets held in registers
     extern __shared__ __align__(128) uint8_t smem[];
     uint8_t* sK = smem;
     uint8_t* sV = smem + 2 * S::KBYTES;
+    uint8_t* sQ = smem + 2 * (S::KBYTES + S::VBYTES);
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int qb = gridDim.x - 1 - blockIdx.x;  // heaviest (causal) blocks first
     const int h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.Hq / p.Hkv);
-    const int q0 = qb * kBQ;
+    const int q0 = qb * BQ;
     const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + hk;
+    const int wrow = q0 + warp * WQ;  // first row of this warp
 
-    // Q fragments (A operand, row-major 16 x 32 per k-step) straight from global memory
-    uint32_t qf[D / 32][4];
-    {
-        const int8_t* Qp = qi8 + (bhq * sq_pad + q0 + warp * 16) * D;
+    // Q fragments (A operand, row-major 16 x 32 per k-step) straight from global memory (WQ = 16)
+    uint32_t qf[QR][D / 32][4];
+#pragma unroll
+    for (int mt = 0; mt < QR; ++mt) {
+        if constexpr (S::QSMEM) break;
+        const int8_t* Qp = qi8 + (bhq * sq_pad + wrow + mt * 16) * D;
 #pragma unroll
         for (int c = 0; c < D / 32; ++c) {
-            qf[c][0] = *reinterpret_cast<const uint32_t*>(Qp + g * D + 32 * c + 4 * t);
-            qf[c][1] = *reinterpret_cast<const uint32_t*>(Qp + (g + 8) * D + 32 * c + 4 * t);
-            qf[c][2] = *reinterpret_cast<const uint32_t*>(Qp + g * D + 32 * c + 16 + 4 * t);
-            qf[c][3] = *reinterpret_cast<const uint32_t*>(Qp + (g + 8) * D + 32 * c + 16 + 4 * t);
+            qf[mt][c][0] = *reinterpret_cast<const uint32_t*>(Qp + g * D + 32 * c + 4 * t);
+            qf[mt][c][1] = *reinterpret_cast<const uint32_t*>(Qp + (g + 8) * D + 32 * c + 4 * t);
+            qf[mt][c][2] = *reinterpret_cast<const uint32_t*>(Qp + g * D + 32 * c + 16 + 4 * t);
+            qf[mt][c][3] = *reinterpret_cast<const uint32_t*>(Qp + (g + 8) * D + 32 * c + 16 + 4 * t);
         }
     }
-    const float qs = qscale[(bhq * (sq_pad / 16) + q0 / 16 + warp) * 8 + g] * p.sm_scale * kLog2e;
+    const float qs = qscale[(bhq * (sq_pad / WQ) + wrow / WQ) * 8 + g] * p.sm_scale * kLog2e;
 
     const int diag = p.Skv - p.Sq;  // key j visible to row i iff j <= i + diag
     int kv_end = p.Skv;
-    if (p.causal) kv_end = min(kv_end, q0 + kBQ + diag);
+    if (p.causal) kv_end = min(kv_end, q0 + BQ + diag);
     const int nkb = kv_end > 0 ? (kv_end + kBK - 1) / kBK : 0;
-    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
     const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
 
-    float o[D / 8][4];
+    float o[MT][D / 8][4];
+    float m[MT][2], l[MT][2];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.f;
+    }
 
     const uint8_t* Kg = reinterpret_cast<const uint8_t*>(ki8) + bhk * skv_pad * D;
-    constexpr int VEL = PV_FP16 ? 2 : 1;
+    constexpr int VEL = PV != PV_FP8_MMA ? 2 : 1;
     const uint8_t* Vg = vt + bhk * D * (int64_t)skv_pad * VEL;
     const float* ksc = kscale + bhk * (skv_pad / kBK) * 4;
 
@@ -420,7 +518,19 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
         }
     };
 
+    if constexpr (S::QSMEM) {  // the CTA's Q tile joins the first cp.async group
+        const uint8_t* Qg = reinterpret_cast<const uint8_t*>(qi8) + (bhq * sq_pad + q0) * D;
+#pragma unroll
+        for (int it = 0; it < BQ * D / 16 / kThreads; ++it) {
+            const int i = tid + it * kThreads;
+            const int r = i / (D / 16), c = i % (D / 16);
+            cp_async16(sQ + r * S::KSTR + c * 16, Qg + (int64_t)r * D + c * 16);
+        }
+        if (nkb == 0) cp_async_commit();
+    }
     if (nkb > 0) { load_tile(0, 0); cp_async_commit(); }
+    // ldmatrix addresses of the A (Q) fragments: matrix mi covers rows +8*(mi%2), bytes +16*(mi/2)
+    const uint32_t cQ = smem_u32(sQ) + (warp * WQ + ((lane >> 3) & 1) * 8 + (lane & 7)) * S::KSTR + (lane >> 4) * 16;
     // ldmatrix lane address pieces: matrix mi = lane / 8 covers rows +8*(mi/2), bytes +16*(mi%2)
     const int lrow = (lane >> 4) * 8 + (lane & 7), lbyte = ((lane >> 3) & 1) * 16;
 
@@ -436,166 +546,201 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
         const uint32_t cK = smem_u32(sK + (kb & 1) * S::KBYTES);
         const uint32_t cV = smem_u32(sV + (kb & 1) * S::VBYTES);
 
-        // S = Q K^T (int32)
-        int acc[8][4];
+        // S = Q K^T (int32); each K fragment feeds the MT m-tiles
+        int acc[MT][8][4];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0;
 #pragma unroll
         for (int c = 0; c < D / 32; ++c) {
+            uint32_t qa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (S::QSMEM) {
+                    ldsm_x4(cQ + mt * 16 * S::KSTR + c * 32, qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) qa[mt][i] = qf[mt < QR ? mt : 0][c][i];
+                }
+            }
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
                 uint32_t b0, b1, b2, b3;
                 ldsm_x4(cK + (np * 16 + lrow) * S::KSTR + c * 32 + lbyte, b0, b1, b2, b3);
-                mma_s8(acc[2 * np], qf[c], b0, b1);
-                mma_s8(acc[2 * np + 1], qf[c], b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_s8(acc[mt][2 * np], qa[mt], b0, b1);
+                    mma_s8(acc[mt][2 * np + 1], qa[mt], b2, b3);
+                }
             }
         }
-        // dequantize (one Q scale and one K scale per thread), log2 domain
-        const float sc = qs * ksc[kb * 4 + t];
-        float s[8][4];
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] = (float)acc[j][e] * sc;
-
+        const float sc = qs * ksc[kb * 4 + t];  // one Q scale and one K scale per thread; log2 domain
         const int kbase = kb * kBK;
         const bool need_mask = (kbase + kBK > p.Skv) || (mrow != nullptr) || (p.causal && kbase + kBK - 1 > q0 + diag);
+        bool kok[8][2];
         if (need_mask) {
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
+            for (int j = 0; j < 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = kbase + 8 * j + 2 * t + e;
                     bool ok = key < p.Skv;
                     if (ok && mrow) ok = mrow[key] != 0;
-                    const bool ok0 = ok && (!p.causal || key <= row0 + diag);
-                    const bool ok1 = ok && (!p.causal || key <= row1 + diag);
-                    if (!ok0) s[j][e] = -INFINITY;
-                    if (!ok1) s[j][2 + e] = -INFINITY;
+                    kok[j][e] = ok;
                 }
+        }
+        float al[MT][2];
+        // P~ (scaled by 448 in the FP8 modes) in the S registers; row sums into l
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float (&s)[8][4] = *reinterpret_cast<float (*)[8][4]>(&acc[mt][0][0]);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[j][e] = small_i2f(acc[mt][j][e]) * sc;
+            if (need_mask) {
+                const int r0 = wrow + mt * 16 + g, r1 = r0 + 8;
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = kbase + 8 * j + 2 * t + e;
+                        if (!kok[j][e] || (p.causal && key > r0 + diag)) s[j][e] = -INFINITY;
+                        if (!kok[j][e] || (p.causal && key > r1 + diag)) s[j][2 + e] = -INFINITY;
+                    }
             }
-        }
-        // online softmax
-        float mx0 = m0, mx1 = m1;
+            float mx0 = m[mt][0], mx1 = m[mt][1];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mu0 = mx0 == -INFINITY ? 0.f : mx0;
-        const float mu1 = mx1 == -INFINITY ? 0.f : mx1;
-        const float al0 = exp2f(m0 - mu0), al1 = exp2f(m1 - mu1);
-        m0 = mx0; m1 = mx1;
-        float rs0 = 0.f, rs1 = 0.f;
+            for (int j = 0; j < 8; ++j) {
+                mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float mu0 = mx0 == -INFINITY ? 0.f : mx0;
+            const float mu1 = mx1 == -INFINITY ? 0.f : mx1;
+            al[mt][0] = fast_exp2(m[mt][0] - mu0);
+            al[mt][1] = fast_exp2(m[mt][1] - mu1);
+            m[mt][0] = mx0;
+            m[mt][1] = mx1;
+            // FP8 modes: P~ * 448 directly (exp2 of s - m + log2 448); l then carries the factor 448 too
+            const float pm0 = PV == PV_FP16 ? mu0 : mu0 - kLog2Fp8Max;
+            const float pm1 = PV == PV_FP16 ? mu1 : mu1 - kLog2Fp8Max;
+            float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            s[j][0] = exp2f(s[j][0] - mu0); s[j][1] = exp2f(s[j][1] - mu0);
-            s[j][2] = exp2f(s[j][2] - mu1); s[j][3] = exp2f(s[j][3] - mu1);
-            rs0 += s[j][0] + s[j][1];
-            rs1 += s[j][2] + s[j][3];
+            for (int j = 0; j < 8; ++j) {
+                s[j][0] = fast_exp2(s[j][0] - pm0); s[j][1] = fast_exp2(s[j][1] - pm0);
+                s[j][2] = fast_exp2(s[j][2] - pm1); s[j][3] = fast_exp2(s[j][3] - pm1);
+                rs0 += s[j][0] + s[j][1];
+                rs1 += s[j][2] + s[j][3];
+            }
+            l[mt][0] = l[mt][0] * al[mt][0] + rs0;
+            l[mt][1] = l[mt][1] * al[mt][1] + rs1;
         }
-        l0 = l0 * al0 + rs0;
-        l1 = l1 * al1 + rs1;
 
-        if constexpr (!PV_FP16) {
-            // P~ * 448 -> FP8 E4M3; fragment slots follow the permuted key order of V^T (see quant_v_kernel)
-            uint32_t pa[2][4];
+        // P~ fragments (A operand of the P~V MMA)
+        constexpr int NKK = PV == PV_FP8_MMA ? 2 : 4;  // k-steps over the 64 keys
+        uint32_t pa[MT][NKK][4];
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk) {
-                const int j = 4 * kk;
-                pa[kk][0] = cvt_e4m3x2(s[j][0] * kFp8Max, s[j][1] * kFp8Max) |
-                            (cvt_e4m3x2(s[j + 1][0] * kFp8Max, s[j + 1][1] * kFp8Max) << 16);
-                pa[kk][1] = cvt_e4m3x2(s[j][2] * kFp8Max, s[j][3] * kFp8Max) |
-                            (cvt_e4m3x2(s[j + 1][2] * kFp8Max, s[j + 1][3] * kFp8Max) << 16);
-                pa[kk][2] = cvt_e4m3x2(s[j + 2][0] * kFp8Max, s[j + 2][1] * kFp8Max) |
-                            (cvt_e4m3x2(s[j + 3][0] * kFp8Max, s[j + 3][1] * kFp8Max) << 16);
-                pa[kk][3] = cvt_e4m3x2(s[j + 2][2] * kFp8Max, s[j + 2][3] * kFp8Max) |
-                            (cvt_e4m3x2(s[j + 3][2] * kFp8Max, s[j + 3][3] * kFp8Max) << 16);
-            }
-            // two-level accumulation: each block's P~V in its own fp32 accumulator, then O = O*alpha + block
+        for (int mt = 0; mt < MT; ++mt) {
+            const float (&s)[8][4] = *reinterpret_cast<const float (*)[8][4]>(&acc[mt][0][0]);
 #pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                float tmp[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-                for (int kk = 0; kk < 2; ++kk) {
-                    uint32_t b0, b1, b2, b3;
-                    ldsm_x4(cV + (dp * 16 + lrow) * S::VSTR + kk * 32 + lbyte, b0, b1, b2, b3);
-                    mma_e4m3(tmp[0], pa[kk], b0, b1);
-                    mma_e4m3(tmp[1], pa[kk], b2, b3);
+            for (int kk = 0; kk < NKK; ++kk) {
+                if constexpr (PV == PV_FP8_MMA) {
+                    // slots follow the permuted key order of V^T (see quant_v_kernel)
+                    const int j = 4 * kk;
+                    pa[mt][kk][0] = cvt_e4m3x2(s[j][0], s[j][1]) | (cvt_e4m3x2(s[j + 1][0], s[j + 1][1]) << 16);
+                    pa[mt][kk][1] = cvt_e4m3x2(s[j][2], s[j][3]) | (cvt_e4m3x2(s[j + 1][2], s[j + 1][3]) << 16);
+                    pa[mt][kk][2] = cvt_e4m3x2(s[j + 2][0], s[j + 2][1]) | (cvt_e4m3x2(s[j + 3][0], s[j + 3][1]) << 16);
+                    pa[mt][kk][3] = cvt_e4m3x2(s[j + 2][2], s[j + 2][3]) | (cvt_e4m3x2(s[j + 3][2], s[j + 3][3]) << 16);
+                } else if constexpr (PV == PV_FP16) {
+                    pa[mt][kk][0] = pack2<__half>(s[2 * kk][0], s[2 * kk][1]);
+                    pa[mt][kk][1] = pack2<__half>(s[2 * kk][2], s[2 * kk][3]);
+                    pa[mt][kk][2] = pack2<__half>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                    pa[mt][kk][3] = pack2<__half>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                } else {  // P~ * 448 rounded to e4m3, carried as fp16
+                    pa[mt][kk][0] = e4m3x2_to_f16x2(cvt_e4m3x2(s[2 * kk][0], s[2 * kk][1]));
+                    pa[mt][kk][1] = e4m3x2_to_f16x2(cvt_e4m3x2(s[2 * kk][2], s[2 * kk][3]));
+                    pa[mt][kk][2] = e4m3x2_to_f16x2(cvt_e4m3x2(s[2 * kk + 1][0], s[2 * kk + 1][1]));
+                    pa[mt][kk][3] = e4m3x2_to_f16x2(cvt_e4m3x2(s[2 * kk + 1][2], s[2 * kk + 1][3]));
                 }
+            }
+        }
+        // two-level accumulation: each block's P~V in its own fp32 accumulator, then O = O*alpha + block
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            float tmp[MT][2][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < 2; ++n) tmp[mt][n][0] = tmp[mt][n][1] = tmp[mt][n][2] = tmp[mt][n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < NKK; ++kk) {
+                uint32_t b0, b1, b2, b3;
+                ldsm_x4(cV + (dp * 16 + lrow) * S::VSTR + kk * 32 + lbyte, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    if constexpr (PV == PV_FP8_MMA) {
+                        mma_e4m3(tmp[mt][0], pa[mt][kk], b0, b1);
+                        mma_e4m3(tmp[mt][1], pa[mt][kk], b2, b3);
+                    } else {
+                        mma_f16(tmp[mt][0], pa[mt][kk], b0, b1);
+                        mma_f16(tmp[mt][1], pa[mt][kk], b2, b3);
+                    }
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int n = 0; n < 2; ++n) {
-                    float* oo = o[2 * dp + n];
-                    oo[0] = oo[0] * al0 + tmp[n][0];
-                    oo[1] = oo[1] * al0 + tmp[n][1];
-                    oo[2] = oo[2] * al1 + tmp[n][2];
-                    oo[3] = oo[3] * al1 + tmp[n][3];
+                    float* oo = o[mt][2 * dp + n];
+                    oo[0] = oo[0] * al[mt][0] + tmp[mt][n][0];
+                    oo[1] = oo[1] * al[mt][0] + tmp[mt][n][1];
+                    oo[2] = oo[2] * al[mt][1] + tmp[mt][n][2];
+                    oo[3] = oo[3] * al[mt][1] + tmp[mt][n][3];
                 }
-            }
-        } else {
-            uint32_t pa[4][4];
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                pa[kk][0] = pack2<__half>(s[2 * kk][0], s[2 * kk][1]);
-                pa[kk][1] = pack2<__half>(s[2 * kk][2], s[2 * kk][3]);
-                pa[kk][2] = pack2<__half>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                pa[kk][3] = pack2<__half>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                float tmp[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) {
-                    uint32_t b0, b1, b2, b3;
-                    ldsm_x4(cV + (dp * 16 + lrow) * S::VSTR + kk * 32 + lbyte, b0, b1, b2, b3);
-                    mma_f16(tmp[0], pa[kk], b0, b1);
-                    mma_f16(tmp[1], pa[kk], b2, b3);
-                }
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    float* oo = o[2 * dp + n];
-                    oo[0] = oo[0] * al0 + tmp[n][0];
-                    oo[1] = oo[1] * al0 + tmp[n][1];
-                    oo[2] = oo[2] * al1 + tmp[n][2];
-                    oo[3] = oo[3] * al1 + tmp[n][3];
-                }
-            }
         }
         __syncthreads();  // this buffer is refilled two iterations later
     }
 
     // epilogue
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
-    const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
     T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh;
     const float* vsc = vscale + bhk * D;
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-        const int col = nt * 8 + 2 * t;
-        float v0 = 1.f, v1 = 1.f;
-        if constexpr (!PV_FP16) {
-            v0 = vsc[col] * (1.f / kFp8Max);
-            v1 = vsc[col + 1] * (1.f / kFp8Max);
+    for (int mt = 0; mt < MT; ++mt) {
+        float l0 = l[mt][0], l1 = l[mt][1];
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
+        const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+        const int row0 = wrow + mt * 16 + g, row1 = row0 + 8;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            const int col = nt * 8 + 2 * t;
+            float v0 = 1.f, v1 = 1.f;
+            if constexpr (PV != PV_FP16) {
+                v0 = vsc[col];  // l already carries the 448 of P~
+                v1 = vsc[col + 1];
+            }
+            if (row0 < p.Sq)
+                *reinterpret_cast<uint32_t*>(O + (int64_t)row0 * p.o_ss + col) =
+                    pack2<T>(o[mt][nt][0] * inv0 * v0, o[mt][nt][1] * inv0 * v1);
+            if (row1 < p.Sq)
+                *reinterpret_cast<uint32_t*>(O + (int64_t)row1 * p.o_ss + col) =
+                    pack2<T>(o[mt][nt][2] * inv1 * v0, o[mt][nt][3] * inv1 * v1);
         }
-        if (row0 < p.Sq)
-            *reinterpret_cast<uint32_t*>(O + (int64_t)row0 * p.o_ss + col) =
-                pack2<T>(o[nt][0] * inv0 * v0, o[nt][1] * inv0 * v1);
-        if (row1 < p.Sq)
-            *reinterpret_cast<uint32_t*>(O + (int64_t)row1 * p.o_ss + col) =
-                pack2<T>(o[nt][2] * inv1 * v0, o[nt][3] * inv1 * v1);
-    }
-    if (p.lse && t == 0) {
-        float* L = p.lse + bhq * p.Sq;
-        if (row0 < p.Sq) L[row0] = l0 > 0.f ? m0 * kLn2 + logf(l0) : -INFINITY;
-        if (row1 < p.Sq) L[row1] = l1 > 0.f ? m1 * kLn2 + logf(l1) : -INFINITY;
+        if (p.lse && t == 0) {
+            float* L = p.lse + bhq * p.Sq;
+            const float* sh = qshift + bhq * sq_pad;
+            const float lo = PV == PV_FP16 ? 0.f : kLnFp8Max;
+            if (row0 < p.Sq) L[row0] = l0 > 0.f ? m[mt][0] * kLn2 + (logf(l0) - lo) + sh[row0] : -INFINITY;
+            if (row1 < p.Sq) L[row1] = l1 > 0.f ? m[mt][1] * kLn2 + (logf(l1) - lo) + sh[row1] : -INFINITY;
+        }
     }
 }
 
@@ -605,63 +750,72 @@ constexpr bool kArchHasFp8 = false;
 constexpr bool kArchHasFp8 = true;
 #endif
 
-template <int D, bool PV_FP16, typename T>
-__global__ void __launch_bounds__(kThreads) attn_kernel(SageAttnParams p, const int8_t* qi8, const float* qscale,
-                                                        const int8_t* ki8, const float* kscale, const uint8_t* vt,
-                                                        const float* vscale, int sq_pad, int skv_pad) {
-    if constexpr (PV_FP16 || kArchHasFp8) {
-        attn_body<D, PV_FP16, T>(p, qi8, qscale, ki8, kscale, vt, vscale, sq_pad, skv_pad);
+// CTAs per SM the register allocation must allow (register cap 65536 / (128 * n))
+#ifndef SAGE_ATTN_MIN_BLOCKS_D128
+#define SAGE_ATTN_MIN_BLOCKS_D128 (SAGE_WQ_D128 == 32 ? 2 : 3)
+#endif
+#ifndef SAGE_ATTN_MIN_BLOCKS_D64
+#define SAGE_ATTN_MIN_BLOCKS_D64 (SAGE_WQ_D64 == 32 ? 2 : 4)
+#endif
+template <int D, int PV, typename T>
+__global__ void __launch_bounds__(kThreads, D == 64 ? SAGE_ATTN_MIN_BLOCKS_D64 : SAGE_ATTN_MIN_BLOCKS_D128)
+    attn_kernel(SageAttnParams p, const int8_t* qi8, const float* qscale, const float* qshift, const int8_t* ki8,
+                const float* kscale, const uint8_t* vt, const float* vscale, int sq_pad, int skv_pad) {
+    if constexpr (PV == PV_FP16 || kArchHasFp8) {
+        attn_body<D, PV, T, warp_rows(D)>(p, qi8, qscale, qshift, ki8, kscale, vt, vscale, sq_pad, skv_pad);
     }
     // FP8 P~V below sm_89: never launched (the host checks device_cc >= 89)
 }
 
 // ----------------------------------------------------------------------------------------------
-template <typename Kern>
-cudaError_t set_smem(Kern kern, int bytes, int device) {
-    // the dynamic shared-memory opt-in is per function and device; done once each
-    static bool done[64] = {};
-    if (bytes <= 48 * 1024) return cudaSuccess;
-    if (device >= 0 && device < 64 && done[device]) return cudaSuccess;
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e == cudaSuccess && device >= 0 && device < 64) done[device] = true;
-    return e;
-}
-
-template <int D, typename T, bool PV_FP16>
+template <int D, typename T, int PV>
 int launch_all(const SageAttnParams& p, cudaStream_t st) {
     const Layout L = make_layout(p);
     uint8_t* ws = static_cast<uint8_t*>(p.workspace);
     int8_t* qi8 = reinterpret_cast<int8_t*>(ws + L.qi8);
     float* qscale = reinterpret_cast<float*>(ws + L.qscale);
+    float* qshift = reinterpret_cast<float*>(ws + L.qshift);
     int8_t* ki8 = reinterpret_cast<int8_t*>(ws + L.ki8);
     float* kscale = reinterpret_cast<float*>(ws + L.kscale);
     float* kpart = reinterpret_cast<float*>(ws + L.kpart);
     uint8_t* vt = ws + L.vt;
     float* vscale = reinterpret_cast<float*>(ws + L.vscale);
     float* vpart = reinterpret_cast<float*>(ws + L.vpart);
+    float* ksum = reinterpret_cast<float*>(ws + L.ksum);
+    float* vmax = reinterpret_cast<float*>(ws + L.vmax);
     const int ns = (int)L.nsplit, sqp = (int)L.sq_pad, skp = (int)L.skv_pad;
     const int bhq = p.B * p.Hq, bhk = p.B * p.Hkv;
 
-    stats_kernel<D, T><<<dim3(ns, bhk, PV_FP16 ? 1 : 2), kThreads, 0, st>>>(p, kpart, vpart, ns);
-    quant_q_kernel<D, T><<<dim3(sqp / kBQ, bhq), kThreads, 0, st>>>(p, qi8, qscale, sqp);
-    quant_k_kernel<D, T><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, kpart, ns, ki8, kscale, skp);
-    quant_v_kernel<D, T, PV_FP16><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, vpart, ns, vt, vscale, skp);
+    stats_kernel<D, T><<<dim3(ns, bhk, PV == PV_FP16 ? 1 : 2), kThreads, 0, st>>>(p, kpart, vpart, ns);
+    constexpr int WQ = warp_rows(D), BQ = 4 * WQ;
+    finalize_stats_kernel<D><<<bhk, D, 0, st>>>(kpart, vpart, ns, ksum, vmax, PV == PV_FP16 ? 0 : 1);
+    // the quantization passes take the reduced sums/maxima as a single "partial" (nsplit = 1)
+    quant_q_kernel<D, T, WQ><<<dim3(sqp / BQ, bhq), kThreads, 0, st>>>(p, qi8, qscale, qshift, ksum, 1, sqp);
+    quant_k_kernel<D, T><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, ksum, 1, ki8, kscale, skp);
+    quant_v_kernel<D, T, PV><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, vmax, 1, vt, vscale, skp);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
 
     const int dev = p.device;
-    constexpr int smem = AttnSmem<D, PV_FP16>::TOTAL;
-    auto kern = attn_kernel<D, PV_FP16, T>;
-    e = set_smem(kern, smem, dev);
-    if (e != cudaSuccess) return (int)e;
-    kern<<<dim3(sqp / kBQ, p.Hq, p.B), kThreads, smem, st>>>(p, qi8, qscale, ki8, kscale, vt, vscale, sqp, skp);
+    constexpr int smem = AttnSmem<D, PV, WQ>::TOTAL;
+    auto kern = attn_kernel<D, PV, T>;
+    if (smem > 48 * 1024) {  // dynamic shared-memory opt-in: once per kernel instantiation and device
+        static bool done[64] = {};
+        if (dev < 0 || dev >= 64 || !done[dev]) {
+            e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+            if (e != cudaSuccess) return (int)e;
+            if (dev >= 0 && dev < 64) done[dev] = true;
+        }
+    }
+    kern<<<dim3(sqp / BQ, p.Hq, p.B), kThreads, smem, st>>>(p, qi8, qscale, qshift, ki8, kscale, vt, vscale, sqp, skp);
     return (int)cudaGetLastError();
 }
 
 template <int D, typename T>
 int dispatch_pv(const SageAttnParams& p, cudaStream_t st) {
-    if (p.pv_fp16) return launch_all<D, T, true>(p, st);
-    return launch_all<D, T, false>(p, st);
+    if (p.pv_mode == PV_FP16) return launch_all<D, T, PV_FP16>(p, st);
+    if (p.pv_mode == PV_FP8_F16) return launch_all<D, T, PV_FP8_F16>(p, st);
+    return launch_all<D, T, PV_FP8_MMA>(p, st);
 }
 
 template <typename T>
@@ -683,7 +837,9 @@ int64_t sage_attn_workspace_bytes(const SageAttnParams* p) {
 int sage_attn_fwd(const SageAttnParams* p, void* stream) {
     if (!p || !p->q || !p->k || !p->v || !p->o || !p->workspace) return SAGE_E_BADARG;
     if (p->B <= 0 || p->Hq <= 0 || p->Hkv <= 0 || p->Sq <= 0 || p->Skv <= 0 || p->Hq % p->Hkv != 0) return SAGE_E_BADARG;
-    if (p->device_cc < 80 || (!p->pv_fp16 && p->device_cc < 89)) return SAGE_E_ARCH;
+    if (p->pv_mode < 0 || p->pv_mode > 2) return SAGE_E_BADARG;
+    if ((int64_t)p->B * p->Hq > 65535) return SAGE_E_BADARG;  // grid.y of the pre-passes
+    if (p->device_cc < 80 || (p->pv_mode != PV_FP16 && p->device_cc < 89)) return SAGE_E_ARCH;
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     // our (static) runtime keeps its own current device: follow the caller's
     int cur = -1;
@@ -709,5 +865,7 @@ const char* sage_error_string(int code) {
 int sage_abi_version(void) { return SAGE_ABI_VERSION; }
 
 const char* sage_compiled_archs(void) { return SAGE_ARCHS; }
+
+int sage_q_group_rows(int head_dim) { return warp_rows(head_dim); }
 
 }  // extern "C"

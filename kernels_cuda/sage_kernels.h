@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define SAGE_ABI_VERSION 1
+#define SAGE_ABI_VERSION 3
 
 enum { SAGE_E_BADARG = -1, SAGE_E_ARCH = -2, SAGE_E_HEADDIM = -3 };
 
@@ -29,14 +29,16 @@ typedef struct {
     const void* v; int64_t v_sb, v_sh, v_ss;
     /* output, same dtype as inputs, head-dim stride 1 */
     void* o; int64_t o_sb, o_sh, o_ss;
-    float* lse;                /* (B, Hq, Sq) contiguous fp32 natural log, or NULL */
+    float* lse;                /* (B, Hq, Sq) contiguous fp32 natural log of the TRUE scores (the K-smoothing
+                                  shift sm_scale * q.mean(K) is added back), -inf on empty rows; or NULL */
     const uint8_t* kmask;      /* (B, Skv) bool (1 = attend) with batch stride kmask_sb, or NULL */
     int64_t kmask_sb;
     void* workspace;           /* sage_attn_workspace_bytes() bytes, 256-byte aligned */
     int32_t B, Hq, Hkv, Sq, Skv, D;
     int32_t causal;            /* bottom-right aligned: query i sees keys j <= i + Skv - Sq */
     int32_t dtype;             /* 0 = fp16, 1 = bf16 */
-    int32_t pv_fp16;           /* 1 = FP16 P~V (SageAttention1-style, sm_80+), 0 = FP8 P~V (sm_89+) */
+    int32_t pv_mode;           /* 0 = FP8 P~V with e4m3 mma.sync (sm_89+), 1 = FP16 P~V (SageAttention1-style,
+                                  sm_80+), 2 = FP8 P~V numerics (e4m3 values) on fp16 mma.sync (sm_89+; sm_90) */
     int32_t device;            /* CUDA device index of the tensors and of the stream */
     int32_t device_cc;         /* compute capability of the current device, e.g. 90 (cached by the caller) */
     float sm_scale;
@@ -48,6 +50,8 @@ const char* sage_error_string(int code);
 int sage_abi_version(void);
 /* space-separated list of the SASS targets compiled in, e.g. "80 86 89 90a" */
 const char* sage_compiled_archs(void);
+/* rows per warp tile of the attention kernel for this head dim: Q scale groups are Grouping(rows, 8, 1) */
+int sage_q_group_rows(int head_dim);
 
 #ifdef __cplusplus
 }

@@ -15,8 +15,8 @@ Implementations (see docs/kernels.md):
   needs sm_89+ (and a build with sm_89 or sm_90a). On sm_89 the P~V MMA is e4m3 mma.sync m16n8k32 (pv mode
   "fp8-mma"); on sm_90 ptxas lowers that instruction to fp16 MMAs plus per-MMA conversions, so there the same
   e4m3 values are carried in fp16 through m16n8k16 (pv mode "fp8-f16"): identical numerics, fewer instructions.
-  Reference equivalent: ``reference_config(IMPL_FP8PV)`` = ``SimConfig(q_group=Grouping(16, 8, 1),
-  k_group=Grouping(64, 8, 2), pv="fp8")``.
+  Reference equivalent: ``reference_config(IMPL_FP8PV, D)`` = ``SimConfig(q_group=Grouping(32, 8, 1),
+  k_group=Grouping(64, 8, 2), pv="fp8")`` in the default build (the Q tile is ``q_group_rows(D)``).
 - ``"cuda-mma-fp16pv"``: "8b" with FP16 P~V (SageAttention1-style) for sm_80/86; reference: the same with pv="fp16".
 
 Environment: ``SAGE_PATCH_NO_KERNELS=1`` disables loading; ``SAGE_PATCH_KERNELS_LIB`` loads another .so;
@@ -31,14 +31,10 @@ from . import _lib
 from . import _ops  # registers the custom op torch.ops.sage_patch.attn_8b
 from ._lib import arch_supported
 
-# The per-thread quantization groups of these kernels (16-row warp tiles, 64-key blocks).
-try:  # the reference package is pure torch; keep this import soft so the loader never breaks on it
-    from ..reference.grouping import Grouping as _G
-
-    KERNEL_Q_GROUPING = _G(16, 8, 1)
-    KERNEL_K_GROUPING = _G(64, 8, 2)
-except Exception:  # pragma: no cover
-    KERNEL_Q_GROUPING = KERNEL_K_GROUPING = None
+# The per-thread quantization groups of these kernels: Q rows with equal r % 8 inside each warp tile of
+# q_group_rows(D) rows (32 in the default build: Grouping(32, 8, 1)), keys with equal (c % 8) // 2 in each 64-key block.
+DEFAULT_Q_GROUP_ROWS = 32
+KERNEL_K_GROUPING_ARGS = (64, 8, 2)
 KERNEL_BLOCK_K = 64
 NATIVE_HEAD_DIMS = (64, 128)
 IMPL_FP8PV = "cuda-mma-fp8pv"
@@ -155,6 +151,8 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
         return None, f"GQA needs Hq % Hkv == 0 (Hq={q.shape[hdim]}, Hkv={k.shape[hdim]})"
     if max(q.shape[sdim], k.shape[sdim]) >= 2**30:
         return None, "sequence too long"
+    if q.shape[0] * q.shape[hdim] > 65535:
+        return None, f"B*H = {q.shape[0] * q.shape[hdim]} > 65535 (grid limit of the pre-passes)"
     if smooth_v:
         return None, "smooth_v is not implemented in the compiled kernel"
     if attn_mask is not None:
@@ -207,11 +205,17 @@ def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=
                                         mode)
 
 
-def reference_config(impl: str = IMPL_FP8PV):
-    """The reference SimConfig that simulates `impl` exactly (same groupings, block and P~V operands)."""
-    from ..reference import SimConfig
+def q_group_rows(head_dim: int) -> int:
+    """Rows of the attention kernel's warp tile for this head dim (from the loaded library; else the default)."""
+    lib = _lib.get()
+    return int(lib.handle.sage_q_group_rows(int(head_dim))) if lib.handle is not None else DEFAULT_Q_GROUP_ROWS
 
-    return SimConfig(block_k=KERNEL_BLOCK_K, q_group=KERNEL_Q_GROUPING, k_group=KERNEL_K_GROUPING,
-                     pv="fp16" if impl == IMPL_FP16PV else "fp8")
+
+def reference_config(impl: str = IMPL_FP8PV, head_dim: int = 128):
+    """The reference SimConfig that simulates `impl` exactly (same groupings, block and P~V operands)."""
+    from ..reference import Grouping, SimConfig
+
+    return SimConfig(block_k=KERNEL_BLOCK_K, q_group=Grouping(q_group_rows(head_dim), 8, 1),
+                     k_group=Grouping(*KERNEL_K_GROUPING_ARGS), pv="fp16" if impl == IMPL_FP16PV else "fp8")
 
 

@@ -6,7 +6,7 @@ import os
 import threading
 
 LIB_NAME = "libsage_kernels.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -61,6 +61,8 @@ class Lib:
             h.sage_attn_workspace_bytes.argtypes = [ctypes.POINTER(SageAttnParams)]
             h.sage_attn_fwd.restype = ctypes.c_int
             h.sage_attn_fwd.argtypes = [ctypes.POINTER(SageAttnParams), ctypes.c_void_p]
+            h.sage_q_group_rows.restype = ctypes.c_int
+            h.sage_q_group_rows.argtypes = [ctypes.c_int]
             abi = h.sage_abi_version()
         except AttributeError as e:
             self.reason = f"{path} is not a sage_patch kernel library ({e})"

@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""Benchmark the compiled "8b" kernel (whole user call, quantization passes included) against torch SDPA's
+cuDNN and flash backends, in the same run. Writes bench.md, bench.json and bench.png into --out.
+
+    python scripts/bench_kernel.py --out out/bench            # B=4 H=32 fp16, D 64/128, causal or not, N 1K..32K + Flux
+    python scripts/bench_kernel.py --out out/bench --quick    # a few sizes
+
+TOPS = 4*B*H*N*N*D / time, halved for causal. Timing: CUDA events via triton.testing.do_bench (median; 25 ms
+warm-up, 100 ms of repeats) when triton is present, else a CUDA-event loop with the same policy.
+Accuracy: cos / rel L1 / rmse of each implementation against float64 exact attention at one size.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import sage_patch.kernels as K  # noqa: E402
+from sage_patch.accuracy import compare  # noqa: E402
+from sage_patch.reference import exact_attention  # noqa: E402
+
+
+def bench_ms(fn, warmup_ms=25.0, rep_ms=100.0) -> float:
+    try:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    except ImportError:
+        pass
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(3):
+        fn()
+    e.record()
+    e.synchronize()
+    est = max(s.elapsed_time(e) / 3, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    times = []
+    for _ in range(max(3, int(rep_ms / est))):
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def sdpa_fn(backend, q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def f():
+        with sdpa_kernel([be]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return f
+
+
+OURS = {"sage8b": None, "sage8b_fp8mma": "fp8-mma", "sage8b_fp8f16": "fp8-f16", "sage8b_pv16": "fp16"}
+
+
+def ours_fn(q, k, v, causal, name="sage8b"):
+    pv = OURS[name]
+    return lambda: K.attention(q, k, v, is_causal=causal, pv=pv)
+
+
+def tops(b, h, n, d, causal, ms):
+    ops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
+    return ops / (ms * 1e-3) / 1e12
+
+
+def run_one(b, h, n, d, causal, impls):
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    row = {"B": b, "H": h, "N": n, "D": d, "causal": causal}
+    for name in impls:
+        fn = ours_fn(q, k, v, causal, name) if name in OURS else sdpa_fn(name, q, k, v, causal)
+        try:
+            ms = bench_ms(fn)
+            row[name + "_ms"] = ms
+            row[name] = tops(b, h, n, d, causal, ms)
+        except Exception as e:  # a backend missing for this shape: record why
+            row[name] = None
+            row[name + "_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+    del q, k, v
+    torch.cuda.empty_cache()
+    return row
+
+
+def profile_split(n, b=4, h=32, d=128):
+    """Device time of each kernel of one whole call (pre-passes vs attention), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    for _ in range(3):
+        K.attention(q, k, v)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            K.attention(q, k, v)
+        torch.cuda.synchronize()
+    import re
+
+    out = {}
+    for ev in prof.events():
+        if not str(ev.device_type).endswith("CUDA") or "kernel" not in ev.name:
+            continue
+        t = ev.device_time_total
+        m = re.search(r"(\w+_kernel)", ev.name)
+        name = m.group(1) if m else ev.name[:40]
+        out[name] = out.get(name, 0.0) + t / 5 / 1000.0  # ms per call
+    out = {k: round(v, 4) for k, v in out.items()}
+    out["total"] = round(sum(out.values()), 4)
+    return {"shape": f"B={b} H={h} N={n} D={d} fp16 non-causal", "ms_per_call": out}
+
+
+def accuracy(impls, b=2, h=8, n=4096, d=128):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(b, h, n, d, device="cuda", generator=g)
+    k = torch.randn(b, h, n, d, device="cuda", generator=g) + 4 * torch.randn(d, device="cuda", generator=g)
+    v = torch.randn(b, h, n, d, device="cuda", generator=g) + 4 * torch.randn(d, device="cuda", generator=g)
+    q, k, v = (x.half() for x in (q, k, v))
+    ref = exact_attention(q, k, v)
+    res = {"shape": f"q,k,v ~ randn({b},{h},{n},{d}) fp16, K and V + 4*randn(D) per-channel bias; ref float64"}
+    for name in impls:
+        fn = ours_fn(q, k, v, False, name) if name in OURS else sdpa_fn(name, q, k, v, False)
+        try:
+            out = fn()
+            out = out[0] if isinstance(out, tuple) else out
+            res[name] = compare(out, ref)
+        except Exception as e:
+            res[name] = {"error": str(e)[:120]}
+    return res
+
+
+def write_outputs(out_dir, rows, acc, meta, impls):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "accuracy": acc}, f, indent=1)
+    lines = [f"# sage-patch kernel benchmark ({meta['date']})", "",
+             f"GPU: {meta['gpu']} (sm_{meta['cc']}), torch {meta['torch']}, CUDA {meta['cuda']}, impl {meta['impl']}",
+             f"Command: `{meta['command']}`", "",
+             "TOPS = 4*B*H*N*N*D/time (halved for causal), median time of the whole call (sage8b includes its "
+             "quantization passes).", "",
+             "| B | H | D | causal | N | " + " | ".join(impls) + " | sage8b / flash | sage8b / cuDNN |",
+             "|---|---|---|---|---|" + "---|" * (len(impls) + 2)]
+    for r in rows:
+        cells = [f"{r[i]:.1f}" if r.get(i) else "n/a" for i in impls]
+        rf = f"{r['sage8b'] / r['flash']:.2f}" if r.get("sage8b") and r.get("flash") else "n/a"
+        rc = f"{r['sage8b'] / r['cudnn']:.2f}" if r.get("sage8b") and r.get("cudnn") else "n/a"
+        lines.append(f"| {r['B']} | {r['H']} | {r['D']} | {'yes' if r['causal'] else 'no'} | {r['N']} | "
+                     + " | ".join(cells) + f" | {rf} | {rc} |")
+    lines += ["", f"Accuracy ({acc.get('shape', '')}):", "", "| impl | cos | rel L1 | rmse |", "|---|---|---|---|"]
+    for i in impls:
+        m = acc.get(i, {})
+        if "cos" in m:
+            lines.append(f"| {i} | {m['cos']:.6f} | {m['rel_l1']:.5f} | {m['rmse']:.5f} |")
+        else:
+            lines.append(f"| {i} | {m.get('error', 'n/a')} | | |")
+    if meta.get("profile"):
+        lines += ["", f"Device time per kernel of one call ({meta['profile']['shape']}), ms:", ""]
+        lines += [f"- {k}: {v}" for k, v in meta["profile"]["ms_per_call"].items()]
+    with open(os.path.join(out_dir, "bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        combos = [(d, c) for d in (128, 64) for c in (False, True)]
+        fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4), squeeze=False)
+        for ax, (d, c) in zip(axes[0], combos):
+            sub = [r for r in rows if r["D"] == d and r["causal"] == c and r["B"] == 4]
+            for i in impls:
+                pts = [(r["N"], r[i]) for r in sub if r.get(i)]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=i)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"D={d} {'causal' if c else 'non-causal'}")
+            ax.set_xlabel("N")
+            ax.set_ylabel("TOPS")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"{meta['gpu']}: B=4 H=32 fp16, whole call")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "bench.png"), dpi=110)
+    except Exception as e:  # matplotlib missing: md/json still written
+        print(f"no plot: {e}", file=sys.stderr)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out/bench")
+    ap.add_argument("--quick", action="store_true", help="N in 1K, 4K, 16K only")
+    ap.add_argument("--ns", default=None, help="comma-separated N list")
+    ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--impls", default="sage8b,flash,cudnn",
+                    help="comma list of sage8b, sage8b_fp8mma, sage8b_fp8f16, sage8b_pv16, flash, cudnn")
+    ap.add_argument("--ds", default="128,64")
+    ap.add_argument("--no-flux", action="store_true")
+    ap.add_argument("--profile", default=None, metavar="N",
+                    help="also profile one call at B=4 H=32 D=128 N (torch.profiler): time per kernel of our call")
+    a = ap.parse_args()
+    if not torch.cuda.is_available() or not K.status()["loaded"]:
+        sys.exit(f"kernels not usable: {K.status()['reason']}")
+    ns = [int(x) for x in a.ns.split(",")] if a.ns else ([1024, 4096, 16384] if a.quick else
+                                                         [1024, 2048, 4096, 8192, 16384, 32768])
+    impls = a.impls.split(",")
+    cc = "".join(map(str, torch.cuda.get_device_capability()))
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": torch.cuda.get_device_name(), "cc": cc, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "impl": K.status()["reason"], "host": platform.node(), "command": " ".join(sys.argv)}
+    rows = []
+    t0 = time.time()
+    for d in [int(x) for x in a.ds.split(",")]:
+        for causal in (False, True):
+            for n in ns:
+                r = run_one(4, 32, n, d, causal, impls)
+                rows.append(r)
+                print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}),
+                      flush=True)
+    if not a.no_flux:
+        rows.append(run_one(1, 24, 4608, 128, False, impls))  # Flux
+        print(json.dumps(rows[-1]), flush=True)
+    if a.profile:
+        meta["profile"] = profile_split(int(a.profile))
+        print(json.dumps(meta["profile"]), flush=True)
+    acc = {} if a.no_accuracy else accuracy(impls)
+    print(json.dumps(acc), flush=True)
+    meta["seconds"] = round(time.time() - t0, 1)
+    write_outputs(a.out, rows, acc, meta, impls)
+    print(open(os.path.join(a.out, "bench.md")).read())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""CPU-side tests of the kernel build hook and the loader (no GPU needed)."""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+
+import pytest
+import torch
+
+import sage_patch.kernels as K
+from sage_patch.kernels import _lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _build_module():
+    spec = importlib.util.spec_from_file_location("build_kernels", os.path.join(ROOT, "kernels_cuda", "build_kernels.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def bk():
+    return _build_module()
+
+
+@pytest.fixture
+def fresh_lib(monkeypatch):
+    """Reload the library state under a modified environment, restore it afterwards."""
+    _lib.reset()
+    K._STATUS_CACHE.clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    _lib.reset()
+    K._STATUS_CACHE.clear()
+
+
+def test_parse_archs(bk):
+    assert bk.parse_archs(None) == ["80", "86", "89", "90a"]
+    assert bk.parse_archs("") == ["80", "86", "89", "90a"]
+    assert bk.parse_archs("90a") == ["90a"]
+    assert bk.parse_archs("80;90a") == ["80", "90a"]
+    assert bk.parse_archs("8.0, 9.0a sm_89") == ["80", "90a", "89"]
+    with pytest.raises(ValueError):
+        bk.parse_archs("75")
+
+
+def test_gencode_flags(bk):
+    assert bk.gencode_flags(["80", "90a"]) == ["-gencode=arch=compute_80,code=sm_80",
+                                               "-gencode=arch=compute_90a,code=sm_90a"]
+    cmd = bk.nvcc_command("nvcc", ["90a"], "/tmp/x.so", threads=2)
+    assert "-shared" in cmd and "all-warnings" in cmd and "-Werror" in cmd and "--threads" in cmd
+    assert not any("torch" in c for c in cmd)  # plain C ABI: never links libtorch
+
+
+def test_build_skipped_by_env(bk, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SAGE_PATCH_NO_KERNELS", "1")
+    assert bk.build_into(str(tmp_path / "a"), inplace_dir=str(tmp_path / "b")) is None
+    assert "SAGE_PATCH_NO_KERNELS" in capsys.readouterr().err
+    assert not (tmp_path / "a" / "libsage_kernels.so").exists()
+
+
+def test_build_without_nvcc_succeeds_quietly(bk, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("SAGE_PATCH_NO_KERNELS", raising=False)
+    monkeypatch.delenv("SAGE_PATCH_KERNELS_REQUIRED", raising=False)
+    monkeypatch.setattr(bk, "find_nvcc", lambda: None)
+    assert bk.build(str(tmp_path)) is None
+    assert "nvcc not found" in capsys.readouterr().err
+    monkeypatch.setenv("SAGE_PATCH_KERNELS_REQUIRED", "1")
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        bk.build(str(tmp_path))
+
+
+def test_status_explains_missing_library(fresh_lib, tmp_path):
+    fresh_lib.delenv("SAGE_PATCH_NO_KERNELS", raising=False)
+    fresh_lib.setenv("SAGE_PATCH_KERNELS_LIB", str(tmp_path / "libsage_kernels.so"))
+    st = K.status()
+    assert st["loaded"] is False and "not found" in st["reason"] and st["archs"] == []
+    q = torch.zeros(1, 1, 4, 64, dtype=torch.float16)
+    impl, why = K.can_run("8b", q, q, q, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
+                          smooth_v=False)
+    assert impl is None and "not found" in why
+
+
+def test_status_disabled_by_env(fresh_lib):
+    fresh_lib.setenv("SAGE_PATCH_NO_KERNELS", "1")
+    st = K.status()
+    assert st["loaded"] is False and "SAGE_PATCH_NO_KERNELS" in st["reason"]
+
+
+def test_status_bad_library(fresh_lib, tmp_path):
+    bad = tmp_path / "libsage_kernels.so"
+    bad.write_bytes(b"not an ELF file")
+    fresh_lib.delenv("SAGE_PATCH_NO_KERNELS", raising=False)
+    fresh_lib.setenv("SAGE_PATCH_KERNELS_LIB", str(bad))
+    st = K.status()
+    assert st["loaded"] is False and "could not load" in st["reason"]
+
+
+def test_arch_compatibility():
+    assert K.arch_supported(["80"], 8, 6) and K.arch_supported(["86"], 8, 9)
+    assert not K.arch_supported(["86"], 8, 0)
+    assert K.arch_supported(["90a"], 9, 0) and not K.arch_supported(["90a"], 10, 0)
+    assert not K.arch_supported(["80", "86", "89", "90a"], 12, 0)
+
+
+def test_fp4_and_4b_reasons():
+    q = torch.zeros(1, 1, 4, 64, dtype=torch.float16)
+    impl, why = K.can_run("fp4", q, q, q, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
+                          smooth_v=False)
+    assert impl is None and "Blackwell" in why
+    impl, why = K.can_run("4b", q, q, q, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
+                          smooth_v=False)
+    assert impl is None and why
+
+
+def test_reference_config_matches_kernel_layout():
+    cfg = K.reference_config(K.IMPL_FP8PV, 128)
+    assert (cfg.q_group.tile, cfg.q_group.mod, cfg.q_group.div) == (K.q_group_rows(128), 8, 1)
+    assert K.q_group_rows(128) in (16, 32)
+    assert (cfg.k_group.tile, cfg.k_group.mod, cfg.k_group.div) == (64, 8, 2)
+    assert cfg.block_k == 64 and cfg.pv == "fp8"
+    assert K.reference_config(K.IMPL_FP16PV).pv == "fp16"
+
+
+@pytest.mark.parametrize("bshd", [False, True])
+def test_custom_op_fake_shapes(bshd):
+    """The fake (meta) implementation gives torch.compile the right output shapes without running anything."""
+    shape_q = (2, 7, 4, 64) if bshd else (2, 4, 7, 64)
+    shape_k = (2, 9, 2, 64) if bshd else (2, 2, 9, 64)
+    q = torch.empty(shape_q, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(shape_k, dtype=torch.bfloat16, device="meta")
+    out, lse = torch.ops.sage_patch.attn_8b(q, k, k, None, bshd, True, 0.125, 2)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == "meta"
+    assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
+
+
+def _built_library():
+    for p in (os.environ.get("SAGE_PATCH_KERNELS_LIB"), os.path.join(ROOT, "sage_patch", "kernels", _lib.LIB_NAME)):
+        if p and os.path.isfile(p):
+            return p
+    return None
+
+
+@pytest.mark.skipif(_built_library() is None, reason="libsage_kernels.so not built here")
+def test_library_abi_without_gpu():
+    """The .so loads without a GPU (static cudart, no libtorch) and its host-side entry points answer."""
+    h = ctypes.CDLL(_built_library())
+    h.sage_abi_version.restype = ctypes.c_int
+    assert h.sage_abi_version() == _lib.ABI_VERSION
+    h.sage_compiled_archs.restype = ctypes.c_char_p
+    assert h.sage_compiled_archs().decode().split()
+    h.sage_attn_workspace_bytes.restype = ctypes.c_int64
+    p = _lib.SageAttnParams()
+    p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = 2, 8, 2, 100, 130, 128
+    assert h.sage_attn_workspace_bytes(ctypes.byref(p)) > 2 * 8 * 128 * 128
+    h.sage_attn_fwd.restype = ctypes.c_int
+    assert h.sage_attn_fwd(ctypes.byref(p), None) == -1  # null pointers: rejected before touching CUDA
+    h.sage_error_string.restype = ctypes.c_char_p
+    assert b"head dim" in h.sage_error_string(-3)
+    assert h.sage_q_group_rows(64) in (16, 32) and h.sage_q_group_rows(128) in (16, 32)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
+                    reason="no nvcc")
+def test_compiles_one_arch(bk, tmp_path, monkeypatch):
+    monkeypatch.delenv("SAGE_PATCH_NO_KERNELS", raising=False)
+    path = bk.build(str(tmp_path), archs=["90a"])
+    assert path and os.path.getsize(path) > 100_000
+
+
+def test_build_into_drops_stale_library(bk, tmp_path, monkeypatch):
+    """A library left in the source tree must not be shipped by a build that did not make it."""
+    monkeypatch.setenv("SAGE_PATCH_NO_KERNELS", "1")
+    build_lib = tmp_path / "build_lib"
+    build_lib.mkdir()
+    (build_lib / "libsage_kernels.so").write_bytes(b"stale")
+    assert bk.build_into(str(build_lib), inplace_dir=str(tmp_path / "src")) is None
+    assert not (build_lib / "libsage_kernels.so").exists()
+    assert bk.will_build() is False
