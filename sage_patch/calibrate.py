@@ -197,15 +197,35 @@ def _call(obj, x):
                     f"got {type(x).__name__}")
 
 
-def _speedup(choice: dict, bench) -> float | None:
-    """Attention speed-up vs full from per-precision kernel speed-ups ({"8b": 1.7, ...} or a JSON path holding
-    {"speedup_vs_full": {...}})."""
+def bench_speedups(data: dict) -> dict:
+    """Per-precision speed-up vs full from a JSON of scripts/bench_kernel.py (rows with "sage<precision>" and
+    "cudnn"/"flash" TOPS: median over rows of ours / the best SDPA backend) or {"speedup_vs_full": {...}}."""
+    if "speedup_vs_full" in data:
+        return dict(data["speedup_vs_full"])
+    out = {}
+    for p in SPEED_ORDER:
+        ratios = sorted(r[f"sage{p}"] / max(r.get("cudnn") or 0, r.get("flash") or 0)
+                        for r in data.get("rows", []) if r.get(f"sage{p}") and (r.get("cudnn") or r.get("flash")))
+        if ratios:
+            out[p] = ratios[len(ratios) // 2]
+    return out
+
+
+def _speeds(bench) -> dict:
+    """Per-precision kernel speed-ups vs full from a dict ({"8b": 1.7, ...}) or a JSON path (see bench_speedups)."""
     if bench is None:
-        return None
+        return {}
     if isinstance(bench, (str, os.PathLike)):
         with open(bench) as f:
-            bench = json.load(f).get("speedup_vs_full", {})
-    rel = {"full": 1.0, **{k: float(v) for k, v in bench.items()}}
+            bench = bench_speedups(json.load(f))
+    return {k: float(v) for k, v in bench.items()}
+
+
+def _speedup(choice: dict, bench) -> float | None:
+    """Estimated attention speed-up vs full of a per-layer choice."""
+    if bench is None:
+        return None
+    rel = {"full": 1.0, **_speeds(bench)}
     if not choice or any(p not in rel for p in choice.values()):
         return None
     return len(choice) / sum(1.0 / rel[p] for p in choice.values())
@@ -242,10 +262,16 @@ def calibrate(model_or_pipe, inputs=None, *, out=None, min_cos=0.999, max_rel_l1
         names = {n: b.name for n, b in bindings.items()}
 
     errors = {names[n]: observer.errors.get(names[n], LayerErrors()) for n in bindings}
+    speeds = _speeds(bench)
+    # fastest first: measured kernel speed-ups when given (full = 1.0: a kernel slower than full never wins),
+    # else the nominal order fp4 > 4b > 8b
+    order = sorted(precisions, key=lambda p: -speeds.get(p, 0.0)) if speeds else list(precisions)
+    if speeds:
+        order = [p for p in order if speeds.get(p, 0.0) > 1.0]
     choice = {}
     for name, e in errors.items():
         choice[name] = "full"
-        for p in precisions:
+        for p in order:
             s = e.summary(p)
             if s and s["cos_worst"] >= min_cos and (max_rel_l1 is None or s["rel_l1_worst"] <= max_rel_l1):
                 choice[name] = p

@@ -121,7 +121,8 @@ def main(argv=None) -> int:
     pc.add_argument("--max-calls", type=int, default=8, help="sampled calls per layer")
     pc.add_argument("--max-heads", type=int, default=4, help="sampled heads per call")
     pc.add_argument("--heatmap", default=None, help="write a layers x precisions PNG here")
-    pc.add_argument("--bench", default=None, help='JSON with {"speedup_vs_full": {"8b": x, ...}} for the estimate')
+    pc.add_argument("--bench", default=None, help="kernel benchmark JSON (scripts/bench_kernel.py output, or {\"speedup_vs_full\": {...}}) "
+                         "for the speed-up estimate")
     pc.set_defaults(fn=_calibrate)
     args = p.parse_args(argv)
     return args.fn(args)

@@ -143,3 +143,29 @@ def test_calibrate_a_diffusers_pipeline_over_steps(tmp_path):
         assert e.calls == 4 and e.sampled == 2  # 4 steps seen, 2 sampled (spread over the steps)
     assert load_policy(tmp_path / "flux.yaml") == policy
     assert not hasattr(pipe.transformer, "_sage_patch_state")  # enabled for calibration, then disabled
+
+
+def test_speedup_from_kernel_benchmark_json(tmp_path):
+    import json
+
+    from sage_patch.calibrate import bench_speedups
+
+    rows = [{"sage8b": 300.0, "cudnn": 600.0, "flash": 330.0}, {"sage8b": 900.0, "cudnn": 600.0},
+            {"sage8b": 600.0, "flash": 400.0}]
+    assert bench_speedups({"rows": rows}) == {"8b": 1.5}  # median of 0.5, 1.5, 1.5
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"rows": rows}))
+    _, res = calibrate(tiny_llama(), min_cos=0.998, precisions=["8b"], bench=str(path), progress=False,
+                       return_details=True)
+    assert res.speedup == pytest.approx(3 / (2 / 1.5 + 1))
+
+
+def test_measured_speeds_order_the_candidates_and_slow_kernels_never_win():
+    m = tiny_llama(outlier_layer=None)
+    # 8b measured faster than 4b: 8b is preferred although 4b is nominally faster
+    _, res = calibrate(m, min_cos=0.0, precisions=["8b", "4b"], bench={"8b": 1.8, "4b": 1.2}, progress=False,
+                       return_details=True)
+    assert set(res.choice.values()) == {"8b"}
+    # a kernel slower than full precision (the portable kernel on Hopper) is never chosen
+    _, res = calibrate(m, min_cos=0.0, precisions=["8b"], bench={"8b": 0.5}, progress=False, return_details=True)
+    assert set(res.choice.values()) == {"full"}
