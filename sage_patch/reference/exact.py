@@ -7,7 +7,7 @@ import torch
 
 
 def exact_attention(q, k, v, *, is_causal=False, scale=None, attn_mask=None, return_lse=False,
-                    dtype=torch.float64, block_q: int = 1024):
+                    dtype=torch.float64, block_q: int | None = None):
     """Attention computed in `dtype` (float64 by default). Layout (B, H, S, D); GQA; bool or float additive mask.
 
     Causal is bottom-right aligned; rows with no visible key give 0 (and LSE -inf). Processes queries in blocks
@@ -17,6 +17,9 @@ def exact_attention(q, k, v, *, is_causal=False, scale=None, attn_mask=None, ret
 
     sq, skv = q.shape[-2], k.shape[-2]
     groups = q.shape[1] // k.shape[1]
+    if block_q is None:  # bound the score block to about 512 MiB
+        per_row = q.shape[0] * q.shape[1] * skv * torch.finfo(dtype).bits // 8
+        block_q = max(1, min(1024, (512 << 20) // max(per_row, 1)))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     kd = k.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else k.to(dtype)
     vd = v.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else v.to(dtype)
