@@ -201,3 +201,11 @@ def test_fp16_pv_variant_for_ampere():
     q, k, v = structured_qkv(sq=200, d=64, seed=14)
     ref = exact_attention(q, k, v)
     assert cosine(simulate(q, k, v, "8b", config=SimConfig(pv="fp16")), ref) >= 0.9999
+
+
+def test_wgmma_grouping_is_expressible_and_accurate():
+    """The Hopper kernel's per-thread groups (wgmma m64nNk32 accumulator layout, 128-key blocks) can be simulated."""
+    q, k, v = structured_qkv(b=1, h=2, sq=300, d=128, seed=15)
+    cfg = SimConfig(q_group=Grouping(16, 8, 1), k_group=Grouping(128, 8, 2), block_k=128)
+    m = compare(simulate(q, k, v, "8b", config=cfg), exact_attention(q, k, v))
+    assert m["cos"] >= 0.9995 and m["rel_l1"] <= 0.03
