@@ -36,9 +36,16 @@ constexpr int PV_FP16 = 1;     // fp16 P~ and V, m16n8k16 (SageAttention1-style,
 constexpr int PV_FP8_F16 = 2;  // e4m3 VALUES (same numerics as PV_FP8_MMA) carried in fp16 through m16n8k16: on
                                // sm_90 mma.sync e4m3 is lowered to fp16 MMAs anyway; this skips per-MMA converts
 
+// Q/K modes (from SageAttnParams.qk_bits / qk_mma)
+constexpr int QK_I8 = 0;      // "8b": INT8 values, mma.sync m16n8k32 s8
+constexpr int QK_I4_I8 = 1;   // "4b": INT4 values in [-7, 7] stored as int8, mma.sync m16n8k32 s8 (any arch; sm_90)
+constexpr int QK_I4_MMA = 2;  // "4b": INT4 values packed two per byte, mma.sync m16n8k64 s4 (native on sm_80-89)
+__host__ __device__ constexpr int qk_row_bytes(int D, int qkm) { return qkm == QK_I4_MMA ? D / 2 : D; }
+inline int qk_mode(const SageAttnParams& p) { return p.qk_bits != 4 ? QK_I8 : (p.qk_mma ? QK_I4_MMA : QK_I4_I8); }
+
 struct Layout {  // workspace carve-up, all offsets 256-byte aligned
-    int64_t sq_pad, skv_pad, nsplit;
-    int64_t qi8, qscale, qshift, ki8, kscale, kpart, vt, vscale, vpart, ksum, vmax, total;
+    int64_t sq_pad, skv_pad, nsplit, nqb;
+    int64_t qi8, qscale, qshift, ki8, kscale, kpart, vt, vscale, vpart, kmean, vmax, vmean, qmean, ds, total;
 };
 
 __host__ __device__ inline int64_t align256(int64_t x) { return (x + 255) & ~int64_t(255); }
@@ -50,19 +57,25 @@ inline Layout make_layout(const SageAttnParams& p) {
     L.skv_pad = (p.Skv + kBK - 1) / kBK * kBK;
     int64_t ns = (p.Skv + 255) / 256;
     L.nsplit = ns < 1 ? 1 : (ns > kMaxSplit ? kMaxSplit : ns);
+    L.nqb = L.sq_pad / bq;  // Q-smoothing blocks ("4b"): one per attention CTA
+    const bool q4 = p.qk_bits == 4;
     const int64_t bhq = (int64_t)p.B * p.Hq, bhk = (int64_t)p.B * p.Hkv, D = p.D;
     int64_t off = 0;
-    L.qi8 = off;    off = align256(off + bhq * L.sq_pad * D);
+    const int64_t DB = qk_row_bytes(p.D, qk_mode(p));  // bytes per quantized Q/K row
+    L.qi8 = off;    off = align256(off + bhq * L.sq_pad * DB);
     L.qscale = off; off = align256(off + bhq * (L.sq_pad / 16) * 8 * 4);  // enough for any WQ >= 16
     L.qshift = off; off = align256(off + bhq * L.sq_pad * 4);
-    L.ki8 = off;    off = align256(off + bhk * L.skv_pad * D);
+    L.ki8 = off;    off = align256(off + bhk * L.skv_pad * DB);
     L.kscale = off; off = align256(off + bhk * (L.skv_pad / kBK) * 4 * 4);
     L.kpart = off;  off = align256(off + bhk * L.nsplit * D * 4);
     L.vt = off;     off = align256(off + bhk * D * L.skv_pad * (p.pv_mode == PV_FP8_MMA ? 1 : 2));
     L.vscale = off; off = align256(off + bhk * D * 4);
-    L.vpart = off;  off = align256(off + bhk * L.nsplit * D * 4);
-    L.ksum = off;   off = align256(off + bhk * D * 4);
+    L.vpart = off;  off = align256(off + bhk * L.nsplit * 3 * D * 4);  // max|V| (or sum, max, min with smooth_v)
+    L.kmean = off;  off = align256(off + bhk * D * 4);
     L.vmax = off;   off = align256(off + bhk * D * 4);
+    L.vmean = off;  off = align256(off + bhk * D * 4);
+    L.qmean = off;  off = align256(off + (q4 ? bhq * L.nqb * D * 4 : 0));
+    L.ds = off;     off = align256(off + (q4 ? bhq * L.nqb * L.skv_pad * 4 : 0));  // Delta S, fp32, log2 domain
     L.total = off;
     return L;
 }
@@ -97,10 +110,27 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
     return *reinterpret_cast<uint32_t*>(&h);
 }
 
-__device__ __forceinline__ int quant_i8(float x, float scale) {
+__device__ __forceinline__ int quant_i8(float x, float scale, int qmax = 127) {
     if (!(scale > 0.f)) return 0;
     int q = __float2int_rn(x / scale);
-    return q > 127 ? 127 : (q < -127 ? -127 : q);
+    return q > qmax ? qmax : (q < -qmax ? -qmax : q);
+}
+__host__ __device__ __forceinline__ int qk_max(const SageAttnParams& p) { return p.qk_bits == 4 ? 7 : 127; }
+
+// sequence b: its lengths (the max lengths Sq/Skv unless varlen) and the token offset of its first row
+__device__ __forceinline__ int len_q(const SageAttnParams& p, int b) {
+    if (!p.cu_seqlens_q) return p.Sq;
+    return min(p.Sq, max(0, p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b]));
+}
+__device__ __forceinline__ int len_k(const SageAttnParams& p, int b) {
+    if (!p.cu_seqlens_k) return p.Skv;
+    return min(p.Skv, max(0, p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b]));
+}
+__device__ __forceinline__ int64_t tok0_q(const SageAttnParams& p, int b) {
+    return p.cu_seqlens_q ? (int64_t)p.cu_seqlens_q[b] : 0;
+}
+__device__ __forceinline__ int64_t tok0_k(const SageAttnParams& p, int b) {
+    return p.cu_seqlens_k ? (int64_t)p.cu_seqlens_k[b] : 0;
 }
 
 // FP8 E4M3, round to nearest even, saturating to +-448 (NaN stays NaN). Needs sm_89.
@@ -156,6 +186,20 @@ __device__ __forceinline__ void mma_s8(int* c, const uint32_t* a, uint32_t b0, u
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+__device__ __forceinline__ void mma_s4(int* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k64.row.col.s32.s4.s4.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// 8 signed 4-bit values (low nibble first = lower column): the m16n8k64 s4 fragments then have exactly the byte
+// layout of the m16n8k32 s8 ones over the packed row (D/2 bytes)
+__device__ __forceinline__ uint32_t pack_s4x8(const int* v) {
+    uint32_t r = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r |= (uint32_t)(v[i] & 0xf) << (4 * i);
+    return r;
+}
 [[maybe_unused]] __device__ __forceinline__ void mma_e4m3(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     asm volatile(
@@ -174,101 +218,135 @@ __device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0
 }
 
 // ----------------------------------------------------------------------------------------------
-// 1. stats: partial sums of K (z = 0) and partial max |V| (z = 1) per (b, kv-head, split, channel)
+// 1. stats: partial sums of K (z = 0) and, for V (z = 1), partial max |V| per (b, kv-head, split, channel), or with
+// smooth_v partial sum, max and min of V (max|V - mean| = max(max - mean, mean - min) exactly: rounding is monotone).
 template <int D, typename T>
 __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float* kpart, float* vpart, int nsplit) {
     constexpr int NC = D / 8, NR = kThreads / NC;
-    __shared__ float red[NR][D];
+    __shared__ float red[3][NR][D];
     const int z = blockIdx.z, bh = blockIdx.y, split = blockIdx.x;
     const int b = bh / p.Hkv, h = bh % p.Hkv;
-    const int chunk = (p.Skv + nsplit - 1) / nsplit;
+    const int skv = len_k(p, b);
+    const int chunk = (skv + nsplit - 1) / nsplit;
     const int s0 = split * chunk;
-    const int s1 = min(p.Skv, s0 + chunk);
+    const int s1 = min(skv, s0 + chunk);
     const int col = threadIdx.x % NC, rl = threadIdx.x / NC;
-    const T* base = z == 0 ? static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh
-                           : static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh;
+    const T* base = z == 0 ? static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok0_k(p, b) * p.k_ss
+                           : static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok0_k(p, b) * p.v_ss;
     const int64_t ss = z == 0 ? p.k_ss : p.v_ss;
-    float acc[8];
+    const bool sv = z == 1 && p.smooth_v;
+    float acc[8], amx[8], amn[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+    for (int i = 0; i < 8; ++i) { acc[i] = 0.f; amx[i] = -INFINITY; amn[i] = INFINITY; }
     for (int s = s0 + rl; s < s1; s += NR) {
         float x[8];
         Vec8<T>::load(base + s * ss + col * 8, x);
         if (z == 0) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc[i] += x[i];
+        } else if (sv) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) { acc[i] += x[i]; amx[i] = fmaxf(amx[i], x[i]); amn[i] = fminf(amn[i], x[i]); }
         } else {
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc[i] = fmaxf(acc[i], fabsf(x[i]));
         }
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) red[rl][col * 8 + i] = acc[i];
+    for (int i = 0; i < 8; ++i) {
+        red[0][rl][col * 8 + i] = acc[i];
+        red[1][rl][col * 8 + i] = amx[i];
+        red[2][rl][col * 8 + i] = amn[i];
+    }
     __syncthreads();
     if (threadIdx.x < D) {
-        float r = 0.f;
-        for (int j = 0; j < NR; ++j) r = z == 0 ? r + red[j][threadIdx.x] : fmaxf(r, red[j][threadIdx.x]);
-        float* out = z == 0 ? kpart : vpart;
-        out[((int64_t)bh * nsplit + split) * D + threadIdx.x] = r;
+        const int d = threadIdx.x;
+        if (z == 0) {
+            float r = 0.f;
+            for (int j = 0; j < NR; ++j) r += red[0][j][d];
+            kpart[((int64_t)bh * nsplit + split) * D + d] = r;
+        } else if (sv) {
+            float r = 0.f, mx = -INFINITY, mn = INFINITY;
+            for (int j = 0; j < NR; ++j) { r += red[0][j][d]; mx = fmaxf(mx, red[1][j][d]); mn = fminf(mn, red[2][j][d]); }
+            float* out = vpart + ((int64_t)bh * nsplit + split) * 3 * D;
+            out[d] = r; out[D + d] = mx; out[2 * D + d] = mn;
+        } else {
+            float r = 0.f;
+            for (int j = 0; j < NR; ++j) r = fmaxf(r, red[0][j][d]);
+            vpart[((int64_t)bh * nsplit + split) * 3 * D + d] = r;
+        }
     }
 }
 
-// 1b. reduce the partials once per (b, kv-head): sum(K) and max|V| per channel (the quantization passes then read
-// D floats instead of nsplit * D at the start of every CTA). Same summation order as a per-CTA reduction.
+// 1b. reduce the partials once per (b, kv-head): mean(K), and max|V| (max|V - mean(V)| and mean(V) with smooth_v)
+// per channel. Empty sequences (varlen) get a zero mean.
 template <int D>
-__global__ void __launch_bounds__(D) finalize_stats_kernel(const float* kpart, const float* vpart, int nsplit,
-                                                           float* ksum, float* vmax, int do_v) {
+__global__ void __launch_bounds__(D) finalize_stats_kernel(SageAttnParams p, const float* kpart, const float* vpart,
+                                                           int nsplit, float* kmean, float* vmax, float* vmean,
+                                                           int do_v) {
     const int64_t bh = blockIdx.x;
     const int d = threadIdx.x;
-    float s = 0.f, m = 0.f;
-    for (int j = 0; j < nsplit; ++j) {
-        s += kpart[(bh * nsplit + j) * D + d];
-        if (do_v) m = fmaxf(m, vpart[(bh * nsplit + j) * D + d]);
+    const int skv = len_k(p, (int)(bh / p.Hkv));
+    float s = 0.f;
+    for (int j = 0; j < nsplit; ++j) s += kpart[(bh * nsplit + j) * D + d];
+    kmean[bh * D + d] = skv > 0 ? s / (float)skv : 0.f;
+    if (!do_v) return;
+    const float* vp = vpart + bh * nsplit * 3 * D;
+    if (p.smooth_v) {
+        float sum = 0.f, mx = -INFINITY, mn = INFINITY;
+        for (int j = 0; j < nsplit; ++j) {
+            sum += vp[j * 3 * D + d];
+            mx = fmaxf(mx, vp[j * 3 * D + D + d]);
+            mn = fminf(mn, vp[j * 3 * D + 2 * D + d]);
+        }
+        const float mean = skv > 0 ? sum / (float)skv : 0.f;
+        vmean[bh * D + d] = mean;
+        vmax[bh * D + d] = skv > 0 ? fmaxf(0.f, fmaxf(mx - mean, mean - mn)) : 0.f;
+    } else {
+        float m = 0.f;
+        for (int j = 0; j < nsplit; ++j) m = fmaxf(m, vp[j * 3 * D + d]);
+        vmax[bh * D + d] = m;
     }
-    ksum[bh * D + d] = s;
-    if (do_v) vmax[bh * D + d] = m;
 }
 
-// 2a. Q -> INT8, groups Grouping(WQ, 8, 1): in each WQ-row warp tile, rows with equal r % 8 share a scale (the
-// rows one lane holds in the m16n8 accumulators: g, g+8 of each of the WQ/16 m-tiles).
-// Also writes qshift[row] = sm_scale * q . mean(K): the LSE of the smoothed scores plus it is the true LSE.
+// 2a. Q -> INT8 (INT4 values for "4b"), groups Grouping(WQ, 8, 1): in each WQ-row warp tile, rows with equal r % 8
+// share a scale (the rows one lane holds in the m16n8 accumulators: g, g+8 of each of the WQ/16 m-tiles).
+// Also writes qshift[row] = sm_scale * q . mean(K) (from the unsmoothed q): the LSE of the smoothed scores plus it
+// is the true LSE. "4b": the CTA's 4*WQ rows are one Q-smoothing block: q_mean (over its rows < Sq) is subtracted
+// before quantization and written to qmean for the Delta S pass.
 template <int D, typename T, int WQ>
 __global__ void __launch_bounds__(kThreads) quant_q_kernel(SageAttnParams p, int8_t* qi8, float* qscale,
-                                                           float* qshift, const float* kpart, int nsplit, int sq_pad) {
+                                                           float* qshift, float* qmean, const float* kmean,
+                                                           int sq_pad) {
     constexpr int CPL = D / 32;  // 8-element chunks per lane per row
     constexpr int NR = WQ / 8;   // rows per lane
+    constexpr int BQ = 4 * WQ;
     __shared__ float smean[D];
+    __shared__ float qsum[4][D];
     const int bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
+    const int sq = len_q(p, b);
+    if (blockIdx.x * BQ >= sq) return;  // varlen: past this sequence's end (never read)
     if (threadIdx.x < D) {
         const int64_t bhk = (int64_t)b * p.Hkv + h / (p.Hq / p.Hkv);
-        float s = 0.f;
-        for (int j = 0; j < nsplit; ++j) s += kpart[(bhk * nsplit + j) * D + threadIdx.x];
-        smean[threadIdx.x] = s / (float)p.Skv;
+        smean[threadIdx.x] = kmean[bhk * D + threadIdx.x];
     }
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x * 4 + warp;
-    const T* base = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
+    const T* base = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + tok0_q(p, b) * p.q_ss;
     float x[NR][CPL][8];
-    float am = 0.f;
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
         const int row = tile * WQ + g + 8 * r;
 #pragma unroll
         for (int i = 0; i < CPL; ++i) {
-            if (row < p.Sq) Vec8<T>::load(base + row * p.q_ss + (t + 4 * i) * 8, x[r][i]);
+            if (row < sq) Vec8<T>::load(base + row * p.q_ss + (t + 4 * i) * 8, x[r][i]);
             else {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) x[r][i][e] = 0.f;
             }
-#pragma unroll
-            for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(x[r][i][e]));
         }
     }
-    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
-    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
-    const float sc = am / 127.f;
-    if (t == 0) qscale[((int64_t)bh * (sq_pad / WQ) + tile) * 8 + g] = sc;
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
         const int row = tile * WQ + g + 8 * r;
@@ -280,6 +358,64 @@ __global__ void __launch_bounds__(kThreads) quant_q_kernel(SageAttnParams p, int
         dot += __shfl_xor_sync(0xffffffffu, dot, 1);
         dot += __shfl_xor_sync(0xffffffffu, dot, 2);
         if (t == 0) qshift[(int64_t)bh * sq_pad + row] = dot * p.sm_scale;
+    }
+    if (p.qk_bits == 4) {  // Q smoothing: subtract the block mean from the valid rows (padding rows stay 0)
+#pragma unroll
+        for (int i = 0; i < CPL; ++i)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float s = 0.f;
+#pragma unroll
+                for (int r = 0; r < NR; ++r) s += x[r][i][e];
+                s += __shfl_xor_sync(0xffffffffu, s, 4);
+                s += __shfl_xor_sync(0xffffffffu, s, 8);
+                s += __shfl_xor_sync(0xffffffffu, s, 16);
+                if (g == 0) qsum[warp][(t + 4 * i) * 8 + e] = s;
+            }
+        __syncthreads();
+        const float cnt = (float)min(BQ, sq - (int)blockIdx.x * BQ);
+#pragma unroll
+        for (int i = 0; i < CPL; ++i)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int c = (t + 4 * i) * 8 + e;
+                const float qm = (((qsum[0][c] + qsum[1][c]) + qsum[2][c]) + qsum[3][c]) / cnt;
+                if (warp == 0 && g == 0) qmean[((int64_t)bh * (sq_pad / BQ) + blockIdx.x) * D + c] = qm;
+#pragma unroll
+                for (int r = 0; r < NR; ++r)
+                    if (tile * WQ + g + 8 * r < sq) x[r][i][e] -= qm;
+            }
+    }
+    float am = 0.f;
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int i = 0; i < CPL; ++i)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(x[r][i][e]));
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+    const int qmax = qk_max(p);
+    const float sc = am / (float)qmax;
+    if (t == 0) qscale[((int64_t)bh * (sq_pad / WQ) + tile) * 8 + g] = sc;
+    if (p.qk_mma && p.qk_bits == 4) {  // packed INT4 rows of D/2 bytes
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            const int row = tile * WQ + g + 8 * r;
+            uint8_t* o = reinterpret_cast<uint8_t*>(qi8) + ((int64_t)bh * sq_pad + row) * (D / 2);
+#pragma unroll
+            for (int i = 0; i < CPL; ++i) {
+                int v[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[e] = quant_i8(x[r][i][e], sc, qmax);
+                *reinterpret_cast<uint32_t*>(o + (t + 4 * i) * 4) = pack_s4x8(v);
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const int row = tile * WQ + g + 8 * r;
         int8_t* o = qi8 + ((int64_t)bh * sq_pad + row) * D;
 #pragma unroll
         for (int i = 0; i < CPL; ++i) {
@@ -288,7 +424,8 @@ __global__ void __launch_bounds__(kThreads) quant_q_kernel(SageAttnParams p, int
             for (int hh = 0; hh < 2; ++hh) {
                 uint32_t a = 0;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) a |= (uint32_t)(quant_i8(x[r][i][4 * hh + e], sc) & 0xff) << (8 * e);
+                for (int e = 0; e < 4; ++e)
+                    a |= (uint32_t)(quant_i8(x[r][i][4 * hh + e], sc, qmax) & 0xff) << (8 * e);
                 w[hh] = a;
             }
             *reinterpret_cast<uint2*>(o + (t + 4 * i) * 8) = make_uint2(w[0], w[1]);
@@ -296,28 +433,27 @@ __global__ void __launch_bounds__(kThreads) quant_q_kernel(SageAttnParams p, int
     }
 }
 
-// 2b. K - mean(K) -> INT8, groups Grouping(64, 8, 2): in each 64-key block keys with equal (c % 8) / 2 share a scale.
+// 2b. K - mean(K) -> INT8 (INT4 values for "4b"), groups Grouping(64, 8, 2): in each 64-key block keys with equal
+// (c % 8) / 2 share a scale. Varlen: per sequence (its own mean; blocks restart at the sequence start).
 template <int D, typename T>
-__global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, const float* kpart, int nsplit,
-                                                           int8_t* ki8, float* kscale, int skv_pad) {
+__global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, const float* kmean, int8_t* ki8,
+                                                           float* kscale, int skv_pad) {
     constexpr int H = D / 2, CH = H / 8;
     __shared__ float smean[D];
     __shared__ float rowmax[kBK];
     const int kb = blockIdx.x, bh = blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
-    if (threadIdx.x < D) {
-        float s = 0.f;
-        for (int j = 0; j < nsplit; ++j) s += kpart[((int64_t)bh * nsplit + j) * D + threadIdx.x];
-        smean[threadIdx.x] = s / (float)p.Skv;
-    }
+    const int skv = len_k(p, b);
+    if (kb * kBK >= skv) return;  // varlen: past this sequence's end (never read)
+    if (threadIdx.x < D) smean[threadIdx.x] = kmean[(int64_t)bh * D + threadIdx.x];
     __syncthreads();
     const int c = threadIdx.x >> 1, hh = threadIdx.x & 1;
     const int key = kb * kBK + c;
-    const T* src = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + (int64_t)key * p.k_ss + hh * H;
+    const T* src = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + (tok0_k(p, b) + key) * p.k_ss + hh * H;
     float x[CH][8];
     float am = 0.f;
 #pragma unroll
     for (int j = 0; j < CH; ++j) {
-        if (key < p.Skv) {
+        if (key < skv) {
             Vec8<T>::load(src + 8 * j, x[j]);
 #pragma unroll
             for (int e = 0; e < 8; ++e) x[j][e] -= smean[hh * H + 8 * j + e];
@@ -335,8 +471,20 @@ __global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, con
     float gm = 0.f;
 #pragma unroll
     for (int a = 0; a < 8; ++a) gm = fmaxf(gm, fmaxf(rowmax[8 * a + 2 * grp], rowmax[8 * a + 2 * grp + 1]));
-    const float sc = gm / 127.f;
+    const int qmax = qk_max(p);
+    const float sc = gm / (float)qmax;
     if (hh == 0 && c < 8 && (c & 1) == 0) kscale[((int64_t)bh * (skv_pad / kBK) + kb) * 4 + grp] = sc;
+    if (p.qk_mma && p.qk_bits == 4) {  // packed INT4 rows of D/2 bytes
+        uint8_t* dst4 = reinterpret_cast<uint8_t*>(ki8) + ((int64_t)bh * skv_pad + key) * (D / 2) + hh * (H / 2);
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            int v[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = quant_i8(x[j][e], sc, qmax);
+            *reinterpret_cast<uint32_t*>(dst4 + 4 * j) = pack_s4x8(v);
+        }
+        return;
+    }
     int8_t* dst = ki8 + ((int64_t)bh * skv_pad + key) * D + hh * H;
 #pragma unroll
     for (int j = 0; j < CH; ++j) {
@@ -345,7 +493,7 @@ __global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, con
         for (int q = 0; q < 2; ++q) {
             uint32_t a = 0;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) a |= (uint32_t)(quant_i8(x[j][4 * q + e], sc) & 0xff) << (8 * e);
+            for (int e = 0; e < 4; ++e) a |= (uint32_t)(quant_i8(x[j][4 * q + e], sc, qmax) & 0xff) << (8 * e);
             w[q] = a;
         }
         *reinterpret_cast<uint2*>(dst + 8 * j) = make_uint2(w[0], w[1]);
@@ -357,26 +505,37 @@ __global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, con
 // slot s (0..31) holds key 16*(s/16) + 8*((s%4)/2) + 2*((s%16)/4) + (s%2).
 // PV_FP16: V as fp16, transposed, natural key order (m16n8k16 fragments match the S layout).
 // PV_FP8_F16: like PV_FP16 but each value is e4m3(v / scale) (exactly representable in fp16).
+// smooth_v: mean(V) (per sequence and channel) is subtracted first; vmax is then max|V - mean|.
 template <int D, typename T, int PV>
-__global__ void __launch_bounds__(kThreads) quant_v_kernel(SageAttnParams p, const float* vpart, int nsplit,
+__global__ void __launch_bounds__(kThreads) quant_v_kernel(SageAttnParams p, const float* vmax, const float* vmean,
                                                            uint8_t* vt, float* vscale, int skv_pad) {
     __shared__ float tile[kBK][D + 1];
     __shared__ float sscale[D];
+    __shared__ float svmean[D];
     const int kb = blockIdx.x, bh = blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
-    if (PV != PV_FP16 && threadIdx.x < D) {
-        float m = 0.f;
-        for (int j = 0; j < nsplit; ++j) m = fmaxf(m, vpart[((int64_t)bh * nsplit + j) * D + threadIdx.x]);
-        const float sc = m / kFp8Max;
-        sscale[threadIdx.x] = sc;
-        if (kb == 0) vscale[(int64_t)bh * D + threadIdx.x] = sc;
+    const int skv = len_k(p, b);
+    if (kb > 0 && kb * kBK >= skv) return;  // varlen: past this sequence's end (block 0 always writes vscale)
+    if (threadIdx.x < D) {
+        if (PV != PV_FP16) {
+            const float sc = vmax[(int64_t)bh * D + threadIdx.x] / kFp8Max;
+            sscale[threadIdx.x] = sc;
+            if (kb == 0) vscale[(int64_t)bh * D + threadIdx.x] = sc;
+        }
+        svmean[threadIdx.x] = p.smooth_v ? vmean[(int64_t)bh * D + threadIdx.x] : 0.f;
     }
-    const T* src = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh;
+    __syncthreads();
+    const T* src = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok0_k(p, b) * p.v_ss;
     for (int i = threadIdx.x; i < kBK * (D / 8); i += kThreads) {
         const int r = i / (D / 8), c = i % (D / 8);
         const int key = kb * kBK + r;
         float x[8];
-        if (key < p.Skv) Vec8<T>::load(src + (int64_t)key * p.v_ss + c * 8, x);
-        else {
+        if (key < skv) {
+            Vec8<T>::load(src + (int64_t)key * p.v_ss + c * 8, x);
+            if (p.smooth_v) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) x[e] -= svmean[c * 8 + e];
+            }
+        } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e) x[e] = 0.f;
         }
@@ -427,15 +586,62 @@ __global__ void __launch_bounds__(kThreads) quant_v_kernel(SageAttnParams p, con
     }
 }
 
+// 2d. "4b" Delta S = q_mean(block) . (K - mean(K))^T in fp32 (K unquantized, as in the reference), times
+// sm_scale * log2(e): ds[(b, hq, qblock), key], added to the scores of every row of the Q-smoothing block.
+// CTA = 64 keys of one (b, q-head); 2 threads per key (half the channels each).
+template <int D, typename T>
+__global__ void __launch_bounds__(kThreads) delta_s_kernel(SageAttnParams p, const float* kmean, const float* qmean,
+                                                           float* ds, int nqb, int bq, int skv_pad) {
+    constexpr int H = D / 2, CH = H / 8;
+    __shared__ float smean[D];
+    const int kb = blockIdx.x, bhq = blockIdx.y, b = bhq / p.Hq, h = bhq % p.Hq;
+    const int hk = h / (p.Hq / p.Hkv);
+    const int64_t bhk = (int64_t)b * p.Hkv + hk;
+    const int skv = len_k(p, b), sq = len_q(p, b);
+    if (kb * kBK >= skv) return;
+    if (threadIdx.x < D) smean[threadIdx.x] = kmean[bhk * D + threadIdx.x];
+    __syncthreads();
+    const int c = threadIdx.x >> 1, hh = threadIdx.x & 1;
+    const int key = kb * kBK + c;
+    const T* src = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (tok0_k(p, b) + key) * p.k_ss + hh * H;
+    float x[CH][8];
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+        if (key < skv) {
+            Vec8<T>::load(src + 8 * j, x[j]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) x[j][e] -= smean[hh * H + 8 * j + e];
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) x[j][e] = 0.f;
+        }
+    }
+    const int nq = min(nqb, (sq + bq - 1) / bq);
+    const float mul = p.sm_scale * kLog2e;
+    for (int qb = 0; qb < nq; ++qb) {
+        const float4* qm = reinterpret_cast<const float4*>(qmean + ((int64_t)bhq * nqb + qb) * D + hh * H);
+        float d = 0.f;
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            const float4 a = __ldg(qm + 2 * j), bb = __ldg(qm + 2 * j + 1);
+            d = fmaf(x[j][0], a.x, d); d = fmaf(x[j][1], a.y, d); d = fmaf(x[j][2], a.z, d); d = fmaf(x[j][3], a.w, d);
+            d = fmaf(x[j][4], bb.x, d); d = fmaf(x[j][5], bb.y, d); d = fmaf(x[j][6], bb.z, d); d = fmaf(x[j][7], bb.w, d);
+        }
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        if (hh == 0) ds[((int64_t)bhq * nqb + qb) * skv_pad + key] = d * mul;
+    }
+}
+
 // ----------------------------------------------------------------------------------------------
-// 3. attention. CTA = 4 warps x WQ query rows (WQ/16 m16 tiles per warp, sharing every K/V fragment);
+// 3. attention.
+// CTA = 4 warps x WQ query rows (WQ/16 m16 tiles per warp, sharing every K/V fragment);
 // KV blocks of 64 keys, double-buffered with cp.async.
 // Q fragments: in registers for WQ = 16; for WQ = 32 the Q tile stays in shared memory (registers go to the two
 // m-tiles' accumulators) and each k-step reloads its A fragments with ldmatrix.
-template <int D, int PV, int WQ>
+template <int D, int PV, int WQ, int DB>
 struct AttnSmem {
     static constexpr bool QSMEM = WQ > 16;
-    static constexpr int KSTR = D + 16;                       // bytes per K (and Q) row (int8) + pad
+    static constexpr int KSTR = DB + 16;                      // bytes per quantized K (and Q) row + pad
     static constexpr int VROWB = PV != PV_FP8_MMA ? kBK * 2 : kBK;  // bytes per V^T row
     static constexpr int VSTR = VROWB + 16;
     static constexpr int KBYTES = kBK * KSTR, VBYTES = D * VSTR;
@@ -443,12 +649,23 @@ struct AttnSmem {
     static constexpr int TOTAL = 2 * (KBYTES + VBYTES) + QBYTES;
 };
 
-template <int D, int PV, typename T, int WQ>
-__device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t* qi8, const float* qscale,
-                                          const float* qshift,
-                                          const int8_t* ki8, const float* kscale, const uint8_t* vt,
-                                          const float* vscale, int sq_pad, int skv_pad) {
-    using S = AttnSmem<D, PV, WQ>;
+struct AttnWs {  // the pre-passes' outputs the attention kernel reads
+    const int8_t* qi8; const float* qscale; const float* qshift;
+    const int8_t* ki8; const float* kscale;
+    const uint8_t* vt; const float* vscale; const float* vmean;
+    const float* ds; int nqb;
+    int sq_pad, skv_pad;
+};
+
+template <int D, int PV, typename T, int WQ, int QKM>
+__device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs& w) {
+    constexpr bool Q4 = QKM != QK_I8;              // "4b": + Delta S
+    constexpr int DB = qk_row_bytes(D, QKM);       // bytes per quantized Q/K row; one MMA k-step = 32 bytes
+    const int8_t* qi8 = w.qi8; const float* qscale = w.qscale; const float* qshift = w.qshift;
+    const int8_t* ki8 = w.ki8; const float* kscale = w.kscale;
+    const uint8_t* vt = w.vt; const float* vscale = w.vscale;
+    const int sq_pad = w.sq_pad, skv_pad = w.skv_pad;
+    using S = AttnSmem<D, PV, WQ, DB>;
     constexpr int MT = WQ / 16, BQ = 4 * WQ;
     constexpr int QR = S::QSMEM ? 1 : MT;  // Q fragment sets held in registers
     extern __shared__ __align__(128) uint8_t smem[];
@@ -461,27 +678,29 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
     const int h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.Hq / p.Hkv);
     const int q0 = qb * BQ;
+    const int sq = len_q(p, b), skv = len_k(p, b);  // this sequence (varlen) or Sq/Skv
+    if (q0 >= sq) return;  // varlen: past this sequence's end
     const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + hk;
     const int wrow = q0 + warp * WQ;  // first row of this warp
 
     // Q fragments (A operand, row-major 16 x 32 per k-step) straight from global memory (WQ = 16)
-    uint32_t qf[QR][D / 32][4];
+    uint32_t qf[QR][DB / 32][4];
 #pragma unroll
     for (int mt = 0; mt < QR; ++mt) {
         if constexpr (S::QSMEM) break;
-        const int8_t* Qp = qi8 + (bhq * sq_pad + wrow + mt * 16) * D;
+        const int8_t* Qp = qi8 + (bhq * sq_pad + wrow + mt * 16) * DB;
 #pragma unroll
-        for (int c = 0; c < D / 32; ++c) {
-            qf[mt][c][0] = *reinterpret_cast<const uint32_t*>(Qp + g * D + 32 * c + 4 * t);
-            qf[mt][c][1] = *reinterpret_cast<const uint32_t*>(Qp + (g + 8) * D + 32 * c + 4 * t);
-            qf[mt][c][2] = *reinterpret_cast<const uint32_t*>(Qp + g * D + 32 * c + 16 + 4 * t);
-            qf[mt][c][3] = *reinterpret_cast<const uint32_t*>(Qp + (g + 8) * D + 32 * c + 16 + 4 * t);
+        for (int c = 0; c < DB / 32; ++c) {
+            qf[mt][c][0] = *reinterpret_cast<const uint32_t*>(Qp + g * DB + 32 * c + 4 * t);
+            qf[mt][c][1] = *reinterpret_cast<const uint32_t*>(Qp + (g + 8) * DB + 32 * c + 4 * t);
+            qf[mt][c][2] = *reinterpret_cast<const uint32_t*>(Qp + g * DB + 32 * c + 16 + 4 * t);
+            qf[mt][c][3] = *reinterpret_cast<const uint32_t*>(Qp + (g + 8) * DB + 32 * c + 16 + 4 * t);
         }
     }
     const float qs = qscale[(bhq * (sq_pad / WQ) + wrow / WQ) * 8 + g] * p.sm_scale * kLog2e;
 
-    const int diag = p.Skv - p.Sq;  // key j visible to row i iff j <= i + diag
-    int kv_end = p.Skv;
+    const int diag = skv - sq;  // key j visible to row i iff j <= i + diag
+    int kv_end = skv;
     if (p.causal) kv_end = min(kv_end, q0 + BQ + diag);
     const int nkb = kv_end > 0 ? (kv_end + kBK - 1) / kBK : 0;
     const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
@@ -496,7 +715,7 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
         l[mt][0] = l[mt][1] = 0.f;
     }
 
-    const uint8_t* Kg = reinterpret_cast<const uint8_t*>(ki8) + bhk * skv_pad * D;
+    const uint8_t* Kg = reinterpret_cast<const uint8_t*>(ki8) + bhk * skv_pad * DB;
     constexpr int VEL = PV != PV_FP8_MMA ? 2 : 1;
     const uint8_t* Vg = vt + bhk * D * (int64_t)skv_pad * VEL;
     const float* ksc = kscale + bhk * (skv_pad / kBK) * 4;
@@ -505,10 +724,10 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
         uint8_t* dK = sK + buf * S::KBYTES;
         uint8_t* dV = sV + buf * S::VBYTES;
 #pragma unroll
-        for (int it = 0; it < kBK * D / 16 / kThreads; ++it) {
+        for (int it = 0; it < kBK * DB / 16 / kThreads; ++it) {
             const int i = tid + it * kThreads;
-            const int r = i / (D / 16), c = i % (D / 16);
-            cp_async16(dK + r * S::KSTR + c * 16, Kg + (int64_t)(kb * kBK + r) * D + c * 16);
+            const int r = i / (DB / 16), c = i % (DB / 16);
+            cp_async16(dK + r * S::KSTR + c * 16, Kg + (int64_t)(kb * kBK + r) * DB + c * 16);
         }
 #pragma unroll
         for (int it = 0; it < D * S::VROWB / 16 / kThreads; ++it) {
@@ -519,12 +738,12 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
     };
 
     if constexpr (S::QSMEM) {  // the CTA's Q tile joins the first cp.async group
-        const uint8_t* Qg = reinterpret_cast<const uint8_t*>(qi8) + (bhq * sq_pad + q0) * D;
+        const uint8_t* Qg = reinterpret_cast<const uint8_t*>(qi8) + (bhq * sq_pad + q0) * DB;
 #pragma unroll
-        for (int it = 0; it < BQ * D / 16 / kThreads; ++it) {
+        for (int it = 0; it < BQ * DB / 16 / kThreads; ++it) {
             const int i = tid + it * kThreads;
-            const int r = i / (D / 16), c = i % (D / 16);
-            cp_async16(sQ + r * S::KSTR + c * 16, Qg + (int64_t)r * D + c * 16);
+            const int r = i / (DB / 16), c = i % (DB / 16);
+            cp_async16(sQ + r * S::KSTR + c * 16, Qg + (int64_t)r * DB + c * 16);
         }
         if (nkb == 0) cp_async_commit();
     }
@@ -553,7 +772,7 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0;
 #pragma unroll
-        for (int c = 0; c < D / 32; ++c) {
+        for (int c = 0; c < DB / 32; ++c) {  // k-steps of 32 bytes (k32 s8 or k64 s4)
             uint32_t qa[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
@@ -570,14 +789,19 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
                 ldsm_x4(cK + (np * 16 + lrow) * S::KSTR + c * 32 + lbyte, b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma_s8(acc[mt][2 * np], qa[mt], b0, b1);
-                    mma_s8(acc[mt][2 * np + 1], qa[mt], b2, b3);
+                    if constexpr (QKM == QK_I4_MMA) {
+                        mma_s4(acc[mt][2 * np], qa[mt], b0, b1);
+                        mma_s4(acc[mt][2 * np + 1], qa[mt], b2, b3);
+                    } else {
+                        mma_s8(acc[mt][2 * np], qa[mt], b0, b1);
+                        mma_s8(acc[mt][2 * np + 1], qa[mt], b2, b3);
+                    }
                 }
             }
         }
         const float sc = qs * ksc[kb * 4 + t];  // one Q scale and one K scale per thread; log2 domain
         const int kbase = kb * kBK;
-        const bool need_mask = (kbase + kBK > p.Skv) || (mrow != nullptr) || (p.causal && kbase + kBK - 1 > q0 + diag);
+        const bool need_mask = (kbase + kBK > skv) || (mrow != nullptr) || (p.causal && kbase + kBK - 1 > q0 + diag);
         bool kok[8][2];
         if (need_mask) {
 #pragma unroll
@@ -585,10 +809,16 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = kbase + 8 * j + 2 * t + e;
-                    bool ok = key < p.Skv;
+                    bool ok = key < skv;
                     if (ok && mrow) ok = mrow[key] != 0;
                     kok[j][e] = ok;
                 }
+        }
+        float2 dsv[Q4 ? 8 : 1];
+        if constexpr (Q4) {
+            const float* dr = w.ds + (bhq * w.nqb + qb) * (int64_t)skv_pad + kbase + 2 * t;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dsv[j] = *reinterpret_cast<const float2*>(dr + 8 * j);
         }
         float al[MT][2];
         // P~ (scaled by 448 in the FP8 modes) in the S registers; row sums into l
@@ -599,6 +829,13 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
             for (int j = 0; j < 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[j][e] = small_i2f(acc[mt][j][e]) * sc;
+            if constexpr (Q4) {  // + Delta S of the CTA's Q-smoothing block (already x sm_scale x log2 e)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    s[j][0] += dsv[j].x; s[j][1] += dsv[j].y;
+                    s[j][2] += dsv[j].x; s[j][3] += dsv[j].y;
+                }
+            }
             if (need_mask) {
                 const int r0 = wrow + mt * 16 + g, r1 = r0 + 8;
 #pragma unroll
@@ -707,8 +944,9 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
     }
 
     // epilogue
-    T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh;
+    T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh + tok0_q(p, b) * p.o_ss;
     const float* vsc = vscale + bhk * D;
+    const float* vmn = p.smooth_v ? w.vmean + bhk * D : nullptr;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         float l0 = l[mt][0], l1 = l[mt][1];
@@ -727,19 +965,23 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const int8_t*
                 v0 = vsc[col];  // l already carries the 448 of P~
                 v1 = vsc[col + 1];
             }
-            if (row0 < p.Sq)
-                *reinterpret_cast<uint32_t*>(O + (int64_t)row0 * p.o_ss + col) =
-                    pack2<T>(o[mt][nt][0] * inv0 * v0, o[mt][nt][1] * inv0 * v1);
-            if (row1 < p.Sq)
-                *reinterpret_cast<uint32_t*>(O + (int64_t)row1 * p.o_ss + col) =
-                    pack2<T>(o[mt][nt][2] * inv1 * v0, o[mt][nt][3] * inv1 * v1);
+            float a00 = o[mt][nt][0] * inv0 * v0, a01 = o[mt][nt][1] * inv0 * v1;
+            float a10 = o[mt][nt][2] * inv1 * v0, a11 = o[mt][nt][3] * inv1 * v1;
+            if (vmn) {  // smooth_v: the mean comes back on rows with a visible key
+                const float m0 = vmn[col], m1 = vmn[col + 1];
+                if (l0 > 0.f) { a00 += m0; a01 += m1; }
+                if (l1 > 0.f) { a10 += m0; a11 += m1; }
+            }
+            if (row0 < sq) *reinterpret_cast<uint32_t*>(O + (int64_t)row0 * p.o_ss + col) = pack2<T>(a00, a01);
+            if (row1 < sq) *reinterpret_cast<uint32_t*>(O + (int64_t)row1 * p.o_ss + col) = pack2<T>(a10, a11);
         }
         if (p.lse && t == 0) {
-            float* L = p.lse + bhq * p.Sq;
+            // (B, Hq, Sq); varlen: (Hq, total_q)
+            float* L = p.cu_seqlens_q ? p.lse + h * p.lse_sh + tok0_q(p, b) : p.lse + bhq * p.Sq;
             const float* sh = qshift + bhq * sq_pad;
             const float lo = PV == PV_FP16 ? 0.f : kLnFp8Max;
-            if (row0 < p.Sq) L[row0] = l0 > 0.f ? m[mt][0] * kLn2 + (logf(l0) - lo) + sh[row0] : -INFINITY;
-            if (row1 < p.Sq) L[row1] = l1 > 0.f ? m[mt][1] * kLn2 + (logf(l1) - lo) + sh[row1] : -INFINITY;
+            if (row0 < sq) L[row0] = l0 > 0.f ? m[mt][0] * kLn2 + (logf(l0) - lo) + sh[row0] : -INFINITY;
+            if (row1 < sq) L[row1] = l1 > 0.f ? m[mt][1] * kLn2 + (logf(l1) - lo) + sh[row1] : -INFINITY;
         }
     }
 }
@@ -757,17 +999,34 @@ constexpr bool kArchHasFp8 = true;
 #ifndef SAGE_ATTN_MIN_BLOCKS_D64
 #define SAGE_ATTN_MIN_BLOCKS_D64 (SAGE_WQ_D64 == 32 ? 2 : 4)
 #endif
-template <int D, int PV, typename T>
+template <int D, int PV, typename T, int QKM>
 __global__ void __launch_bounds__(kThreads, D == 64 ? SAGE_ATTN_MIN_BLOCKS_D64 : SAGE_ATTN_MIN_BLOCKS_D128)
-    attn_kernel(SageAttnParams p, const int8_t* qi8, const float* qscale, const float* qshift, const int8_t* ki8,
-                const float* kscale, const uint8_t* vt, const float* vscale, int sq_pad, int skv_pad) {
+    attn_kernel(SageAttnParams p, AttnWs w) {
     if constexpr (PV == PV_FP16 || kArchHasFp8) {
-        attn_body<D, PV, T, warp_rows(D)>(p, qi8, qscale, qshift, ki8, kscale, vt, vscale, sq_pad, skv_pad);
+        attn_body<D, PV, T, warp_rows(D), QKM>(p, w);
     }
     // FP8 P~V below sm_89: never launched (the host checks device_cc >= 89)
 }
 
 // ----------------------------------------------------------------------------------------------
+template <int D, typename T, int PV, int QKM>
+int launch_attn(const SageAttnParams& p, const AttnWs& w, cudaStream_t st) {
+    constexpr int WQ = warp_rows(D), BQ = 4 * WQ;
+    constexpr int smem = AttnSmem<D, PV, WQ, qk_row_bytes(D, QKM)>::TOTAL;
+    auto kern = attn_kernel<D, PV, T, QKM>;
+    const int dev = p.device;
+    if (smem > 48 * 1024) {  // dynamic shared-memory opt-in: once per kernel instantiation and device
+        static bool done[64] = {};
+        if (dev < 0 || dev >= 64 || !done[dev]) {
+            cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+            if (e != cudaSuccess) return (int)e;
+            if (dev >= 0 && dev < 64) done[dev] = true;
+        }
+    }
+    kern<<<dim3(w.sq_pad / BQ, p.Hq, p.B), kThreads, smem, st>>>(p, w);
+    return (int)cudaGetLastError();
+}
+
 template <int D, typename T, int PV>
 int launch_all(const SageAttnParams& p, cudaStream_t st) {
     const Layout L = make_layout(p);
@@ -781,34 +1040,31 @@ int launch_all(const SageAttnParams& p, cudaStream_t st) {
     uint8_t* vt = ws + L.vt;
     float* vscale = reinterpret_cast<float*>(ws + L.vscale);
     float* vpart = reinterpret_cast<float*>(ws + L.vpart);
-    float* ksum = reinterpret_cast<float*>(ws + L.ksum);
+    float* kmean = reinterpret_cast<float*>(ws + L.kmean);
     float* vmax = reinterpret_cast<float*>(ws + L.vmax);
-    const int ns = (int)L.nsplit, sqp = (int)L.sq_pad, skp = (int)L.skv_pad;
+    float* vmean = reinterpret_cast<float*>(ws + L.vmean);
+    float* qmean = reinterpret_cast<float*>(ws + L.qmean);
+    float* ds = reinterpret_cast<float*>(ws + L.ds);
+    const int ns = (int)L.nsplit, sqp = (int)L.sq_pad, skp = (int)L.skv_pad, nqb = (int)L.nqb;
     const int bhq = p.B * p.Hq, bhk = p.B * p.Hkv;
+    const bool q4 = p.qk_bits == 4;
+    const int do_v = (PV != PV_FP16 || p.smooth_v) ? 1 : 0;
 
-    stats_kernel<D, T><<<dim3(ns, bhk, PV == PV_FP16 ? 1 : 2), kThreads, 0, st>>>(p, kpart, vpart, ns);
+    stats_kernel<D, T><<<dim3(ns, bhk, 1 + do_v), kThreads, 0, st>>>(p, kpart, vpart, ns);
     constexpr int WQ = warp_rows(D), BQ = 4 * WQ;
-    finalize_stats_kernel<D><<<bhk, D, 0, st>>>(kpart, vpart, ns, ksum, vmax, PV == PV_FP16 ? 0 : 1);
-    // the quantization passes take the reduced sums/maxima as a single "partial" (nsplit = 1)
-    quant_q_kernel<D, T, WQ><<<dim3(sqp / BQ, bhq), kThreads, 0, st>>>(p, qi8, qscale, qshift, ksum, 1, sqp);
-    quant_k_kernel<D, T><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, ksum, 1, ki8, kscale, skp);
-    quant_v_kernel<D, T, PV><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, vmax, 1, vt, vscale, skp);
+    finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, kpart, vpart, ns, kmean, vmax, vmean, do_v);
+    quant_q_kernel<D, T, WQ><<<dim3(sqp / BQ, bhq), kThreads, 0, st>>>(p, qi8, qscale, qshift, qmean, kmean, sqp);
+    quant_k_kernel<D, T><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, kmean, ki8, kscale, skp);
+    quant_v_kernel<D, T, PV><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, vmax, vmean, vt, vscale, skp);
+    if (q4) delta_s_kernel<D, T><<<dim3(skp / kBK, bhq), kThreads, 0, st>>>(p, kmean, qmean, ds, nqb, BQ, skp);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
 
-    const int dev = p.device;
-    constexpr int smem = AttnSmem<D, PV, WQ>::TOTAL;
-    auto kern = attn_kernel<D, PV, T>;
-    if (smem > 48 * 1024) {  // dynamic shared-memory opt-in: once per kernel instantiation and device
-        static bool done[64] = {};
-        if (dev < 0 || dev >= 64 || !done[dev]) {
-            e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-            if (e != cudaSuccess) return (int)e;
-            if (dev >= 0 && dev < 64) done[dev] = true;
-        }
-    }
-    kern<<<dim3(sqp / BQ, p.Hq, p.B), kThreads, smem, st>>>(p, qi8, qscale, qshift, ki8, kscale, vt, vscale, sqp, skp);
-    return (int)cudaGetLastError();
+    const AttnWs w{qi8, qscale, qshift, ki8, kscale, vt, vscale, vmean, ds, nqb, sqp, skp};
+    const int qkm = qk_mode(p);
+    if (qkm == QK_I4_MMA) return launch_attn<D, T, PV, QK_I4_MMA>(p, w, st);
+    if (qkm == QK_I4_I8) return launch_attn<D, T, PV, QK_I4_I8>(p, w, st);
+    return launch_attn<D, T, PV, QK_I8>(p, w, st);
 }
 
 template <int D, typename T>
@@ -838,6 +1094,11 @@ int sage_attn_fwd(const SageAttnParams* p, void* stream) {
     if (!p || !p->q || !p->k || !p->v || !p->o || !p->workspace) return SAGE_E_BADARG;
     if (p->B <= 0 || p->Hq <= 0 || p->Hkv <= 0 || p->Sq <= 0 || p->Skv <= 0 || p->Hq % p->Hkv != 0) return SAGE_E_BADARG;
     if (p->pv_mode < 0 || p->pv_mode > 2) return SAGE_E_BADARG;
+    if ((p->qk_bits != 0 && p->qk_bits != 8 && p->qk_bits != 4) || (p->smooth_v != 0 && p->smooth_v != 1) ||
+        (p->qk_mma != 0 && p->qk_mma != 1))
+        return SAGE_E_BADARG;
+    if ((p->cu_seqlens_q == nullptr) != (p->cu_seqlens_k == nullptr)) return SAGE_E_BADARG;
+    if (p->cu_seqlens_q && p->kmask) return SAGE_E_BADARG;
     if ((int64_t)p->B * p->Hq > 65535) return SAGE_E_BADARG;  // grid.y of the pre-passes
     if (p->device_cc < 80 || (p->pv_mode != PV_FP16 && p->device_cc < 89)) return SAGE_E_ARCH;
     cudaStream_t st = static_cast<cudaStream_t>(stream);

@@ -1,11 +1,13 @@
 /* sage_patch compiled kernels: plain C ABI (no libtorch), loaded from Python with ctypes.
  *
- * One call, sage_attn_fwd(), runs the whole "8b" attention on the caller's stream:
- *   1. stats pass: per (batch, kv-head) partial sums of K (for the mean) and partial |V| maxima;
- *   2. quantization passes: Q -> INT8 (per-thread groups Grouping(16, 8, 1)),
- *      K - mean(K) -> INT8 (Grouping(64, 8, 2)), V -> FP8 E4M3 per channel, transposed per 64-key block
- *      in the key order the m16n8k32 P~V fragments need (FP16 V, transposed, for the fp16-PV variant);
- *   3. attention: INT8 mma.sync QK^T, fp32 online softmax (exp2), P~ -> FP8 E4M3 (x448),
+ * One call, sage_attn_fwd(), runs a whole "8b" or "4b" attention (optionally smooth-V, optionally packed varlen)
+ * on the caller's stream:
+ *   1. stats pass: per (batch, kv-head) partial sums of K (for the mean) and partial |V| maxima (smooth V: sum,
+ *      max and min of V), reduced once per head;
+ *   2. quantization passes: Q -> INT8 / INT4 values (per-thread groups Grouping(32, 8, 1); "4b": minus the mean of
+ *      its 128-row block), K - mean(K) -> INT8 / INT4 (Grouping(64, 8, 2)), V (- mean(V)) -> FP8 E4M3 per channel,
+ *      transposed per 64-key block in the key order the P~V fragments need; "4b": Delta S = mean(Q block).K'^T;
+ *   3. attention: INT8 mma.sync QK^T (or INT4 m16n8k64), fp32 online softmax (exp2), P~ -> FP8 E4M3 (x448),
  *      FP8 mma.sync P~V with two-level accumulation (or FP16 P~V on sm_80/86).
  * Everything is launched on `stream`; nothing synchronizes the host. Inputs are only read.
  * Returns 0 or a cudaError_t value (see sage_error_string) or a negative SAGE_E* code.
@@ -18,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SAGE_ABI_VERSION 3
+#define SAGE_ABI_VERSION 4
 
 enum { SAGE_E_BADARG = -1, SAGE_E_ARCH = -2, SAGE_E_HEADDIM = -3 };
 
@@ -42,6 +44,18 @@ typedef struct {
     int32_t device;            /* CUDA device index of the tensors and of the stream */
     int32_t device_cc;         /* compute capability of the current device, e.g. 90 (cached by the caller) */
     float sm_scale;
+    /* ABI 4 */
+    int32_t qk_bits;           /* 8 (or 0): INT8 Q/K ("8b"); 4: "4b" = INT4 values in [-7, 7] (carried in INT8 MMA) with
+                                  Q smoothing per 128-row CTA block and its Delta S correction (fp32 pre-pass) */
+    int32_t smooth_v;          /* 1: V - mean_tokens(V) per channel before quantization, the mean added back to O on
+                                  rows with a visible key */
+    const int32_t* cu_seqlens_q;  /* variable length (packed) batches: (B+1) int32 token offsets into q/o, and into */
+    const int32_t* cu_seqlens_k;  /* k/v; both or neither. Then Sq/Skv are the MAX lengths (>= every sequence's),
+                                  q/k/v/o batch strides are ignored, kmask must be NULL and lse is (Hq, lse_sh) */
+    int32_t qk_mma;            /* "4b" only: 0 = INT4 values carried in INT8 mma.sync m16n8k32 (any arch; Hopper has
+                                  no INT4 tensor cores), 1 = packed INT4 mma.sync m16n8k64 s4 (sm_80/86/89) */
+    int64_t lse_sh;            /* varlen: lse elements between two heads (total_q); tokens past cu_seqlens_q[B] are
+                                  not written */
 } SageAttnParams;
 
 int64_t sage_attn_workspace_bytes(const SageAttnParams* p);

@@ -27,6 +27,8 @@ static float frand(unsigned& s) {
     return ((s >> 8) & 0xffff) / 32768.f - 1.f;
 }
 
+static int g_qk_bits = 8, g_smooth_v = 0, g_qk_mma = 0;  // "4b" / smooth V / INT4 MMA variants
+
 static int run(int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal, int pvm, int use_mask, int cc) {
     const size_t nq = (size_t)B * Hq * Sq * D, nk = (size_t)B * Hkv * Skv * D;
     std::vector<__half> hq(nq), hk(nk), hv(nk);
@@ -57,6 +59,7 @@ static int run(int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal, int p
     p.kmask = use_mask ? dmask : nullptr; p.kmask_sb = Skv;
     p.B = B; p.Hq = Hq; p.Hkv = Hkv; p.Sq = Sq; p.Skv = Skv; p.D = D;
     p.causal = causal; p.dtype = 0; p.pv_mode = pvm; p.device = 0; p.device_cc = cc; p.sm_scale = 1.f / std::sqrt((float)D);
+    p.qk_bits = g_qk_bits; p.smooth_v = g_smooth_v; p.qk_mma = g_qk_mma;
     const int64_t ws = sage_attn_workspace_bytes(&p);
     void* dws;
     CK(cudaMalloc(&dws, ws));
@@ -69,8 +72,9 @@ static int run(int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal, int p
     size_t bad = 0;
     double sum = 0;
     for (auto x : ho) { float f = __half2float(x); if (!std::isfinite(f)) ++bad; else sum += std::fabs(f); }
-    std::printf("B%d H%d/%d Sq%d Skv%d D%d causal%d pv_mode=%d mask%d: non-finite %zu, mean|o| %.4f\n", B, Hq, Hkv, Sq,
-                Skv, D, causal, pvm, use_mask, bad, sum / nq);
+    std::printf("B%d H%d/%d Sq%d Skv%d D%d causal%d pv_mode=%d mask%d qk_bits=%d smooth_v=%d qk_mma=%d: non-finite %zu, "
+                "mean|o| %.4f\n", B, Hq, Hkv, Sq, Skv, D, causal, pvm, use_mask, g_qk_bits, g_smooth_v, g_qk_mma, bad,
+                sum / nq);
     CK(cudaFree(dq)); CK(cudaFree(dk)); CK(cudaFree(dv)); CK(cudaFree(dout)); CK(cudaFree(dlse));
     CK(cudaFree(dmask)); CK(cudaFree(dws));
     return bad ? 1 : 0;
@@ -86,6 +90,13 @@ int main() {
         fails += run(2, 2, 1, 130, 150, 64, 1, pvm, 1, cc);
         fails += run(1, 2, 2, 70, 129, 128, 0, pvm, 0, cc);
         fails += run(2, 2, 2, 65, 64, 128, 1, pvm, 1, cc);
+    }
+    // "4b" (INT8 and INT4 MMA) with smooth V
+    for (int qm = 0; qm < 2; ++qm) {
+        g_qk_bits = 4; g_smooth_v = 1; g_qk_mma = qm;
+        const int pvm = cc >= 89 ? 2 : 1;
+        fails += run(2, 2, 1, 130, 150, 64, 1, pvm, 1, cc);
+        fails += run(1, 2, 2, 70, 129, 128, 0, pvm, 0, cc);
     }
     std::printf(fails ? "FAILED\n" : "OK\n");
     return fails ? 1 : 0;

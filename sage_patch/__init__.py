@@ -6,6 +6,7 @@ from .policy import Policy, PolicyError, load_policy
 from .precisions import PRECISIONS
 from .report import Report, report
 from .routing import route_sdpa
+from .varlen import varlen_attention
 
 __version__ = "0.1.0"
 
@@ -16,5 +17,5 @@ _install_integrations()
 
 __all__ = [
     "attention", "sdpa", "sageattn", "Policy", "PolicyError", "load_policy", "PRECISIONS", "report", "Report",
-    "route_sdpa", "set_policy", "calibrate", "compare", "cosine", "rel_l1", "rmse", "__version__",
+    "route_sdpa", "set_policy", "calibrate", "varlen_attention", "compare", "cosine", "rel_l1", "rmse", "__version__",
 ]

@@ -2,6 +2,7 @@
 # One device call: load (or build) the kernels, SASS summary, GPU tests, compute-sanitizer, benchmark.
 # Logs go to $OUT (default out/gpu_check). Usage on the GPU machine, from the repo root:
 #   BENCH=quick|full|none TESTS=1 SANITIZE=1 bash scripts/gpu_check.sh
+# GPU_TESTS: test paths (default tests/gpu/test_kernel_8b.py); PYTEST_TIMEOUT (s, default 420); PYTEST_ARGS: extra.
 # Uses a prebuilt out/device/libsage_kernels.so + out/device/sanitize_check when present (carried), else builds
 # for sm_90a here.
 set -u
@@ -46,7 +47,8 @@ fi
 
 if [ "$TESTS" = 1 ]; then
   log "pytest -m gpu tests/gpu"
-  SAGE_TEST_RESULTS=$OUT/accuracy.jsonl timeout 420 $PY -m pytest -m gpu ${GPU_TESTS:-tests/gpu/test_kernel_8b.py} -q -p no:cacheprovider -rfEs -s \
+  SAGE_TEST_RESULTS=$OUT/accuracy.jsonl timeout ${PYTEST_TIMEOUT:-420} $PY -m pytest -m gpu \
+      ${GPU_TESTS:-tests/gpu/test_kernel_8b.py} -q -p no:cacheprovider -rfEs -s ${PYTEST_ARGS:-} \
       > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$?" | tee -a "$OUT/summary.txt"
   grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3 | tee -a "$OUT/summary.txt"

@@ -112,9 +112,37 @@ def test_fp4_and_4b_reasons():
     impl, why = K.can_run("fp4", q, q, q, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
                           smooth_v=False)
     assert impl is None and "Blackwell" in why
-    impl, why = K.can_run("4b", q, q, q, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
-                          smooth_v=False)
+    # "4b" and smooth_v have a kernel: on a CPU tensor the reason is the device/library, not the precision
+    for prec, sv in (("4b", False), ("8b", True), ("4b", True)):
+        impl, why = K.can_run(prec, q, q, q, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
+                              smooth_v=sv)
+        assert impl is None and why and "precision" not in why and "smooth_v" not in why
+
+
+def test_disabled_features_are_refused_with_their_reason(monkeypatch):
+    q = torch.zeros(1, 1, 4, 64, dtype=torch.float16)
+    monkeypatch.setitem(K.DISABLED, "4b", "4b: disabled (test)")
+    monkeypatch.setitem(K.DISABLED, "smooth_v", "smooth_v: disabled (test)")
+    monkeypatch.setitem(K.DISABLED, "varlen", "varlen: disabled (test)")
+    kw = dict(layout="bhsd", is_causal=False, attn_mask=None, return_lse=False)
+    assert K.can_run("4b", q, q, q, smooth_v=False, **kw) == (None, "4b: disabled (test)")
+    assert K.can_run("8b", q, q, q, smooth_v=True, **kw) == (None, "smooth_v: disabled (test)")
+    q3 = q[0].transpose(0, 1)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    assert K.can_run_varlen("8b", q3, q3, q3, cu, cu) == (None, "varlen: disabled (test)")
+    assert K.can_run_varlen("fp4", q3, q3, q3, cu, cu)[0] is None
+
+
+def test_varlen_can_run_reasons_on_cpu():
+    q3 = torch.zeros(4, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    impl, why = K.can_run_varlen("8b", q3, q3, q3, cu, cu)
     assert impl is None and why
+
+
+def test_reference_config_4b_smoothing_block():
+    cfg = K.reference_config(K.IMPL_FP8PV, 64)
+    assert cfg.q_smooth_block == 4 * K.q_group_rows(64)
 
 
 def test_reference_config_matches_kernel_layout():
@@ -136,6 +164,16 @@ def test_custom_op_fake_shapes(bshd):
     out, lse = torch.ops.sage_patch.attn_8b(q, k, k, None, bshd, True, 0.125, 2)
     assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == "meta"
     assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
+    out, lse = torch.ops.sage_patch.attn(q, k, k, None, bshd, False, 0.125, 2, 4, True, 1)
+    assert out.shape == q.shape and lse.shape == (2, 4, 7)
+
+
+def test_custom_op_varlen_fake_shapes():
+    q = torch.empty(11, 4, 128, dtype=torch.float16, device="meta")
+    k = torch.empty(13, 2, 128, dtype=torch.float16, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    out, lse = torch.ops.sage_patch.attn_varlen(q, k, k, cu, cu, 8, 9, True, 0.1, 2, 8, False, 0)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (4, 11) and lse.dtype == torch.float32
 
 
 def _built_library():
@@ -159,6 +197,8 @@ def test_library_abi_without_gpu():
     assert h.sage_attn_workspace_bytes(ctypes.byref(p)) > 2 * 8 * 128 * 128
     h.sage_attn_fwd.restype = ctypes.c_int
     assert h.sage_attn_fwd(ctypes.byref(p), None) == -1  # null pointers: rejected before touching CUDA
+    p.qk_bits = 4
+    assert h.sage_attn_workspace_bytes(ctypes.byref(p)) > 2 * 8 * 130 * 4  # + the Delta S table
     h.sage_error_string.restype = ctypes.c_char_p
     assert b"head dim" in h.sage_error_string(-3)
     assert h.sage_q_group_rows(64) in (16, 32) and h.sage_q_group_rows(128) in (16, 32)

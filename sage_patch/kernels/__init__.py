@@ -19,6 +19,12 @@ Implementations (see docs/kernels.md):
   k_group=Grouping(64, 8, 2), pv="fp8")`` in the default build (the Q tile is ``q_group_rows(D)``).
 - ``"cuda-mma-fp16pv"``: "8b" with FP16 P~V (SageAttention1-style) for sm_80/86; reference: the same with pv="fp16".
 
+Both implementations also run "4b" (SageAttention2-4b numerics: INT4 values in [-7, 7] with the same per-thread
+groups, Q smoothing per 128-row block with its fp32 Delta S correction; carried in INT8 mma.sync on every arch, see
+docs/kernels.md) and ``smooth_v``. ``reference_config(impl, D)`` simulates either precision
+(``q_smooth_block`` = the attention CTA's rows). Packed variable-length batches: ``can_run_varlen`` /
+``attention_varlen`` (used by ``sage_patch.varlen``).
+
 Environment: ``SAGE_PATCH_NO_KERNELS=1`` disables loading; ``SAGE_PATCH_KERNELS_LIB`` loads another .so;
 ``SAGE_PATCH_PV=fp16|fp8-mma|fp8-f16`` forces a P~V mode (e.g. to exercise the sm_80 path on newer GPUs).
 """
@@ -43,6 +49,13 @@ IMPL_FP16PV = "cuda-mma-fp16pv"
 _STATUS_CACHE: dict = {}
 _FORCE_PV = os.environ.get("SAGE_PATCH_PV", "").lower() or None  # read once (keeps traced code env-free)
 PV_MODES = {"fp8-mma": 0, "fp16": 1, "fp8-f16": 2}
+QK_BITS = {"8b": 8, "4b": 4}
+# "4b" QK^T MMA: "int4" (packed INT4, mma.sync m16n8k64 s4: sm_80/86/89) or "int8" (INT4 values in INT8 MMA: every
+# arch, the default on sm_90 whose tensor cores have no INT4). SAGE_PATCH_QK_MMA=int4|int8 forces one (tests).
+_FORCE_QK_MMA = os.environ.get("SAGE_PATCH_QK_MMA", "").lower() or None
+# Features switched off in this version with the reason (a mode the H200 tests did not pass is listed here, so the
+# resolver never routes to it): keys "4b", "smooth_v", "varlen"; "4b-int4" (the INT4 MMA: "4b" then uses INT8 MMA).
+DISABLED: dict[str, str] = {}
 
 
 def _torch():
@@ -112,10 +125,9 @@ def _check_tensor(name, x, torch):
 def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smooth_v):
     if precision == "fp4":
         return None, "fp4 needs Blackwell FP4 tensor cores (sm_100/sm_120); no fp4 kernel for this GPU"
-    if precision == "4b":
-        return None, "4b: no compiled kernel in this version (INT4 numerics on INT8 MMA not implemented yet)"
-    if precision != "8b":
-        return None, f"no compiled kernel for precision {precision!r}"
+    why = _feature_reason(precision, smooth_v)
+    if why:
+        return None, why
     st = status()
     if not st["loaded"]:
         return None, st["reason"]
@@ -153,8 +165,6 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
         return None, "sequence too long"
     if q.shape[0] * q.shape[hdim] > 65535:
         return None, f"B*H = {q.shape[0] * q.shape[hdim]} > 65535 (grid limit of the pre-passes)"
-    if smooth_v:
-        return None, "smooth_v is not implemented in the compiled kernel"
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool or attn_mask.dim() != 2 or attn_mask.device != q.device:
             return None, "key-padding mask must be a bool (B, Skv) tensor on q's device"
@@ -164,18 +174,25 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
     return _pick_impl(_lib.get().archs, major, minor), "ok"
 
 
+def _feature_reason(precision, smooth_v, varlen=False):
+    if precision not in QK_BITS:
+        return f"no compiled kernel for precision {precision!r}"
+    for key, on in ((precision, precision == "4b"), ("smooth_v", smooth_v), ("varlen", varlen)):
+        if on and key in DISABLED:
+            return DISABLED[key]
+    return None
+
+
 def _ops_cc(q):
     idx = q.device.index
     return _ops.device_cc(idx if idx is not None else _torch().cuda.current_device())
 
 
 def run(impl, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v):
-    if precision != "8b" or impl not in (IMPL_FP8PV, IMPL_FP16PV):
+    if precision not in QK_BITS or impl not in (IMPL_FP8PV, IMPL_FP16PV):
         raise RuntimeError(f"no compiled kernel {impl!r} for precision {precision!r}")
-    if smooth_v:
-        raise RuntimeError("smooth_v is not implemented in the compiled kernel")
     out, lse = attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                         pv="fp16" if impl == IMPL_FP16PV else "fp8")
+                         pv="fp16" if impl == IMPL_FP16PV else "fp8", precision=precision, smooth_v=smooth_v)
     return (out, lse) if return_lse else out
 
 
@@ -190,19 +207,89 @@ def pv_mode(pv, major: int) -> int:
     return PV_MODES[pv]
 
 
-def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, pv=None):
-    """Direct call of the compiled "8b" kernel (no resolver): returns (out, lse).
-
-    pv: None (the variant can_run would pick), "fp8" (best FP8 P~V mode for this GPU), "fp16", "fp8-mma",
-    "fp8-f16"."""
-    torch = _torch()
+def _mode(q, pv):
     major, minor = _ops_cc(q)
     if pv is None:
         pv = "fp16" if _pick_impl(_lib.get().archs, major, minor) == IMPL_FP16PV else "fp8"
-    mode = pv_mode(pv, major)
+    return pv_mode(pv, major)
+
+
+def qk_mma(q, qk=None) -> int:
+    """The C ABI's qk_mma for "4b": qk "int4" -> 1, "int8" -> 0; None: SAGE_PATCH_QK_MMA, else int4 below sm_90."""
+    qk = qk or _FORCE_QK_MMA
+    if qk is None:
+        major, _ = _ops_cc(q)
+        qk = "int4" if major == 8 and "4b-int4" not in DISABLED else "int8"
+    if qk not in ("int4", "int8"):
+        raise ValueError(f"qk must be None, 'int4' or 'int8', got {qk!r}")
+    return 1 if qk == "int4" else 0
+
+
+def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, pv=None, precision="8b",
+              smooth_v=False, qk=None):
+    """Direct call of the compiled kernel (no resolver): returns (out, lse).
+
+    precision: "8b" or "4b". pv: None (the variant can_run would pick), "fp8" (best FP8 P~V mode for this GPU),
+    "fp16", "fp8-mma", "fp8-f16". qk ("4b" only): None (default for this GPU), "int4" or "int8" MMA."""
+    torch = _torch()
+    mode = _mode(q, pv)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return torch.ops.sage_patch.attn_8b(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale,
-                                        mode)
+    return torch.ops.sage_patch.attn(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale,
+                                     mode, QK_BITS[precision], bool(smooth_v), qk_mma(q, qk))
+
+
+def can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v=False):
+    """(impl | None, reason) for a packed variable-length call: q (total_q, Hq, D), k/v (total_k, Hkv, D)."""
+    why = _feature_reason(precision, smooth_v, varlen=True)
+    if why:
+        return None, why
+    st = status()
+    if not st["loaded"]:
+        return None, st["reason"]
+    torch = _torch()
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if not all(x.is_cuda for x in tensors) or len({x.device for x in tensors}) != 1:
+        return None, "q, k, v, cu_seqlens_q, cu_seqlens_k must be CUDA tensors on one device"
+    if q.device.index is not None and q.device.index != torch.cuda.current_device():
+        return None, f"varlen kernel: {q.device} is not the current CUDA device"
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        return None, f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes fp16 or bf16 (all the same)"
+    for c in (cu_seqlens_q, cu_seqlens_k):
+        if c.dtype != torch.int32 or c.dim() != 1 or c.stride(0) != 1:
+            return None, "cu_seqlens must be contiguous 1-D int32 tensors"
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+        return None, "cu_seqlens_q and cu_seqlens_k must both have B+1 >= 2 entries"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            return None, f"{name} must be 3-D (total, H, D), got {x.dim()}-D"
+        why = _check_tensor(name, x.unsqueeze(0), torch)
+        if why:
+            return None, why
+    d = q.shape[-1]
+    if d not in NATIVE_HEAD_DIMS:
+        return None, f"head_dim {d}: the kernel has head dims {NATIVE_HEAD_DIMS} only"
+    if k.shape != v.shape or k.shape[-1] != d:
+        return None, f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return None, f"GQA needs Hq % Hkv == 0 (Hq={q.shape[1]}, Hkv={k.shape[1]})"
+    if (cu_seqlens_q.shape[0] - 1) * q.shape[1] > 65535:
+        return None, "B*H > 65535 (grid limit of the pre-passes)"
+    if max(q.shape[0], k.shape[0]) >= 2**30:
+        return None, "sequence too long"
+    major, minor = _ops_cc(q)
+    return _pick_impl(_lib.get().archs, major, minor), "ok"
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False,
+                     scale=None, precision="8b", smooth_v=False, pv=None, qk=None):
+    """Direct packed variable-length call: returns (out (total_q, Hq, D), lse (Hq, total_q)). max_seqlen_* must be
+    >= every sequence's length (longer sequences are cut there)."""
+    torch = _torch()
+    mode = _mode(q, pv)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return torch.ops.sage_patch.attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                            int(max_seqlen_k), bool(is_causal), scale, mode, QK_BITS[precision],
+                                            bool(smooth_v), qk_mma(q, qk))
 
 
 def q_group_rows(head_dim: int) -> int:
@@ -215,7 +302,8 @@ def reference_config(impl: str = IMPL_FP8PV, head_dim: int = 128):
     """The reference SimConfig that simulates `impl` exactly (same groupings, block and P~V operands)."""
     from ..reference import Grouping, SimConfig
 
-    return SimConfig(block_k=KERNEL_BLOCK_K, q_group=Grouping(q_group_rows(head_dim), 8, 1),
-                     k_group=Grouping(*KERNEL_K_GROUPING_ARGS), pv="fp16" if impl == IMPL_FP16PV else "fp8")
+    rows = q_group_rows(head_dim)
+    return SimConfig(block_k=KERNEL_BLOCK_K, q_group=Grouping(rows, 8, 1), k_group=Grouping(*KERNEL_K_GROUPING_ARGS),
+                     q_smooth_block=4 * rows, pv="fp16" if impl == IMPL_FP16PV else "fp8")
 
 

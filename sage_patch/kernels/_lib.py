@@ -6,7 +6,7 @@ import os
 import threading
 
 LIB_NAME = "libsage_kernels.so"
-ABI_VERSION = 3
+ABI_VERSION = 4
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -24,6 +24,10 @@ class SageAttnParams(ctypes.Structure):
         ("causal", ctypes.c_int32), ("dtype", ctypes.c_int32), ("pv_mode", ctypes.c_int32),
         ("device", ctypes.c_int32), ("device_cc", ctypes.c_int32),
         ("sm_scale", ctypes.c_float),
+        # ABI 4
+        ("qk_bits", ctypes.c_int32), ("smooth_v", ctypes.c_int32),
+        ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p), ("qk_mma", ctypes.c_int32),
+        ("lse_sh", ctypes.c_int64),
     ]
 
 

@@ -1,4 +1,10 @@
-"""torch.library custom ops around libsage_kernels.so (launch on the caller's stream, no host sync)."""
+"""torch.library custom ops around libsage_kernels.so (launch on the caller's stream, no host sync).
+
+- ``sage_patch::attn_8b``: the "8b" call (kept for compatibility: same as ``attn`` with qk_bits=8, smooth_v=False).
+- ``sage_patch::attn``: "8b" or "4b" (qk_bits 8/4), optional smooth V, BHSD or BSHD.
+- ``sage_patch::attn_varlen``: packed variable-length batches (q (total_q, Hq, D), k/v (total_k, Hkv, D),
+  cu_seqlens int32 (B+1)); lse is (Hq, total_q).
+"""
 from __future__ import annotations
 
 import ctypes
@@ -35,29 +41,12 @@ def _lse_shape(q: torch.Tensor, bshd: bool):
     return (b, h, s)
 
 
-@torch.library.custom_op("sage_patch::attn_8b", mutates_args=(), device_types="cuda")
-def attn_8b(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[torch.Tensor], bshd: bool,
-            is_causal: bool, scale: float, pv_mode: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """SageAttention2-8b forward. q/k/v fp16|bf16 in BHSD (bshd=False) or BSHD; kmask None or bool (B, Skv).
-
-    pv_mode: 0 = FP8 P~V on e4m3 mma.sync (sm_89+), 1 = FP16 P~V (sm_80+), 2 = FP8 P~V numerics on fp16 mma.sync.
-
-    Returns (out in q's layout and dtype, lse fp32 (B, Hq, Sq) natural log, -inf on empty rows)."""
+def _launch(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_causal, scale, pv_mode, qk_bits,
+            smooth_v, qk_mma) -> None:
     lib = _lib.get()
     if lib.handle is None:
         raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
-    (B, Hq, Sq, D), qs = _dims(q, bshd)
-    (_, Hkv, Skv, _), ks = _dims(k, bshd)
-    _, vs = _dims(v, bshd)
-    out = q.new_empty(q.shape)
-    lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
-    if Sq == 0 or B == 0 or Hq == 0:
-        return out, lse
-    if Skv == 0:
-        out.zero_()
-        lse.fill_(-math.inf)
-        return out, lse
-    _, os_ = _dims(out, bshd)
+    B, Hq, Hkv, Sq, Skv, D = dims
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     major, minor = device_cc(dev)
     p = _lib.SageAttnParams()
@@ -71,10 +60,16 @@ def attn_8b(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[t
             kmask = kmask.contiguous()
         p.kmask = kmask.data_ptr()
         p.kmask_sb = kmask.stride(0) if kmask.shape[0] > 1 else 0
+    if cu_q is not None:
+        p.cu_seqlens_q, p.cu_seqlens_k = cu_q.data_ptr(), cu_k.data_ptr()
+        p.lse_sh = lse.stride(0)  # (Hq, total_q)
     p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = B, Hq, Hkv, Sq, Skv, D
     p.causal = int(bool(is_causal))
     p.dtype = _DTYPE_CODE[q.dtype]
     p.pv_mode = int(pv_mode)
+    p.qk_bits = int(qk_bits)
+    p.smooth_v = int(bool(smooth_v))
+    p.qk_mma = int(qk_mma) if qk_bits == 4 else 0
     p.device, p.device_cc = dev, major * 10 + minor
     p.sm_scale = float(scale)
     h = lib.handle
@@ -84,9 +79,85 @@ def attn_8b(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[t
     rc = h.sage_attn_fwd(ctypes.byref(p), ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream))
     if rc != 0:
         raise RuntimeError(f"sage_patch kernel launch failed ({rc}): {h.sage_error_string(rc).decode()}")
+
+
+def _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma):
+    (B, Hq, Sq, D), qs = _dims(q, bshd)
+    (_, Hkv, Skv, _), ks = _dims(k, bshd)
+    _, vs = _dims(v, bshd)
+    out = q.new_empty(q.shape)
+    lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
+    if Sq == 0 or B == 0 or Hq == 0:
+        return out, lse
+    if Skv == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    _, os_ = _dims(out, bshd)
+    _launch(q, k, v, out, lse, dims=(B, Hq, Hkv, Sq, Skv, D), qs=qs, ks=ks, vs=vs, os_=os_, kmask=kmask, cu_q=None,
+            cu_k=None, is_causal=is_causal, scale=scale, pv_mode=pv_mode, qk_bits=qk_bits, smooth_v=smooth_v,
+            qk_mma=qk_mma)
     return out, lse
+
+
+@torch.library.custom_op("sage_patch::attn_8b", mutates_args=(), device_types="cuda")
+def attn_8b(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[torch.Tensor], bshd: bool,
+            is_causal: bool, scale: float, pv_mode: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """SageAttention2-8b forward. q/k/v fp16|bf16 in BHSD (bshd=False) or BSHD; kmask None or bool (B, Skv).
+
+    pv_mode: 0 = FP8 P~V on e4m3 mma.sync (sm_89+), 1 = FP16 P~V (sm_80+), 2 = FP8 P~V numerics on fp16 mma.sync.
+
+    Returns (out in q's layout and dtype, lse fp32 (B, Hq, Sq) natural log, -inf on empty rows)."""
+    return _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, 8, False, 0)
 
 
 @attn_8b.register_fake
 def _attn_8b_fake(q, k, v, kmask, bshd, is_causal, scale, pv_mode):
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, bshd), dtype=torch.float32)
+
+
+@torch.library.custom_op("sage_patch::attn", mutates_args=(), device_types="cuda")
+def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[torch.Tensor], bshd: bool,
+         is_causal: bool, scale: float, pv_mode: int, qk_bits: int, smooth_v: bool,
+         qk_mma: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Like attn_8b, plus qk_bits (8: "8b", 4: "4b" = INT4 values with Q smoothing), smooth_v and, for "4b",
+    qk_mma (0: INT4 values on INT8 mma.sync, 1: packed INT4 mma.sync m16n8k64)."""
+    return _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma)
+
+
+@attn.register_fake
+def _attn_fake(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma):
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, bshd), dtype=torch.float32)
+
+
+@torch.library.custom_op("sage_patch::attn_varlen", mutates_args=(), device_types="cuda")
+def attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
+                pv_mode: int, qk_bits: int, smooth_v: bool, qk_mma: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed variable-length batches: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens int32 (B+1) on q's
+    device, max_seqlen_* >= every sequence's length. Returns (out like q, lse fp32 (Hq, total_q))."""
+    total_q, Hq, D = q.shape
+    Hkv = k.shape[1]
+    B = cu_seqlens_q.shape[0] - 1
+    out = q.new_empty(q.shape)
+    lse = torch.empty((Hq, total_q), device=q.device, dtype=torch.float32)
+    if total_q == 0 or B <= 0 or Hq == 0 or max_seqlen_q <= 0:
+        return out, lse
+    if max_seqlen_k <= 0 or k.shape[0] == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+
+    def st(x):  # (batch, head, seq) strides: no batch stride, tokens are offset by cu_seqlens
+        return (0, x.stride(1), x.stride(0))
+
+    _launch(q, k, v, out, lse, dims=(B, Hq, Hkv, int(max_seqlen_q), int(max_seqlen_k), D), qs=st(q), ks=st(k),
+            vs=st(v), os_=st(out), kmask=None, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, is_causal=is_causal,
+            scale=scale, pv_mode=pv_mode, qk_bits=qk_bits, smooth_v=smooth_v, qk_mma=qk_mma)
+    return out, lse
+
+
+@attn_varlen.register_fake
+def _attn_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, pv_mode,
+                      qk_bits, smooth_v, qk_mma):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)

@@ -259,12 +259,11 @@ def test_other_head_dims_fall_back_with_reason(d):
     assert compare(out, ex)["cos"] >= 0.999
 
 
-def test_fp4_and_4b_fall_back_with_reason():
+def test_fp4_falls_back_with_reason():
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16)
-    for prec in ("fp4", "4b"):
-        impl, why = K.can_run(prec, q, k, v, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
-                              smooth_v=False)
-        assert impl is None and why
+    impl, why = K.can_run("fp4", q, k, v, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
+                          smooth_v=False)
+    assert impl is None and why  # ("4b" and smooth_v: tests/gpu/test_kernel_4b_smoothv.py)
 
 
 def test_status_reports_loaded():

@@ -1,0 +1,208 @@
+"""Compiled "4b" and smooth_v on a CUDA GPU (run with `pytest -m gpu tests/gpu`; skipped without CUDA or kernels).
+
+Every case: fresh structured inputs (randn + a 4-sigma per-channel bias on K and V, and a per-channel bias on Q so
+Q smoothing matters), NaN-poisoned output memory, inputs checked unchanged, and the kernel compared with
+  - the reference simulation with the SAME config (sage_patch.kernels.reference_config, same precision and
+    smooth_v): rel L1 <= 1e-3 (both rounded to the output dtype);
+  - float64 exact attention: cos >= 0.995 ("4b"), cos >= 0.9995 and rel L1 <= 0.03 ("8b" + smooth_v).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import sage_patch.kernels as K
+from sage_patch.accuracy import compare
+from sage_patch.reference import exact_attention, simulate
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or not K.status()["loaded"]:  # pragma: no cover - CPU machines
+    pytest.skip(f"compiled kernels not usable here: {K.status()['reason']}", allow_module_level=True)
+
+DEV = "cuda"
+SIM_L1 = float(os.environ.get("SAGE_TEST_SIM_L1", "1e-3"))
+# INT4 steps are 18x coarser than INT8: one rounding landing a step apart (K mean / Q block mean summed in another
+# order than torch's) moves one score by ~0.1; the LSE moves by p * that.
+LSE_ATOL = {"8b": 5e-3, "4b": 3e-2}
+
+
+def record(res: dict) -> None:
+    print(res)
+    path = os.environ.get("SAGE_TEST_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(res) + "\n")
+
+
+def make_qkv(b, hq, hkv, sq, skv, d, dtype, layout="bhsd", seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+
+    def rnd(h, s, bias):
+        x = torch.randn(b, h, s, d, generator=g, device=DEV) + bias * torch.randn(d, generator=g, device=DEV)
+        x = x.to(dtype)
+        return x.transpose(1, 2).contiguous() if layout == "bshd" else x
+
+    return rnd(hq, sq, 1.0), rnd(hkv, skv, 4.0), rnd(hkv, skv, 4.0)
+
+
+def to_bhsd(x, layout):
+    return x.transpose(1, 2) if layout == "bshd" else x
+
+
+def poison(shape, dtype):
+    t = torch.full(shape, float("nan"), device=DEV, dtype=dtype)
+    del t
+
+
+def run_case(precision, b, hq, hkv, sq, skv, d, *, dtype=torch.float16, layout="bhsd", causal=False, mask=None,
+             pv=None, smooth_v=False, seed=0, name=""):
+    q, k, v = make_qkv(b, hq, hkv, sq, skv, d, dtype, layout, seed)
+    keep = [x.clone() for x in (q, k, v)] + ([mask.clone()] if mask is not None else [])
+    poison(q.shape, dtype)
+    out, lse = K.attention(q, k, v, layout=layout, is_causal=causal, attn_mask=mask, pv=pv, precision=precision,
+                           smooth_v=smooth_v)
+    torch.cuda.synchronize()
+    for a, b_ in zip((q, k, v) + ((mask,) if mask is not None else ()), keep):
+        assert torch.equal(a, b_), "an input was modified"
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all(), "NaN/inf in the output (unwritten or empty rows)"
+    qb, kb, vb = (to_bhsd(x, layout) for x in (q, k, v))
+    ob = to_bhsd(out, layout)
+    m4 = mask[:, None, None, :] if mask is not None else None
+    impl = K.IMPL_FP16PV if pv == "fp16" else K.IMPL_FP8PV
+    sim, sim_lse = simulate(qb, kb, vb, precision, is_causal=causal, attn_mask=m4, return_lse=True,
+                            smooth_v=smooth_v, config=K.reference_config(impl, d))
+    res = {"case": name, "sim_l1": compare(ob, sim.to(dtype))["rel_l1"], "sim_l1_fp32": compare(ob, sim)["rel_l1"]}
+    fin = torch.isfinite(sim_lse)
+    assert torch.equal(torch.isfinite(lse), fin), "LSE -inf pattern differs from the simulation"
+    res["lse_maxdiff"] = float((lse[fin] - sim_lse[fin]).abs().max()) if fin.any() else 0.0
+    if (~fin).any():
+        assert (ob.float()[~fin] == 0).all(), "empty rows must be 0"
+    ex = exact_attention(qb, kb, vb, is_causal=causal, attn_mask=m4)
+    mex = compare(ob, ex)
+    res.update(exact_cos=mex["cos"], exact_l1=mex["rel_l1"])
+    record(res)
+    assert res["sim_l1"] <= SIM_L1, res
+    assert res["lse_maxdiff"] <= LSE_ATOL[precision], res
+    if precision == "4b":
+        assert res["exact_cos"] >= 0.995, res
+    else:
+        assert res["exact_cos"] >= 0.9995 and res["exact_l1"] <= 0.03, res
+    return out, lse
+
+
+CASES = [
+    # b, hq, hkv, sq, skv, d, dtype, layout, causal
+    (1, 2, 2, 1, 1, 64, torch.float16, "bhsd", False),
+    (2, 4, 4, 77, 77, 128, torch.bfloat16, "bshd", True),
+    (1, 4, 4, 1000, 1000, 64, torch.float16, "bshd", False),
+    (2, 8, 2, 513, 1031, 128, torch.float16, "bhsd", True),      # GQA, Sq != Skv, causal bottom-right
+    (1, 4, 1, 300, 200, 64, torch.bfloat16, "bhsd", True),       # Sq > Skv: first 100 rows empty
+    (1, 2, 2, 4097, 4097, 128, torch.bfloat16, "bshd", False),
+    (1, 1, 1, 16385, 16385, 64, torch.float16, "bhsd", True),
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,sq,skv,d,dtype,layout,causal", CASES)
+def test_4b_matches_reference_and_exact(b, hq, hkv, sq, skv, d, dtype, layout, causal):
+    name = f"4b b{b} h{hq}/{hkv} sq{sq} skv{skv} d{d} {str(dtype)[6:]} {layout} causal={causal}"
+    run_case("4b", b, hq, hkv, sq, skv, d, dtype=dtype, layout=layout, causal=causal, seed=sq + d, name=name)
+
+
+@pytest.mark.parametrize("precision", ["8b", "4b"])
+@pytest.mark.parametrize("b,hq,hkv,sq,skv,d,dtype,layout,causal", CASES[1:5])
+def test_smooth_v_matches_reference_and_exact(precision, b, hq, hkv, sq, skv, d, dtype, layout, causal):
+    name = f"{precision}+smooth_v b{b} h{hq}/{hkv} sq{sq} skv{skv} d{d} {str(dtype)[6:]} {layout} causal={causal}"
+    run_case(precision, b, hq, hkv, sq, skv, d, dtype=dtype, layout=layout, causal=causal, smooth_v=True,
+             seed=sq + d + 1, name=name)
+
+
+@pytest.mark.parametrize("pv", ["fp16", "fp8-mma", "fp8-f16"])
+@pytest.mark.parametrize("precision,smooth_v", [("4b", False), ("8b", True), ("4b", True)])
+def test_all_pv_modes(pv, precision, smooth_v):
+    if pv != "fp16" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 P~V needs sm_89+")
+    run_case(precision, 2, 4, 2, 333, 700, 128, causal=True, pv=pv, smooth_v=smooth_v, seed=7,
+             name=f"{precision} smooth_v={smooth_v} pv={pv}")
+
+
+@pytest.mark.parametrize("precision,smooth_v", [("4b", False), ("8b", True), ("4b", True)])
+def test_key_padding_mask_with_empty_rows(precision, smooth_v):
+    b, skv = 3, 300
+    mask = torch.ones(b, skv, dtype=torch.bool, device=DEV)
+    mask[0, 200:] = False
+    mask[1, :] = False               # fully masked batch: rows 0, LSE -inf (no mean added back)
+    mask[2, ::3] = False
+    out, lse = run_case(precision, b, 4, 2, 130, skv, 64, mask=mask, smooth_v=smooth_v,
+                        name=f"{precision} smooth_v={smooth_v} mask")
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+
+
+def test_smooth_v_helps_biased_v():
+    """With a large per-channel offset on V, smoothing V lowers the error against exact attention."""
+    q, k, v = make_qkv(1, 4, 4, 1024, 1024, 128, torch.float16, seed=21)
+    v = (v.float() + 30.0).half()
+    ex = exact_attention(q, k, v)
+    plain = compare(K.attention(q, k, v)[0], ex)["rel_l1"]
+    smooth = compare(K.attention(q, k, v, smooth_v=True)[0], ex)["rel_l1"]
+    record({"case": "smooth_v on V+30", "rel_l1_plain": plain, "rel_l1_smooth_v": smooth})
+    assert smooth < plain
+
+
+def test_4b_cuda_graph_and_compile():
+    q, k, v = make_qkv(2, 4, 4, 300, 300, 64, torch.bfloat16, seed=3)
+    eager, _ = K.attention(q, k, v, is_causal=True, precision="4b", smooth_v=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        K.attention(q, k, v, is_causal=True, precision="4b", smooth_v=True)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, _ = K.attention(q, k, v, is_causal=True, precision="4b", smooth_v=True)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+    def f(q, k, v):
+        return torch.ops.sage_patch.attn(q, k, v, None, False, True, 0.125, 2, 4, True, 0)[0] * 2.0
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v),
+                               torch.ops.sage_patch.attn(q, k, v, None, False, True, 0.125, 2, 4, True, 0)[0] * 2.0)
+
+
+def test_4b_deterministic_and_routed():
+    import sage_patch
+
+    q, k, v = make_qkv(1, 4, 4, 700, 700, 128, torch.float16, seed=9)
+    a, _ = K.attention(q, k, v, precision="4b")
+    b, _ = K.attention(q, k, v, precision="4b")
+    assert torch.equal(a, b)
+    impl, why = K.can_run("4b", q, k, v, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
+                          smooth_v=True)
+    assert impl is not None, why
+    out = sage_patch.attention(q, k, v, precision="4b", smooth_v=True)
+    ref, _ = K.attention(q, k, v, precision="4b", smooth_v=True)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("d,causal,dtype,pv", [(64, True, torch.float16, None), (128, False, torch.bfloat16, None),
+                                               (128, True, torch.float16, "fp16")])
+def test_4b_int4_mma_equals_int8_mma(d, causal, dtype, pv):
+    """The packed INT4 mma.sync m16n8k64 path (native on sm_80-89, emulated on sm_90) gives exactly the INT8-MMA
+    result (same integers, exact int32 sums), and matches the simulation."""
+    b, hq, hkv, sq, skv = 2, 4, 2, 333, 1000
+    a, la = run_case("4b", b, hq, hkv, sq, skv, d, dtype=dtype, causal=causal, pv=pv, seed=13,
+                     name=f"4b int8-mma d{d} causal={causal} pv={pv}")
+    q, k, v = make_qkv(b, hq, hkv, sq, skv, d, dtype, seed=13)
+    poison(q.shape, dtype)
+    c, lc = K.attention(q, k, v, is_causal=causal, pv=pv, precision="4b", qk="int4")
+    torch.cuda.synchronize()
+    record({"case": f"4b int4-mma vs int8-mma d{d}", "equal": bool(torch.equal(a, c)),
+            "maxdiff": float((a.float() - c.float()).abs().max())})
+    assert torch.equal(a, c) and torch.equal(la, lc)
