@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .accuracy import compare
+from .guard import head_slices
 from .policy import LayerRule, Policy
 from .precisions import check_precision
 from .reference import exact_attention
@@ -126,15 +127,8 @@ class _Observer:
         if e.sampled >= self.max_calls or (e.calls - 1) % stride:
             return
         e.sampled += 1
-        bshd = call["layout"] == "bshd"
-        qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v)) if bshd else (q, k, v)
-        groups = qb.shape[1] // kb.shape[1]
-        heads = _sample_heads(qb.shape[1], self.max_heads)
-        kv_heads = [h // groups for h in heads]
-        qs, ks, vs = qb[:, heads], kb[:, kv_heads], vb[:, kv_heads]
-        mask = call["attn_mask"]
-        if mask is not None and mask.dim() == 4 and mask.shape[1] > 1:
-            mask = mask[:, heads]
+        n_heads = q.shape[2] if call["layout"] == "bshd" else q.shape[1]
+        qs, ks, vs, mask = head_slices(q, k, v, call, _sample_heads(n_heads, self.max_heads))
         with torch.no_grad():
             ref = exact_attention(qs, ks, vs, is_causal=call["is_causal"], scale=call["scale"], attn_mask=mask,
                                   dtype=torch.float32)

@@ -47,18 +47,21 @@ class Guard:
             log_fallback_once(f"{binding.name}: {reason}")
 
 
-def head_error(q, k, v, out, h: int, call: dict) -> dict:
-    """Error of head h of a routed call's output against fp32 attention of that head."""
-    bshd = call["layout"] == "bshd"
-    hq, hkv = (q.shape[2], k.shape[2]) if bshd else (q.shape[1], k.shape[1])
-    hk = h // (hq // hkv)
-
-    def head(t, i):
-        return t[:, :, i:i + 1].transpose(1, 2) if bshd else t[:, i:i + 1]
-
+def head_slices(q, k, v, call: dict, heads: list[int]):
+    """The given query heads of a routed call, with their KV heads (GQA) and mask, in (B, H, S, D) layout."""
+    if call["layout"] == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    kv = [h // (q.shape[1] // k.shape[1]) for h in heads]
     mask = call.get("attn_mask")
     if mask is not None and mask.dim() == 4 and mask.shape[1] > 1:
-        mask = mask[:, h:h + 1]
-    ref = exact_attention(head(q, h), head(k, hk), head(v, hk), is_causal=call["is_causal"], scale=call["scale"],
-                          attn_mask=mask, dtype=torch.float32)
-    return compare(head(out, h), ref)
+        mask = mask[:, heads]
+    return q[:, heads], k[:, kv], v[:, kv], mask
+
+
+def head_error(q, k, v, out, h: int, call: dict) -> dict:
+    """Error of head h of a routed call's output against fp32 attention of that head."""
+    qs, ks, vs, mask = head_slices(q, k, v, call, [h])
+    ref = exact_attention(qs, ks, vs, is_causal=call["is_causal"], scale=call["scale"], attn_mask=mask,
+                          dtype=torch.float32)
+    out_h = out.transpose(1, 2)[:, [h]] if call["layout"] == "bshd" else out[:, [h]]
+    return compare(out_h, ref)

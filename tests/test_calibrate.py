@@ -169,3 +169,15 @@ def test_measured_speeds_order_the_candidates_and_slow_kernels_never_win():
     # a kernel slower than full precision (the portable kernel on Hopper) is never chosen
     _, res = calibrate(m, min_cos=0.0, precisions=["8b"], bench={"8b": 0.5}, progress=False, return_details=True)
     assert set(res.choice.values()) == {"full"}
+
+
+def test_guard_head_error_is_layout_independent():
+    from sage_patch.guard import head_error
+    from tests.conftest import structured_qkv
+
+    q, k, v = structured_qkv(b=1, h=4, hkv=2, sq=96, d=32, seed=3)
+    out = sage_patch.attention(q, k, v, precision="4b", is_causal=True)
+    call = {"layout": "bhsd", "is_causal": True, "scale": None, "attn_mask": None}
+    a = head_error(q, k, v, out, 3, call)
+    b = head_error(*(t.transpose(1, 2) for t in (q, k, v, out)), 3, {**call, "layout": "bshd"})
+    assert a == pytest.approx(b) and 0.99 < a["cos"] < 1.0
