@@ -33,6 +33,7 @@ constexpr float kLnFp8Max = 6.104793232414985f;    // ln(448)
 // P~V variants (SageAttnParams.pv_mode)
 constexpr int PV_FP8_MMA = 0;  // e4m3 operands, mma.sync m16n8k32 e4m3 (sm_89+; native FP8 rate on Ada)
 constexpr int PV_FP16 = 1;     // fp16 P~ and V, m16n8k16 (SageAttention1-style, sm_80+)
+constexpr int PV_WGMMA = 3;    // sm_90a: the Hopper kernel (hopper_attn.cuh): INT8 + FP8 wgmma, warp-specialized
 constexpr int PV_FP8_F16 = 2;  // e4m3 VALUES (same numerics as PV_FP8_MMA) carried in fp16 through m16n8k16: on
                                // sm_90 mma.sync e4m3 is lowered to fp16 MMAs anyway; this skips per-MMA converts
 
@@ -1081,19 +1082,22 @@ int dispatch_d(const SageAttnParams& p, cudaStream_t st) {
     return SAGE_E_HEADDIM;
 }
 
+#include "hopper_attn.cuh"
+
 }  // namespace
 
 extern "C" {
 
 int64_t sage_attn_workspace_bytes(const SageAttnParams* p) {
     if (!p) return -1;
+    if (p->pv_mode == PV_WGMMA) return make_hop_layout(*p).total;
     return make_layout(*p).total;
 }
 
 int sage_attn_fwd(const SageAttnParams* p, void* stream) {
     if (!p || !p->q || !p->k || !p->v || !p->o || !p->workspace) return SAGE_E_BADARG;
     if (p->B <= 0 || p->Hq <= 0 || p->Hkv <= 0 || p->Sq <= 0 || p->Skv <= 0 || p->Hq % p->Hkv != 0) return SAGE_E_BADARG;
-    if (p->pv_mode < 0 || p->pv_mode > 2) return SAGE_E_BADARG;
+    if (p->pv_mode < 0 || p->pv_mode > 3) return SAGE_E_BADARG;
     if ((p->qk_bits != 0 && p->qk_bits != 8 && p->qk_bits != 4) || (p->smooth_v != 0 && p->smooth_v != 1) ||
         (p->qk_mma != 0 && p->qk_mma != 1))
         return SAGE_E_BADARG;
@@ -1107,6 +1111,12 @@ int sage_attn_fwd(const SageAttnParams* p, void* stream) {
     if (cudaGetDevice(&cur) != cudaSuccess || cur != p->device) {
         cudaError_t e = cudaSetDevice(p->device);
         if (e != cudaSuccess) return (int)e;
+    }
+    if (p->pv_mode == PV_WGMMA) {
+        if (!hop_supported(*p)) return p->device_cc != 90 || !hop_compiled() ? SAGE_E_ARCH : SAGE_E_BADARG;
+        if (p->dtype == 0) return hop_dispatch<__half>(*p, st);
+        if (p->dtype == 1) return hop_dispatch<__nv_bfloat16>(*p, st);
+        return SAGE_E_BADARG;
     }
     if (p->dtype == 0) return dispatch_d<__half>(*p, st);
     if (p->dtype == 1) return dispatch_d<__nv_bfloat16>(*p, st);
@@ -1128,5 +1138,14 @@ int sage_abi_version(void) { return SAGE_ABI_VERSION; }
 const char* sage_compiled_archs(void) { return SAGE_ARCHS; }
 
 int sage_q_group_rows(int head_dim) { return warp_rows(head_dim); }
+
+int sage_hopper_compiled(void) { return hop_compiled() ? 1 : 0; }
+
+int sage_hopper_probe(const uint8_t* a, const uint8_t* b, float* d, int steps, int mode, void* stream) {
+    if (!a || !b || !d || steps < 1 || (mode != 0 && mode != 1)) return SAGE_E_BADARG;
+    if (!hop_compiled()) return SAGE_E_ARCH;
+    hopper_probe_kernel<<<1, 128, 0, static_cast<cudaStream_t>(stream)>>>(a, b, d, steps, mode);
+    return (int)cudaGetLastError();
+}
 
 }  // extern "C"

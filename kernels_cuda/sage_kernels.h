@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SAGE_ABI_VERSION 4
+#define SAGE_ABI_VERSION 5
 
 enum { SAGE_E_BADARG = -1, SAGE_E_ARCH = -2, SAGE_E_HEADDIM = -3 };
 
@@ -40,7 +40,9 @@ typedef struct {
     int32_t causal;            /* bottom-right aligned: query i sees keys j <= i + Skv - Sq */
     int32_t dtype;             /* 0 = fp16, 1 = bf16 */
     int32_t pv_mode;           /* 0 = FP8 P~V with e4m3 mma.sync (sm_89+), 1 = FP16 P~V (SageAttention1-style,
-                                  sm_80+), 2 = FP8 P~V numerics (e4m3 values) on fp16 mma.sync (sm_89+; sm_90) */
+                                  sm_80+), 2 = FP8 P~V numerics (e4m3 values) on fp16 mma.sync (sm_89+; sm_90),
+                                  3 (ABI 5) = the Hopper kernel (sm_90a build, "8b" only): INT8 + FP8 wgmma,
+                                  warp-specialized, 128-key blocks, Q groups Grouping(16, 8, 1), K Grouping(128, 8, 2) */
     int32_t device;            /* CUDA device index of the tensors and of the stream */
     int32_t device_cc;         /* compute capability of the current device, e.g. 90 (cached by the caller) */
     float sm_scale;
@@ -66,6 +68,11 @@ int sage_abi_version(void);
 const char* sage_compiled_archs(void);
 /* rows per warp tile of the attention kernel for this head dim: Q scale groups are Grouping(rows, 8, 1) */
 int sage_q_group_rows(int head_dim);
+/* 1 when the sm_90a Hopper kernel (pv_mode 3) is compiled in */
+int sage_hopper_compiled(void);
+/* diagnostics: D (64 x 16 fp32) = A (64 x 32*steps) . B^T (B: 16 x 32*steps), row-major bytes in device memory,
+   as `steps` chained wgmma m64n16k32: mode 0 e4m3 (A from registers), mode 1 s8 (A from shared memory) */
+int sage_hopper_probe(const uint8_t* a, const uint8_t* b, float* d, int steps, int mode, void* stream);
 
 #ifdef __cplusplus
 }

@@ -85,11 +85,18 @@ int main() {
     CK(cudaGetDeviceProperties(&prop, 0));
     const int cc = prop.major * 10 + prop.minor;
     int fails = 0;
-    for (int pvm = 0; pvm < 3; ++pvm) {
+    for (int pvm = 0; pvm < 4; ++pvm) {
         if (pvm != 1 && cc < 89) continue;
+        if (pvm == 3 && (cc != 90 || !sage_hopper_compiled())) continue;
         fails += run(2, 2, 1, 130, 150, 64, 1, pvm, 1, cc);
         fails += run(1, 2, 2, 70, 129, 128, 0, pvm, 0, cc);
         fails += run(2, 2, 2, 65, 64, 128, 1, pvm, 1, cc);
+    }
+    if (cc == 90 && sage_hopper_compiled()) {  // Hopper kernel: smooth V, several tiles per CTA (persistent)
+        g_smooth_v = 1;
+        fails += run(2, 4, 2, 300, 1000, 128, 1, 3, 1, cc);
+        fails += run(1, 150, 150, 128, 128, 64, 0, 3, 0, cc);  // 150 tiles > 132 CTAs
+        g_smooth_v = 0;
     }
     // "4b" (INT8 and INT4 MMA) with smooth V
     for (int qm = 0; qm < 2; ++qm) {

@@ -36,7 +36,7 @@ for line in open(sys.argv[1]):
     if m:
         cur = m.group(1); counts[cur] = collections.Counter(); continue
     if cur:
-        for op in ("IMMA", "HMMA", "QMMA", "HGMMA", "LDSM", "LDL", "STL", "F2FP"):
+        for op in ("IMMA", "HMMA", "QMMA", "HGMMA", "IGMMA", "QGMMA", "UBLKCP", "SYNCS", "LDSM", "LDL", "STL", "F2FP"):
             if re.search(r"\b" + op + r"\b", line) or re.search(r"\b" + op + r"\.", line):
                 counts[cur][op] += 1
 for f, c in counts.items():
@@ -76,6 +76,7 @@ if [ "$BENCH" != none ]; then
   log "bench ($BENCH)"
   ARGS="--out $OUT/bench"
   [ "$BENCH" = quick ] && ARGS="$ARGS --quick"
+  [ -n "${BENCH_ARGS:-}" ] && ARGS="$ARGS $BENCH_ARGS"
   [ "$BENCH" = full ] && ARGS="$ARGS --profile ${PROFILE_N:-4096}"
   timeout 400 $PY scripts/bench_kernel.py $ARGS > "$OUT/bench.log" 2>&1
   echo "bench rc=$?" | tee -a "$OUT/summary.txt"

@@ -45,10 +45,14 @@ KERNEL_BLOCK_K = 64
 NATIVE_HEAD_DIMS = (64, 128)
 IMPL_FP8PV = "cuda-mma-fp8pv"
 IMPL_FP16PV = "cuda-mma-fp16pv"
+IMPL_WGMMA = "cuda-wgmma-fp8pv"  # sm_90a Hopper kernel ("8b"): INT8 + FP8 wgmma, warp-specialized (hopper_attn.cuh)
+HOPPER_Q_GROUPING_ARGS = (16, 8, 1)
+HOPPER_K_GROUPING_ARGS = (128, 8, 2)
+HOPPER_BLOCK_K = 128
 
 _STATUS_CACHE: dict = {}
 _FORCE_PV = os.environ.get("SAGE_PATCH_PV", "").lower() or None  # read once (keeps traced code env-free)
-PV_MODES = {"fp8-mma": 0, "fp16": 1, "fp8-f16": 2}
+PV_MODES = {"fp8-mma": 0, "fp16": 1, "fp8-f16": 2, "wgmma": 3}
 QK_BITS = {"8b": 8, "4b": 4}
 # "4b" QK^T MMA: "int4" (packed INT4, mma.sync m16n8k64 s4: sm_80/86/89) or "int8" (INT4 values in INT8 MMA: every
 # arch, the default on sm_90 whose tensor cores have no INT4). SAGE_PATCH_QK_MMA=int4|int8 forces one (tests).
@@ -95,9 +99,16 @@ def status() -> dict:
     return dict(st)
 
 
-def _pick_impl(archs, major, minor) -> str:
+def hopper_available(archs, major, minor) -> bool:
+    """Whether the sm_90a Hopper kernel can run here (and is not overridden by SAGE_PATCH_PV)."""
+    return (major, minor) == (9, 0) and "90a" in archs and _FORCE_PV in (None, "wgmma") and "wgmma" not in DISABLED
+
+
+def _pick_impl(archs, major, minor, precision="8b") -> str:
     if _FORCE_PV == "fp16":
         return IMPL_FP16PV
+    if precision == "8b" and hopper_available(archs, major, minor):
+        return IMPL_WGMMA
     fp8_archs = [a for a in archs if int(a[:2]) >= 89]
     if (major, minor) >= (8, 9) and arch_supported(fp8_archs, major, minor):
         return IMPL_FP8PV
@@ -171,7 +182,7 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
         if attn_mask.shape[1] != k.shape[sdim] or attn_mask.shape[0] not in (1, q.shape[0]):
             return None, f"key-padding mask shape {tuple(attn_mask.shape)} does not match (B, Skv)"
     major, minor = _ops_cc(q)
-    return _pick_impl(_lib.get().archs, major, minor), "ok"
+    return _pick_impl(_lib.get().archs, major, minor, precision), "ok"
 
 
 def _feature_reason(precision, smooth_v, varlen=False):
@@ -189,29 +200,41 @@ def _ops_cc(q):
 
 
 def run(impl, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v):
-    if precision not in QK_BITS or impl not in (IMPL_FP8PV, IMPL_FP16PV):
+    if precision not in QK_BITS or impl not in _IMPL_PV or (impl == IMPL_WGMMA and precision != "8b"):
         raise RuntimeError(f"no compiled kernel {impl!r} for precision {precision!r}")
     out, lse = attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                         pv="fp16" if impl == IMPL_FP16PV else "fp8", precision=precision, smooth_v=smooth_v)
+                         pv=_IMPL_PV[impl], precision=precision, smooth_v=smooth_v)
     return (out, lse) if return_lse else out
 
 
+_IMPL_PV = {IMPL_FP16PV: "fp16", IMPL_FP8PV: "fp8-portable", IMPL_WGMMA: "wgmma"}
+
+
 def pv_mode(pv, major: int) -> int:
-    """P~V mode of the C ABI for pv "fp8" (best FP8 mode for this GPU), "fp16", "fp8-mma" or "fp8-f16"."""
-    if pv == "fp8":
+    """P~V mode of the C ABI for pv "fp8-portable" (best mma.sync FP8 mode for this GPU), "fp16", "fp8-mma",
+    "fp8-f16" or "wgmma" (the sm_90a Hopper kernel)."""
+    if pv == "fp8-portable":
         if _FORCE_PV in ("fp8-mma", "fp8-f16"):
             return PV_MODES[_FORCE_PV]
         return 2 if major == 9 else 0
     if pv not in PV_MODES:
-        raise ValueError(f"pv must be None, 'fp8', 'fp16', 'fp8-mma' or 'fp8-f16', got {pv!r}")
+        raise ValueError(f"pv must be None, 'fp8', 'fp8-portable', 'fp16', 'fp8-mma', 'fp8-f16' or 'wgmma', "
+                         f"got {pv!r}")
     return PV_MODES[pv]
 
 
-def _mode(q, pv):
+def impl_for(q, pv=None, precision="8b") -> str:
+    """The implementation a direct call with this `pv` runs (for reference_config)."""
     major, minor = _ops_cc(q)
-    if pv is None:
-        pv = "fp16" if _pick_impl(_lib.get().archs, major, minor) == IMPL_FP16PV else "fp8"
-    return pv_mode(pv, major)
+    if pv is None or pv == "fp8":
+        impl = _pick_impl(_lib.get().archs, major, minor, precision)
+        return IMPL_FP8PV if (pv == "fp8" and impl == IMPL_FP16PV) else impl
+    return {"fp16": IMPL_FP16PV, "wgmma": IMPL_WGMMA}.get(pv, IMPL_FP8PV)
+
+
+def _mode(q, pv, precision="8b"):
+    major, _ = _ops_cc(q)
+    return pv_mode(_IMPL_PV[impl_for(q, pv, precision)], major)
 
 
 def qk_mma(q, qk=None) -> int:
@@ -232,7 +255,7 @@ def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=
     precision: "8b" or "4b". pv: None (the variant can_run would pick), "fp8" (best FP8 P~V mode for this GPU),
     "fp16", "fp8-mma", "fp8-f16". qk ("4b" only): None (default for this GPU), "int4" or "int8" MMA."""
     torch = _torch()
-    mode = _mode(q, pv)
+    mode = _mode(q, pv, precision)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.sage_patch.attn(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale,
                                      mode, QK_BITS[precision], bool(smooth_v), qk_mma(q, qk))
@@ -277,7 +300,7 @@ def can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v=F
     if max(q.shape[0], k.shape[0]) >= 2**30:
         return None, "sequence too long"
     major, minor = _ops_cc(q)
-    return _pick_impl(_lib.get().archs, major, minor), "ok"
+    return _pick_impl(_lib.get().archs, major, minor, precision), "ok"
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False,
@@ -285,7 +308,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """Direct packed variable-length call: returns (out (total_q, Hq, D), lse (Hq, total_q)). max_seqlen_* must be
     >= every sequence's length (longer sequences are cut there)."""
     torch = _torch()
-    mode = _mode(q, pv)
+    mode = _mode(q, pv, precision)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.sage_patch.attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                             int(max_seqlen_k), bool(is_causal), scale, mode, QK_BITS[precision],
@@ -302,6 +325,9 @@ def reference_config(impl: str = IMPL_FP8PV, head_dim: int = 128):
     """The reference SimConfig that simulates `impl` exactly (same groupings, block and P~V operands)."""
     from ..reference import Grouping, SimConfig
 
+    if impl == IMPL_WGMMA:  # 64-row warpgroup tiles (rows g, g+8 of each warp's 16), 128-key blocks
+        return SimConfig(block_k=HOPPER_BLOCK_K, q_group=Grouping(*HOPPER_Q_GROUPING_ARGS),
+                         k_group=Grouping(*HOPPER_K_GROUPING_ARGS), pv="fp8")
     rows = q_group_rows(head_dim)
     return SimConfig(block_k=KERNEL_BLOCK_K, q_group=Grouping(rows, 8, 1), k_group=Grouping(*KERNEL_K_GROUPING_ARGS),
                      q_smooth_block=4 * rows, pv="fp16" if impl == IMPL_FP16PV else "fp8")

@@ -6,7 +6,7 @@ import os
 import threading
 
 LIB_NAME = "libsage_kernels.so"
-ABI_VERSION = 4
+ABI_VERSION = 5
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -67,6 +67,10 @@ class Lib:
             h.sage_attn_fwd.argtypes = [ctypes.POINTER(SageAttnParams), ctypes.c_void_p]
             h.sage_q_group_rows.restype = ctypes.c_int
             h.sage_q_group_rows.argtypes = [ctypes.c_int]
+            h.sage_hopper_compiled.restype = ctypes.c_int
+            h.sage_hopper_probe.restype = ctypes.c_int
+            h.sage_hopper_probe.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                            ctypes.c_int, ctypes.c_void_p]
             abi = h.sage_abi_version()
         except AttributeError as e:
             self.reason = f"{path} is not a sage_patch kernel library ({e})"

@@ -73,7 +73,7 @@ def run_case(precision, b, hq, hkv, sq, skv, d, *, dtype=torch.float16, layout="
     qb, kb, vb = (to_bhsd(x, layout) for x in (q, k, v))
     ob = to_bhsd(out, layout)
     m4 = mask[:, None, None, :] if mask is not None else None
-    impl = K.IMPL_FP16PV if pv == "fp16" else K.IMPL_FP8PV
+    impl = K.impl_for(q, pv, precision)
     sim, sim_lse = simulate(qb, kb, vb, precision, is_causal=causal, attn_mask=m4, return_lse=True,
                             smooth_v=smooth_v, config=K.reference_config(impl, d))
     res = {"case": name, "sim_l1": compare(ob, sim.to(dtype))["rel_l1"], "sim_l1_fp32": compare(ob, sim)["rel_l1"]}

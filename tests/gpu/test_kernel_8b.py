@@ -76,7 +76,7 @@ def run_case(b, hq, hkv, sq, skv, d, *, dtype=torch.float16, layout="bhsd", caus
     qb, kb, vb = (to_bhsd(x, layout) for x in (q, k, v))
     ob = to_bhsd(out, layout)
     m4 = mask[:, None, None, :] if mask is not None else None
-    impl = K.IMPL_FP16PV if pv == "fp16" else K.IMPL_FP8PV  # both FP8 modes simulate as pv="fp8"
+    impl = K.impl_for(q, pv)  # the kernel this call ran (both mma.sync FP8 modes simulate as pv="fp8")
     sim, sim_lse = simulate(qb, kb, vb, "8b", is_causal=causal, attn_mask=m4, return_lse=True,
                             config=K.reference_config(impl, d))
     res = {"case": name, "sim_l1": compare(ob, sim.to(dtype))["rel_l1"], "sim_l1_fp32": compare(ob, sim)["rel_l1"]}
@@ -171,7 +171,7 @@ def test_causal_mask_combined():
 def test_scale_argument():
     q, k, v = make_qkv(1, 2, 2, 200, 200, 64, torch.float16)
     out, _ = K.attention(q, k, v, scale=0.05)
-    sim = simulate(q, k, v, "8b", scale=0.05, config=K.reference_config(K.IMPL_FP8PV, 64))
+    sim = simulate(q, k, v, "8b", scale=0.05, config=K.reference_config(K.impl_for(q), 64))
     assert compare(out, sim.half())["rel_l1"] <= SIM_L1
 
 
@@ -273,4 +273,7 @@ def test_status_reports_loaded():
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16)
     impl, _ = K.can_run("8b", q, k, v, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
                         smooth_v=False)
-    assert impl == (K.IMPL_FP8PV if (major, minor) >= (8, 9) else K.IMPL_FP16PV)
+    expect = K.IMPL_FP8PV if (major, minor) >= (8, 9) else K.IMPL_FP16PV
+    if (major, minor) == (9, 0) and "90a" in st["archs"]:
+        expect = K.IMPL_WGMMA
+    assert impl == expect

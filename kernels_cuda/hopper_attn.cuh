@@ -1,0 +1,736 @@
+// sage_patch Hopper (sm_90a) "8b" attention: INT8 wgmma for Q K^T, FP8 wgmma for P~ V, warp-specialized.
+// Included by sage_kernels.cu inside its anonymous namespace (shares its helpers, stats pass and params).
+//
+// Structure (one CTA per SM, persistent over (q-block, batch, head) tiles, heaviest causal tiles first):
+//   warpgroup 0  producer: one thread streams pre-quantized K and V^T blocks with cp.async.bulk into an NSTAGE ring
+//                of shared-memory stages (mbarriers: full = bytes landed, empty = both consumers done with it);
+//   warpgroups 1, 2  consumers, 64 query rows each (CTA tile 128 rows): quantize their Q rows in the prologue
+//                (per-thread groups Grouping(16, 8, 1), written straight into the wgmma operand layout), then per
+//                128-key block: S = wgmma s8 (Q from smem, K from smem), online softmax in fp32, P~ = e4m3(448 p)
+//                in registers, block = wgmma e4m3 (P~ from registers, V^T from smem) in its own accumulator,
+//                O = O * alpha + block (two-level accumulation), then the stage is released.
+// Pre-pass (hopper_quant_kv_kernel, after the shared stats pass): K - mean(K) -> INT8 with Grouping(128, 8, 2)
+// scales and V -> FP8 per channel, both written in the exact shared-memory image of one 128-key block (no-swizzle
+// "core matrix" layout of wgmma), so the producer copies each block with one bulk copy, no tensor maps.
+//
+// Operand image (K-major, no swizzle): a (rows x kbytes) tile is a grid of 8-row x 16-byte core matrices stored
+// contiguously (128 B each), core (r/8, c/16) at ((r/8) * (kbytes/16) + c/16) * 128. wgmma descriptor: leading
+// byte offset (next core matrix along K) = 128, stride byte offset (next 8 rows) = kbytes / 16 * 128.
+
+constexpr int kHopBN = 128;        // keys per block (one wgmma N for S; four k32 steps for P~V)
+constexpr int kHopBM = 128;        // query rows per CTA tile (2 consumer warpgroups x 64)
+constexpr int kHopThreads = 384;   // producer warpgroup + 2 consumer warpgroups
+#ifndef SAGE_HOP_STAGES
+#define SAGE_HOP_STAGES 3
+#endif
+constexpr int kHopStages = SAGE_HOP_STAGES;
+#ifndef SAGE_HOP_PINGPONG
+#define SAGE_HOP_PINGPONG 1
+#endif
+
+__host__ __device__ constexpr int hop_img_off(int r, int c, int kbytes) {
+    return ((r >> 3) * (kbytes >> 4) + (c >> 4)) * 128 + (r & 7) * 16 + (c & 15);
+}
+// V^T slot of key k within its 32-key group: slot s holds key 16(s/16) + 8((s%4)/2) + 2((s%16)/4) + s%2, the order in
+// which the S accumulator fragment of a lane is directly the A fragment of P~ (same rule as quant_v_kernel)
+__host__ __device__ constexpr int hop_slot_of_key(int k) {
+    return (k & 16) | (k & 1) | (((k >> 3) & 1) << 1) | (((k >> 1) & 3) << 2);
+}
+
+struct HopLayout {
+    int64_t nkb;  // 128-key blocks per (b, kv-head)
+    int64_t kimg, kscale, vimg, vscale, kpart, vpart, kmean, vmax, vmean, total;
+    int nsplit;
+};
+
+inline HopLayout make_hop_layout(const SageAttnParams& p) {
+    HopLayout L;
+    L.nkb = (p.Skv + kHopBN - 1) / kHopBN;
+    int64_t ns = (p.Skv + 255) / 256;
+    L.nsplit = (int)(ns < 1 ? 1 : (ns > kMaxSplit ? kMaxSplit : ns));
+    const int64_t bhk = (int64_t)p.B * p.Hkv, D = p.D;
+    int64_t off = 0;
+    L.kimg = off;   off = align256(off + bhk * L.nkb * kHopBN * D);
+    L.kscale = off; off = align256(off + bhk * L.nkb * 4 * 4);
+    L.vimg = off;   off = align256(off + bhk * L.nkb * kHopBN * D);
+    L.vscale = off; off = align256(off + bhk * D * 4);
+    L.kpart = off;  off = align256(off + bhk * L.nsplit * D * 4);
+    L.vpart = off;  off = align256(off + bhk * L.nsplit * 3 * D * 4);
+    L.kmean = off;  off = align256(off + bhk * D * 4);
+    L.vmax = off;   off = align256(off + bhk * D * 4);
+    L.vmean = off;  off = align256(off + bhk * D * 4);
+    L.total = off;
+    return L;
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Pre-pass: one CTA per (128-key block, b * kv-head); 256 threads, 2 per key (half the channels each).
+template <int D, typename T>
+__global__ void __launch_bounds__(256) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vmax,
+                                                              const float* vmean, int8_t* kimg, float* kscale,
+                                                              uint8_t* vimg, float* vscale, int nkb) {
+    constexpr int H = D / 2, CH = H / 8;
+    constexpr int VROW = kHopBN + 16;  // padded V^T staging row (bytes)
+    __shared__ float smean[D], svinv[D], svmean[D];
+    __shared__ float rowmax[kHopBN];
+    __shared__ __align__(16) uint8_t vt[D * VROW];
+    const int kb = blockIdx.x, bh = blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
+    const int skv = len_k(p, b);
+    if (kb > 0 && kb * kHopBN >= skv) return;  // varlen: past this sequence's end (never read; block 0 writes vscale)
+    if (threadIdx.x < D) {
+        const int d = threadIdx.x;
+        smean[d] = kmean[(int64_t)bh * D + d];
+        const float sc = vmax[(int64_t)bh * D + d] / kFp8Max;
+        svinv[d] = sc > 0.f ? 1.f / sc : 0.f;
+        svmean[d] = p.smooth_v ? vmean[(int64_t)bh * D + d] : 0.f;
+        if (kb == 0) vscale[(int64_t)bh * D + d] = sc;
+    }
+    __syncthreads();
+    const int c = threadIdx.x >> 1, hh = threadIdx.x & 1;
+    const int key = kb * kHopBN + c;
+    const bool valid = key < skv;
+    const int64_t tok = tok0_k(p, b) + key;
+    const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + hh * H;
+    const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + hh * H;
+    float x[CH][8], y[CH][8];
+    float am = 0.f;
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {  // both loads in flight before any use
+        if (valid) { Vec8<T>::load(ksrc + 8 * j, x[j]); Vec8<T>::load(vsrc + 8 * j, y[j]); }
+    }
+#pragma unroll
+    for (int j = 0; j < CH; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            x[j][e] = valid ? x[j][e] - smean[hh * H + 8 * j + e] : 0.f;
+            am = fmaxf(am, fabsf(x[j][e]));
+        }
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+    if (hh == 0) rowmax[c] = am;
+    // V: e4m3 bytes into the transposed staging tile at the key's slot
+    const int slot = (c & ~31) | hop_slot_of_key(c & 31);
+#pragma unroll
+    for (int j = 0; j < CH; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {
+            const int d = hh * H + 8 * j + e;
+            float a = valid ? (y[j][e] - svmean[d]) * svinv[d] : 0.f;
+            float bb = valid ? (y[j][e + 1] - svmean[d + 1]) * svinv[d + 1] : 0.f;
+            const uint32_t w = cvt_e4m3x2(a, bb);
+            vt[d * VROW + slot] = (uint8_t)(w & 0xff);
+            vt[(d + 1) * VROW + slot] = (uint8_t)(w >> 8);
+        }
+    __syncthreads();
+    // K: group scale over the 32 keys with equal (key % 8) / 2, then the INT8 image
+    const int grp = (c & 7) >> 1;
+    float gm = 0.f;
+#pragma unroll
+    for (int a = 0; a < kHopBN / 8; ++a) gm = fmaxf(gm, fmaxf(rowmax[8 * a + 2 * grp], rowmax[8 * a + 2 * grp + 1]));
+    const float sc = gm / 127.f;
+    const int64_t blk = (int64_t)bh * nkb + kb;
+    if (hh == 0 && c < 8 && (c & 1) == 0) kscale[blk * 4 + grp] = sc;
+    int8_t* kdst = kimg + blk * kHopBN * D;
+#pragma unroll
+    for (int j = 0; j < CH; j += 2) {  // 16 channels = one 16-byte core-matrix row
+        uint32_t w[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            uint32_t a = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int idx = 4 * q + e;
+                a |= (uint32_t)(quant_i8(x[j + idx / 8][idx % 8], sc) & 0xff) << (8 * e);
+            }
+            w[q] = a;
+        }
+        *reinterpret_cast<uint4*>(kdst + hop_img_off(c, hh * H + 8 * j, D)) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    // V^T image: D rows x 128 slots, 16-byte chunks
+    uint8_t* vdst = vimg + blk * kHopBN * D;
+    for (int i = threadIdx.x; i < D * (kHopBN / 16); i += 256) {
+        const int d = i / (kHopBN / 16), ch = i % (kHopBN / 16);
+        *reinterpret_cast<uint4*>(vdst + hop_img_off(d, ch * 16, kHopBN)) =
+            *reinterpret_cast<const uint4*>(vt + d * VROW + ch * 16);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// sm_90a primitives
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SAGE_HOP_DEVICE 1
+#else
+#define SAGE_HOP_DEVICE 0
+#endif
+
+#if SAGE_HOP_DEVICE
+__device__ __forceinline__ uint64_t hop_desc(uint32_t saddr, uint32_t sbo) {
+    // start address, leading byte offset 128 (next core matrix along K), stride byte offset sbo, no swizzle
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t ok;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+    } while (!ok);
+}
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void reg_fence(int (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+template <int N, int M> __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][M]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < M; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+// operand lists for 64 / 32 accumulator registers
+#define SAGE_R8(i) "+r"(d[i + 0]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
+                   "+r"(d[i + 6]), "+r"(d[i + 7])
+#define SAGE_F8(i) "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                   "+f"(d[i + 6]), "+f"(d[i + 7])
+#define SAGE_A8(i) "%" #i ", "
+#define SAGE_REGS32 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31}"
+#define SAGE_REGS64 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, " \
+    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// S (64 x 128, int32) += Q (64 x 32 int8, smem) . K (128 x 32 int8, smem)^T
+__device__ __forceinline__ void wgmma_s8_n128(int (&d)[64], uint64_t da, uint64_t db, int accum) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " SAGE_REGS64 ", %64, %65, p;\n}\n"
+        : SAGE_R8(0), SAGE_R8(8), SAGE_R8(16), SAGE_R8(24), SAGE_R8(32), SAGE_R8(40), SAGE_R8(48), SAGE_R8(56)
+        : "l"(da), "l"(db), "r"(accum));
+}
+// O (64 x 128, fp32) += P~ (64 x 32 e4m3, registers) . V^T (128 x 32 e4m3, smem)^T
+__device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], const uint32_t* a, uint64_t db, int accum) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " SAGE_REGS64 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : SAGE_F8(0), SAGE_F8(8), SAGE_F8(16), SAGE_F8(24), SAGE_F8(32), SAGE_F8(40), SAGE_F8(48), SAGE_F8(56)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
+__device__ __forceinline__ void wgmma_e4m3_n64(float (&d)[32], const uint32_t* a, uint64_t db, int accum) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " SAGE_REGS32 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+        : SAGE_F8(0), SAGE_F8(8), SAGE_F8(16), SAGE_F8(24)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
+template <int D>
+__device__ __forceinline__ void wgmma_pv(float (&d)[D / 2], const uint32_t* a, uint64_t db, int accum) {
+    if constexpr (D == 128) wgmma_e4m3_n128(d, a, db, accum);
+    else wgmma_e4m3_n64(d, a, db, accum);
+}
+#endif  // SAGE_HOP_DEVICE
+
+// persistent tile order: q-blocks from the last (longest causal rows) to the first, (batch, head) inner so that
+// heads sharing K/V (GQA) run together
+struct HopTile { int b, h, qb; };
+__device__ __forceinline__ HopTile hop_tile(int t, int B, int Hq, int nqb) {
+    const int bh = t % (B * Hq);
+    return HopTile{bh / Hq, bh % Hq, nqb - 1 - t / (B * Hq)};
+}
+__device__ __forceinline__ int hop_num_kv_blocks(const SageAttnParams& p, int q0, int sq, int skv) {
+    int kv_end = skv;
+    if (p.causal) kv_end = min(kv_end, q0 + kHopBM + (skv - sq));
+    return kv_end > 0 ? (kv_end + kHopBN - 1) / kHopBN : 0;
+}
+
+template <int D>
+struct HopSmem {
+    static constexpr int QBYTES = 64 * D;          // per consumer warpgroup
+    static constexpr int KBYTES = kHopBN * D;      // one K block image
+    static constexpr int VBYTES = kHopBN * D;      // one V^T block image
+    static constexpr int Q_OFF = 0;
+    static constexpr int K_OFF = 2 * QBYTES;
+    static constexpr int V_OFF = K_OFF + kHopStages * KBYTES;
+    static constexpr int BAR_OFF = V_OFF + kHopStages * VBYTES;
+    static constexpr int TOTAL = BAR_OFF + 2 * kHopStages * 8;
+};
+
+struct HopWs {
+    const int8_t* kimg; const float* kscale; const uint8_t* vimg; const float* vscale;
+    const float* kmean; const float* vmean; int nkb; int nqb; int ntiles;
+};
+
+template <int D, typename T>
+__global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __grid_constant__ SageAttnParams p,
+                                                                      const HopWs w) {
+#if SAGE_HOP_DEVICE
+    using S = HopSmem<D>;
+    extern __shared__ __align__(1024) uint8_t hsmem[];
+    const uint32_t sbase = smem_u32(hsmem);
+    const uint32_t bar_full = sbase + S::BAR_OFF, bar_empty = bar_full + 8 * kHopStages;
+    const int wg = threadIdx.x >> 7;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kHopStages; ++s) {
+            mbar_init(bar_full + 8 * s, 1);
+            mbar_init(bar_empty + 8 * s, 8);  // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int group = p.Hq / p.Hkv;
+
+    if (wg == 0) {  // ---------------- producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (threadIdx.x != 0) return;
+        int it = 0;
+        for (int t = blockIdx.x; t < w.ntiles; t += gridDim.x) {
+            const HopTile tl = hop_tile(t, p.B, p.Hq, w.nqb);
+            const int sq = len_q(p, tl.b), skv = len_k(p, tl.b), q0 = tl.qb * kHopBM;
+            if (q0 >= sq) continue;
+            const int nkb = hop_num_kv_blocks(p, q0, sq, skv);
+            const int64_t blk0 = ((int64_t)tl.b * p.Hkv + tl.h / group) * w.nkb;
+            for (int kb = 0; kb < nkb; ++kb, ++it) {
+                const int s = it % kHopStages;
+                const uint32_t ph = (uint32_t)(it / kHopStages) & 1u;
+                mbar_wait(bar_empty + 8 * s, ph ^ 1u);
+                mbar_expect_tx(bar_full + 8 * s, S::KBYTES + S::VBYTES);
+                bulk_g2s(sbase + S::K_OFF + s * S::KBYTES, w.kimg + (blk0 + kb) * S::KBYTES, S::KBYTES, bar_full + 8 * s);
+                bulk_g2s(sbase + S::V_OFF + s * S::VBYTES, w.vimg + (blk0 + kb) * S::VBYTES, S::VBYTES, bar_full + 8 * s);
+            }
+        }
+        return;
+    }
+
+    // ---------------- consumers
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    const int cw = wg - 1;                                   // consumer warpgroup 0/1: rows 64cw..64cw+63 of the tile
+    const int ltid = threadIdx.x & 127, warp = ltid >> 5, lane = ltid & 31, g = lane >> 2, t4 = lane & 3;
+    const uint32_t sQ = sbase + S::Q_OFF + cw * S::QBYTES;
+    uint8_t* sQp = hsmem + S::Q_OFF + cw * S::QBYTES;
+    int it = 0;
+#if SAGE_HOP_PINGPONG
+    if (cw == 1) named_arrive(3, 256);  // warpgroup 0 issues first
+#endif
+    for (int tt = blockIdx.x; tt < w.ntiles; tt += gridDim.x) {
+        const HopTile tl = hop_tile(tt, p.B, p.Hq, w.nqb);
+        const int b = tl.b, h = tl.h;
+        const int sq = len_q(p, b), skv = len_k(p, b), q0 = tl.qb * kHopBM;
+        if (q0 >= sq) continue;
+        const int nkb = hop_num_kv_blocks(p, q0, sq, skv);
+        const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + h / group;
+        const int lrow0 = warp * 16 + g;                     // this lane's rows in the warpgroup's 64: lrow0, lrow0 + 8
+        const int row0 = q0 + cw * 64 + lrow0, row1 = row0 + 8;
+
+        // ---- Q prologue: rows row0/row1, this lane's quarter of the channels; scale per (row0, row1) pair
+        float qshift0 = 0.f, qshift1 = 0.f, qs;
+        {
+            constexpr int QC = D / 4;  // channels per lane
+            const T* qb0 = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + tok0_q(p, b) * p.q_ss;
+            const float* km = w.kmean + bhk * D + t4 * QC;
+            float x0[QC], x1[QC];
+#pragma unroll
+            for (int j = 0; j < QC; j += 8) {
+                if (row0 < sq) Vec8<T>::load(qb0 + (int64_t)row0 * p.q_ss + t4 * QC + j, x0 + j);
+                else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) x0[j + e] = 0.f;
+                }
+                if (row1 < sq) Vec8<T>::load(qb0 + (int64_t)row1 * p.q_ss + t4 * QC + j, x1 + j);
+                else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) x1[j + e] = 0.f;
+                }
+            }
+            float am = 0.f;
+#pragma unroll
+            for (int j = 0; j < QC; ++j) {
+                const float m = km[j];
+                qshift0 = fmaf(x0[j], m, qshift0);
+                qshift1 = fmaf(x1[j], m, qshift1);
+                am = fmaxf(am, fmaxf(fabsf(x0[j]), fabsf(x1[j])));
+            }
+#pragma unroll
+            for (int o = 1; o <= 2; o <<= 1) {
+                am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+                qshift0 += __shfl_xor_sync(0xffffffffu, qshift0, o);
+                qshift1 += __shfl_xor_sync(0xffffffffu, qshift1, o);
+            }
+            const float sc = am / 127.f;
+            qs = sc * p.sm_scale * kLog2e;
+            // the previous tile's Q reads (wgmma) are complete: every consumer waited on its last wgmma group
+#pragma unroll
+            for (int j = 0; j < QC; j += 16) {
+                uint32_t w0[4], w1[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    uint32_t a0 = 0, a1 = 0;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        a0 |= (uint32_t)(quant_i8(x0[j + 4 * q + e], sc) & 0xff) << (8 * e);
+                        a1 |= (uint32_t)(quant_i8(x1[j + 4 * q + e], sc) & 0xff) << (8 * e);
+                    }
+                    w0[q] = a0; w1[q] = a1;
+                }
+                *reinterpret_cast<uint4*>(sQp + hop_img_off(lrow0, t4 * QC + j, D)) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
+                *reinterpret_cast<uint4*>(sQp + hop_img_off(lrow0 + 8, t4 * QC + j, D)) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
+            }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            named_sync(1 + cw, 128);
+        }
+
+        const int diag = skv - sq;
+        const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
+        const float* ksc = w.kscale + bhk * w.nkb * 4;
+        float o[D / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+        float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+        const int wrow_min = q0 + cw * 64;  // first row of this warpgroup
+
+        // S of block kb (int32 wgmma accumulator) -> P~ fragments (e4m3 x 448) and the rescale factors alpha
+        auto softmax_block = [&](const int (&acc)[64], int kb, float (&sf)[64], float& al0, float& al1) {
+            const float sc = qs * ksc[kb * 4 + t4];  // one Q and one K scale per thread; log2 domain
+#pragma unroll
+            for (int i = 0; i < 64; ++i) sf[i] = small_i2f(acc[i]) * sc;
+            const int kbase = kb * kHopBN;
+            const bool need_mask = (kbase + kHopBN > skv) || (mrow != nullptr) ||
+                                   (p.causal && kbase + kHopBN - 1 > wrow_min + diag);
+            if (need_mask) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = kbase + 8 * j + 2 * t4 + e;
+                        bool ok = key < skv;
+                        if (ok && mrow) ok = mrow[key] != 0;
+                        if (!ok || (p.causal && key > row0 + diag)) sf[4 * j + e] = -INFINITY;
+                        if (!ok || (p.causal && key > row1 + diag)) sf[4 * j + 2 + e] = -INFINITY;
+                    }
+            }
+            float mx0 = m0, mx1 = m1;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                mx0 = fmaxf(mx0, fmaxf(sf[4 * j], sf[4 * j + 1]));
+                mx1 = fmaxf(mx1, fmaxf(sf[4 * j + 2], sf[4 * j + 3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float mu0 = mx0 == -INFINITY ? 0.f : mx0;
+            const float mu1 = mx1 == -INFINITY ? 0.f : mx1;
+            al0 = fast_exp2(m0 - mu0);
+            al1 = fast_exp2(m1 - mu1);
+            m0 = mx0; m1 = mx1;
+            const float pm0 = mu0 - kLog2Fp8Max, pm1 = mu1 - kLog2Fp8Max;  // P~ * 448 directly
+            float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                sf[4 * j] = fast_exp2(sf[4 * j] - pm0); sf[4 * j + 1] = fast_exp2(sf[4 * j + 1] - pm0);
+                sf[4 * j + 2] = fast_exp2(sf[4 * j + 2] - pm1); sf[4 * j + 3] = fast_exp2(sf[4 * j + 3] - pm1);
+                rs0 += sf[4 * j] + sf[4 * j + 1];
+                rs1 += sf[4 * j + 2] + sf[4 * j + 3];
+            }
+            l0 = l0 * al0 + rs0;
+            l1 = l1 * al1 + rs1;
+        };
+        auto pack_p = [&](const float (&sf)[64], uint32_t (&pa)[4][4]) {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {  // slots follow V^T's permuted key order
+                const float* q = sf + 16 * kk;
+                pa[kk][0] = cvt_e4m3x2(q[0], q[1]) | (cvt_e4m3x2(q[4], q[5]) << 16);
+                pa[kk][1] = cvt_e4m3x2(q[2], q[3]) | (cvt_e4m3x2(q[6], q[7]) << 16);
+                pa[kk][2] = cvt_e4m3x2(q[8], q[9]) | (cvt_e4m3x2(q[12], q[13]) << 16);
+                pa[kk][3] = cvt_e4m3x2(q[10], q[11]) | (cvt_e4m3x2(q[14], q[15]) << 16);
+            }
+        };
+        auto issue_qk = [&](int (&acc)[64], int s) {
+            const uint32_t sK = sbase + S::K_OFF + s * S::KBYTES;
+#pragma unroll
+            for (int k = 0; k < D / 32; ++k)
+                wgmma_s8_n128(acc, hop_desc(sQ + 256 * k, D / 16 * 128), hop_desc(sK + 256 * k, D / 16 * 128), k);
+            wg_commit();
+        };
+        // two-level accumulation: each block's P~V lands in its own accumulator (blk), then O = O * alpha + blk
+        auto issue_pv = [&](float (&blk)[D / 2], uint32_t (&pa)[4][4], int s) {
+            const uint32_t sV = sbase + S::V_OFF + s * S::VBYTES;
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) wgmma_pv<D>(blk, pa[kk], hop_desc(sV + 256 * kk, kHopBN / 16 * 128), kk);
+            wg_commit();
+        };
+        auto merge = [&](const float (&blk)[D / 2], float al0, float al1) {
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                o[4 * i] = o[4 * i] * al0 + blk[4 * i];
+                o[4 * i + 1] = o[4 * i + 1] * al0 + blk[4 * i + 1];
+                o[4 * i + 2] = o[4 * i + 2] * al1 + blk[4 * i + 2];
+                o[4 * i + 3] = o[4 * i + 3] * al1 + blk[4 * i + 3];
+            }
+        };
+        auto stage_of = [&](int i, uint32_t& ph) { ph = (uint32_t)(i / kHopStages) & 1u; return i % kHopStages; };
+
+        // Software pipeline inside the warpgroup: S(kb) = Q K(kb)^T is issued together with P~(kb-1) V(kb-1), and the
+        // softmax of S(kb) runs while the tensor cores still work on P~V. With SAGE_HOP_PINGPONG the two consumer
+        // warpgroups also take turns issuing (named barriers), so one's softmax overlaps the other's GEMMs.
+        if (nkb > 0) {
+            int acc[64];
+            uint32_t pa[4][4];
+            float blk[D / 2];
+            float al0, al1;
+            uint32_t ph;
+            int s = stage_of(it, ph);
+            mbar_wait(bar_full + 8 * s, ph);
+#if SAGE_HOP_PINGPONG
+            named_sync(3 + cw, 256);
+#endif
+            wg_fence();
+            issue_qk(acc, s);
+#if SAGE_HOP_PINGPONG
+            named_arrive(3 + (cw ^ 1), 256);
+#endif
+            wg_wait<0>();
+            reg_fence(acc);
+            {
+                float sf[64];
+                softmax_block(acc, 0, sf, al0, al1);
+                pack_p(sf, pa);
+            }
+            for (int kb = 1; kb < nkb; ++kb) {
+                uint32_t phn;
+                const int sn = stage_of(it + 1, phn);
+                mbar_wait(bar_full + 8 * sn, phn);
+#if SAGE_HOP_PINGPONG
+                named_sync(3 + cw, 256);
+#endif
+                wg_fence();
+                issue_qk(acc, sn);
+                issue_pv(blk, pa, s);
+#if SAGE_HOP_PINGPONG
+                named_arrive(3 + (cw ^ 1), 256);
+#endif
+                wg_wait<1>();  // S(kb) is ready; P~V(kb-1) may still run
+                reg_fence(acc);
+                float sf[64];
+                float bl0, bl1;
+                softmax_block(acc, kb, sf, bl0, bl1);
+                wg_wait<0>();
+                reg_fence(blk);
+                reg_fence(pa);
+                if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+                merge(blk, al0, al1);
+                pack_p(sf, pa);  // P~(kb-1)'s registers are rewritten only once its wgmma is complete
+                al0 = bl0; al1 = bl1;
+                s = sn; ++it;
+            }
+#if SAGE_HOP_PINGPONG
+            named_sync(3 + cw, 256);
+#endif
+            wg_fence();
+            issue_pv(blk, pa, s);
+#if SAGE_HOP_PINGPONG
+            named_arrive(3 + (cw ^ 1), 256);
+#endif
+            wg_wait<0>();
+            reg_fence(blk);
+            reg_fence(pa);
+            if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+            merge(blk, al0, al1);
+            ++it;
+        }
+
+        // ---- epilogue
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+        T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh + tok0_q(p, b) * p.o_ss;
+        const float* vsc = w.vscale + bhk * D;
+        const float* vmn = p.smooth_v ? w.vmean + bhk * D : nullptr;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            const int col = 8 * i + 2 * t4;
+            const float v0 = vsc[col], v1 = vsc[col + 1];
+            float a00 = o[4 * i] * inv0 * v0, a01 = o[4 * i + 1] * inv0 * v1;
+            float a10 = o[4 * i + 2] * inv1 * v0, a11 = o[4 * i + 3] * inv1 * v1;
+            if (vmn) {
+                const float mm0 = vmn[col], mm1 = vmn[col + 1];
+                if (l0 > 0.f) { a00 += mm0; a01 += mm1; }
+                if (l1 > 0.f) { a10 += mm0; a11 += mm1; }
+            }
+            if (row0 < sq) *reinterpret_cast<uint32_t*>(O + (int64_t)row0 * p.o_ss + col) = pack2<T>(a00, a01);
+            if (row1 < sq) *reinterpret_cast<uint32_t*>(O + (int64_t)row1 * p.o_ss + col) = pack2<T>(a10, a11);
+        }
+        if (p.lse && t4 == 0) {
+            float* L = p.cu_seqlens_q ? p.lse + h * p.lse_sh + tok0_q(p, b) : p.lse + bhq * p.Sq;
+            const float ss = p.sm_scale;
+            if (row0 < sq) L[row0] = l0 > 0.f ? m0 * kLn2 + (logf(l0) - kLnFp8Max) + qshift0 * ss : -INFINITY;
+            if (row1 < sq) L[row1] = l1 > 0.f ? m1 * kLn2 + (logf(l1) - kLnFp8Max) + qshift1 * ss : -INFINITY;
+        }
+    }
+#else
+    (void)p; (void)w;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// FP8 wgmma probe (diagnostics, issue 4: accumulator width; also checks the operand layouts end to end):
+// D (64 x 16, fp32) = sum over `steps` chained m64n16k32 e4m3 wgmmas of A (64 x 32*steps, registers) . B^T
+// (B: 16 x 32*steps, smem image). a, b: row-major e4m3 bytes in device memory; d: 64 x 16 fp32.
+// Mode 1: Q K^T style int8 (A from smem), D = int32 converted to float.
+__global__ void __launch_bounds__(128) hopper_probe_kernel(const uint8_t* a, const uint8_t* bm, float* dout, int steps,
+                                                           int mode) {
+#if SAGE_HOP_DEVICE
+    __shared__ __align__(128) uint8_t sa[64 * 32], sb[16 * 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+    const int K = 32 * steps;
+    float d[8];
+    int di[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { d[i] = 0.f; di[i] = 0; }
+    for (int st = 0; st < steps; ++st) {
+        for (int i = threadIdx.x; i < 16 * 32; i += 128) sb[hop_img_off(i / 32, i % 32, 32)] = bm[(i / 32) * K + 32 * st + i % 32];
+        for (int i = threadIdx.x; i < 64 * 32; i += 128) sa[hop_img_off(i / 32, i % 32, 32)] = a[(i / 32) * K + 32 * st + i % 32];
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        const uint64_t db = hop_desc(smem_u32(sb), 2 * 128);
+        wg_fence();
+        if (mode == 0) {
+            uint32_t af[4];
+            const int r = 16 * warp + g;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int row = r + 8 * (q & 1), col = 32 * st + 4 * t4 + 16 * (q >> 1);
+                af[q] = *reinterpret_cast<const uint32_t*>(a + row * K + col);
+            }
+            asm volatile(
+                "{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+                "{%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                : "r"(af[0]), "r"(af[1]), "r"(af[2]), "r"(af[3]), "l"(db), "r"(st));
+        } else {
+            const uint64_t da = hop_desc(smem_u32(sa), 2 * 128);
+            asm volatile(
+                "{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p;\n}\n"
+                : "+r"(di[0]), "+r"(di[1]), "+r"(di[2]), "+r"(di[3]), "+r"(di[4]), "+r"(di[5]), "+r"(di[6]), "+r"(di[7])
+                : "l"(da), "l"(db), "r"(st));
+        }
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(d);
+        reg_fence(di);
+        __syncthreads();
+    }
+    const int r = 16 * warp + g;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = r + 8 * (e >> 1), col = 8 * j + 2 * t4 + (e & 1);
+            dout[row * 16 + col] = mode == 0 ? d[4 * j + e] : (float)di[4 * j + e];
+        }
+#else
+    (void)a; (void)bm; (void)dout; (void)steps; (void)mode;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// host side
+inline bool hop_compiled() {
+    static const bool yes = [] {
+        const char* a = SAGE_ARCHS;
+        for (const char* s = a; *s; ++s)
+            if (s[0] == '9' && s[1] == '0' && s[2] == 'a') return true;
+        return false;
+    }();
+    return yes;
+}
+
+// whether the Hopper kernel serves these parameters (else the portable kernel does)
+inline bool hop_supported(const SageAttnParams& p) {
+    return p.device_cc == 90 && hop_compiled() && (p.D == 64 || p.D == 128) && p.qk_bits != 4;
+}
+
+inline int hop_num_sms(int dev) {
+    static int cache[64] = {};
+    if (dev >= 0 && dev < 64 && cache[dev] > 0) return cache[dev];
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 132;
+    if (dev >= 0 && dev < 64) cache[dev] = n;
+    return n;
+}
+
+template <int D, typename T>
+int hop_launch(const SageAttnParams& p, cudaStream_t st) {
+    const HopLayout L = make_hop_layout(p);
+    uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+    int8_t* kimg = reinterpret_cast<int8_t*>(ws + L.kimg);
+    float* kscale = reinterpret_cast<float*>(ws + L.kscale);
+    uint8_t* vimg = ws + L.vimg;
+    float* vscale = reinterpret_cast<float*>(ws + L.vscale);
+    float* kpart = reinterpret_cast<float*>(ws + L.kpart);
+    float* vpart = reinterpret_cast<float*>(ws + L.vpart);
+    float* kmean = reinterpret_cast<float*>(ws + L.kmean);
+    float* vmax = reinterpret_cast<float*>(ws + L.vmax);
+    float* vmean = reinterpret_cast<float*>(ws + L.vmean);
+    const int bhk = p.B * p.Hkv, ns = L.nsplit, nkb = (int)L.nkb;
+    stats_kernel<D, T><<<dim3(ns, bhk, 2), kThreads, 0, st>>>(p, kpart, vpart, ns);
+    finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, kpart, vpart, ns, kmean, vmax, vmean, 1);
+    hopper_quant_kv_kernel<D, T><<<dim3(nkb, bhk), 256, 0, st>>>(p, kmean, vmax, vmean, kimg, kscale, vimg, vscale, nkb);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return (int)e;
+
+    using S = HopSmem<D>;
+    auto kern = hopper_attn_kernel<D, T>;
+    const int dev = p.device;
+    {
+        static bool done[64] = {};
+        if (dev < 0 || dev >= 64 || !done[dev]) {
+            e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, S::TOTAL);
+            if (e != cudaSuccess) return (int)e;
+            if (dev >= 0 && dev < 64) done[dev] = true;
+        }
+    }
+    HopWs w;
+    w.kimg = kimg; w.kscale = kscale; w.vimg = vimg; w.vscale = vscale; w.kmean = kmean; w.vmean = vmean;
+    w.nkb = nkb;
+    w.nqb = (p.Sq + kHopBM - 1) / kHopBM;
+    w.ntiles = w.nqb * p.B * p.Hq;
+    const int nsm = hop_num_sms(dev), grid = w.ntiles < nsm ? w.ntiles : nsm;
+    kern<<<grid, kHopThreads, S::TOTAL, st>>>(p, w);
+    return (int)cudaGetLastError();
+}
+
+template <typename T>
+int hop_dispatch(const SageAttnParams& p, cudaStream_t st) {
+    if (p.D == 64) return hop_launch<64, T>(p, st);
+    return hop_launch<128, T>(p, st);
+}
