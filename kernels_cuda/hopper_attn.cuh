@@ -66,7 +66,7 @@ inline HopLayout make_hop_layout(const SageAttnParams& p) {
 // ------------------------------------------------------------------------------------------------------------------
 // Pre-pass: one CTA per (128-key block, b * kv-head); 256 threads, 2 per key (half the channels each).
 template <int D, typename T>
-__global__ void __launch_bounds__(256) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vmax,
+__global__ void __launch_bounds__(256, 2) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vmax,
                                                               const float* vmean, int8_t* kimg, float* kscale,
                                                               uint8_t* vimg, float* vscale, int nkb) {
     constexpr int H = D / 2, CH = H / 8;
@@ -92,34 +92,46 @@ __global__ void __launch_bounds__(256) hopper_quant_kv_kernel(SageAttnParams p, 
     const int64_t tok = tok0_k(p, b) + key;
     const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + hh * H;
     const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + hh * H;
-    float x[CH][8], y[CH][8];
+    uint4 kraw[CH], vraw[CH];  // both tiles' loads in flight before any use (raw: half the registers of floats)
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+        if (valid) {
+            kraw[j] = *reinterpret_cast<const uint4*>(ksrc + 8 * j);
+            vraw[j] = *reinterpret_cast<const uint4*>(vsrc + 8 * j);
+        } else {
+            kraw[j] = make_uint4(0u, 0u, 0u, 0u);
+            vraw[j] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    float x[CH][8];
     float am = 0.f;
 #pragma unroll
-    for (int j = 0; j < CH; ++j) {  // both loads in flight before any use
-        if (valid) { Vec8<T>::load(ksrc + 8 * j, x[j]); Vec8<T>::load(vsrc + 8 * j, y[j]); }
-    }
-#pragma unroll
-    for (int j = 0; j < CH; ++j)
+    for (int j = 0; j < CH; ++j) {
+        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[j]), x[j]);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             x[j][e] = valid ? x[j][e] - smean[hh * H + 8 * j + e] : 0.f;
             am = fmaxf(am, fabsf(x[j][e]));
         }
+    }
     am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
     if (hh == 0) rowmax[c] = am;
     // V: e4m3 bytes into the transposed staging tile at the key's slot
     const int slot = (c & ~31) | hop_slot_of_key(c & 31);
 #pragma unroll
-    for (int j = 0; j < CH; ++j)
+    for (int j = 0; j < CH; ++j) {
+        float y[8];
+        Vec8<T>::load(reinterpret_cast<const T*>(&vraw[j]), y);
 #pragma unroll
         for (int e = 0; e < 8; e += 2) {
             const int d = hh * H + 8 * j + e;
-            float a = valid ? (y[j][e] - svmean[d]) * svinv[d] : 0.f;
-            float bb = valid ? (y[j][e + 1] - svmean[d + 1]) * svinv[d + 1] : 0.f;
+            const float a = valid ? (y[e] - svmean[d]) * svinv[d] : 0.f;
+            const float bb = valid ? (y[e + 1] - svmean[d + 1]) * svinv[d + 1] : 0.f;
             const uint32_t w = cvt_e4m3x2(a, bb);
             vt[d * VROW + slot] = (uint8_t)(w & 0xff);
             vt[(d + 1) * VROW + slot] = (uint8_t)(w >> 8);
         }
+    }
     __syncthreads();
     // K: group scale over the 32 keys with equal (key % 8) / 2, then the INT8 image
     const int grp = (c & 7) >> 1;
@@ -414,13 +426,14 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         const int wrow_min = q0 + cw * 64;  // first row of this warpgroup
 
         // S of block kb (int32 wgmma accumulator) -> P~ fragments (e4m3 x 448) and the rescale factors alpha
-        auto softmax_block = [&](const int (&acc)[64], int kb, float (&sf)[64], float& al0, float& al1) {
-            const float sc = qs * ksc[kb * 4 + t4];  // one Q and one K scale per thread; log2 domain
-#pragma unroll
-            for (int i = 0; i < 64; ++i) sf[i] = small_i2f(acc[i]) * sc;
+        // kscale: this thread's K scale of block kb (prefetched one block ahead)
+        auto softmax_block = [&](const int (&acc)[64], int kb, float kscale, float (&sf)[64], float& al0, float& al1) {
             const int kbase = kb * kHopBN;
             const bool need_mask = (kbase + kHopBN > skv) || (mrow != nullptr) ||
                                    (p.causal && kbase + kHopBN - 1 > wrow_min + diag);
+            const float sc = qs * kscale;  // one Q and one K scale per thread; log2 domain
+#pragma unroll
+            for (int i = 0; i < 64; ++i) sf[i] = small_i2f(acc[i]) * sc;
             if (need_mask) {
 #pragma unroll
                 for (int j = 0; j < 16; ++j)
@@ -505,6 +518,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             float al0, al1;
             uint32_t ph;
             int s = stage_of(it, ph);
+            float kscale_cur = ksc[t4];
+            float kscale_next = nkb > 1 ? ksc[4 + t4] : 0.f;
             mbar_wait(bar_full + 8 * s, ph);
 #if SAGE_HOP_PINGPONG
             named_sync(3 + cw, 256);
@@ -518,12 +533,14 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             reg_fence(acc);
             {
                 float sf[64];
-                softmax_block(acc, 0, sf, al0, al1);
+                softmax_block(acc, 0, kscale_cur, sf, al0, al1);
                 pack_p(sf, pa);
             }
             for (int kb = 1; kb < nkb; ++kb) {
                 uint32_t phn;
                 const int sn = stage_of(it + 1, phn);
+                kscale_cur = kscale_next;
+                if (kb + 1 < nkb) kscale_next = ksc[(kb + 1) * 4 + t4];  // in flight during this block
                 mbar_wait(bar_full + 8 * sn, phn);
 #if SAGE_HOP_PINGPONG
                 named_sync(3 + cw, 256);
@@ -538,7 +555,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 reg_fence(acc);
                 float sf[64];
                 float bl0, bl1;
-                softmax_block(acc, kb, sf, bl0, bl1);
+                softmax_block(acc, kb, kscale_cur, sf, bl0, bl1);
                 wg_wait<0>();
                 reg_fence(blk);
                 reg_fence(pa);
