@@ -39,7 +39,7 @@ __host__ __device__ constexpr int hop_slot_of_key(int k) {
 
 struct HopLayout {
     int64_t nkb;  // 128-key blocks per (b, kv-head)
-    int64_t kimg, kscale, vimg, vscale, kpart, vpart, kmean, vmax, vmean, total;
+    int64_t kimg, kscale, vimg, vscale, kpart, vpart, kmean, vmax, vmean, kmflag, total;
     int nsplit;
 };
 
@@ -59,6 +59,7 @@ inline HopLayout make_hop_layout(const SageAttnParams& p) {
     L.kmean = off;  off = align256(off + bhk * D * 4);
     L.vmax = off;   off = align256(off + bhk * D * 4);
     L.vmean = off;  off = align256(off + bhk * D * 4);
+    L.kmflag = off; off = align256(off + (p.kmask ? (int64_t)p.B * L.nkb * 4 : 0));
     L.total = off;
     return L;
 }
@@ -68,7 +69,7 @@ inline HopLayout make_hop_layout(const SageAttnParams& p) {
 template <int D, typename T>
 __global__ void __launch_bounds__(256, 2) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vmax,
                                                               const float* vmean, int8_t* kimg, float* kscale,
-                                                              uint8_t* vimg, float* vscale, int nkb) {
+                                                              uint8_t* vimg, float* vscale, int* kmflag, int nkb) {
     constexpr int H = D / 2, CH = H / 8;
     constexpr int VROW = kHopBN + 16;  // padded V^T staging row (bytes)
     __shared__ float smean[D], svinv[D], svmean[D];
@@ -132,7 +133,11 @@ __global__ void __launch_bounds__(256, 2) hopper_quant_kv_kernel(SageAttnParams 
             vt[(d + 1) * VROW + slot] = (uint8_t)(w >> 8);
         }
     }
-    __syncthreads();
+    // key-padding mask: one flag per (batch, block), "some key of this block is masked", so the attention kernel
+    // masks (reads the mask) only in those blocks
+    const int masked = p.kmask && valid && p.kmask[(int64_t)b * p.kmask_sb + key] == 0;
+    const int any_masked = __syncthreads_or(masked);
+    if (p.kmask && h == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
     // K: group scale over the 32 keys with equal (key % 8) / 2, then the INT8 image
     const int grp = (c & 7) >> 1;
     float gm = 0.f;
@@ -295,7 +300,7 @@ struct HopSmem {
 
 struct HopWs {
     const int8_t* kimg; const float* kscale; const uint8_t* vimg; const float* vscale;
-    const float* kmean; const float* vmean; int nkb; int nqb; int ntiles;
+    const float* kmean; const float* vmean; const int* kmflag; int nkb; int nqb; int ntiles;
 };
 
 template <int D, typename T>
@@ -419,6 +424,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         const int diag = skv - sq;
         const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
         const float* ksc = w.kscale + bhk * w.nkb * 4;
+        const int* kmf = mrow ? w.kmflag + (int64_t)b * w.nkb : nullptr;
         float o[D / 2];
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
@@ -427,9 +433,10 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
 
         // S of block kb (int32 wgmma accumulator) -> P~ fragments (e4m3 x 448) and the rescale factors alpha
         // kscale: this thread's K scale of block kb (prefetched one block ahead)
-        auto softmax_block = [&](const int (&acc)[64], int kb, float kscale, float (&sf)[64], float& al0, float& al1) {
+        auto softmax_block = [&](const int (&acc)[64], int kb, float kscale, int kmasked, float (&sf)[64], float& al0,
+                                 float& al1) {
             const int kbase = kb * kHopBN;
-            const bool need_mask = (kbase + kHopBN > skv) || (mrow != nullptr) ||
+            const bool need_mask = (kbase + kHopBN > skv) || kmasked ||
                                    (p.causal && kbase + kHopBN - 1 > wrow_min + diag);
             const float sc = qs * kscale;  // one Q and one K scale per thread; log2 domain
 #pragma unroll
@@ -520,6 +527,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             int s = stage_of(it, ph);
             float kscale_cur = ksc[t4];
             float kscale_next = nkb > 1 ? ksc[4 + t4] : 0.f;
+            int kmask_cur = kmf ? kmf[0] : 0;
+            int kmask_next = kmf && nkb > 1 ? kmf[1] : 0;
             mbar_wait(bar_full + 8 * s, ph);
 #if SAGE_HOP_PINGPONG
             named_sync(3 + cw, 256);
@@ -533,14 +542,18 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             reg_fence(acc);
             {
                 float sf[64];
-                softmax_block(acc, 0, kscale_cur, sf, al0, al1);
+                softmax_block(acc, 0, kscale_cur, kmask_cur, sf, al0, al1);
                 pack_p(sf, pa);
             }
             for (int kb = 1; kb < nkb; ++kb) {
                 uint32_t phn;
                 const int sn = stage_of(it + 1, phn);
                 kscale_cur = kscale_next;
-                if (kb + 1 < nkb) kscale_next = ksc[(kb + 1) * 4 + t4];  // in flight during this block
+                kmask_cur = kmask_next;
+                if (kb + 1 < nkb) {  // in flight during this block
+                    kscale_next = ksc[(kb + 1) * 4 + t4];
+                    if (kmf) kmask_next = kmf[kb + 1];
+                }
                 mbar_wait(bar_full + 8 * sn, phn);
 #if SAGE_HOP_PINGPONG
                 named_sync(3 + cw, 256);
@@ -555,7 +568,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 reg_fence(acc);
                 float sf[64];
                 float bl0, bl1;
-                softmax_block(acc, kb, kscale_cur, sf, bl0, bl1);
+                softmax_block(acc, kb, kscale_cur, kmask_cur, sf, bl0, bl1);
                 wg_wait<0>();
                 reg_fence(blk);
                 reg_fence(pa);
@@ -721,7 +734,9 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     const int bhk = p.B * p.Hkv, ns = L.nsplit, nkb = (int)L.nkb;
     stats_kernel<D, T><<<dim3(ns, bhk, 2), kThreads, 0, st>>>(p, kpart, vpart, ns);
     finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, kpart, vpart, ns, kmean, vmax, vmean, 1);
-    hopper_quant_kv_kernel<D, T><<<dim3(nkb, bhk), 256, 0, st>>>(p, kmean, vmax, vmean, kimg, kscale, vimg, vscale, nkb);
+    int* kmflag = reinterpret_cast<int*>(ws + L.kmflag);
+    hopper_quant_kv_kernel<D, T><<<dim3(nkb, bhk), 256, 0, st>>>(p, kmean, vmax, vmean, kimg, kscale, vimg, vscale,
+                                                                 kmflag, nkb);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
 
@@ -737,6 +752,7 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
         }
     }
     HopWs w;
+    w.kmflag = kmflag;
     w.kimg = kimg; w.kscale = kscale; w.vimg = vimg; w.vscale = vscale; w.kmean = kmean; w.vmean = vmean;
     w.nkb = nkb;
     w.nqb = (p.Sq + kHopBM - 1) / kHopBM;
