@@ -18,6 +18,10 @@ Implementations (see docs/kernels.md):
   Reference equivalent: ``reference_config(IMPL_FP8PV, D)`` = ``SimConfig(q_group=Grouping(32, 8, 1),
   k_group=Grouping(64, 8, 2), pv="fp8")`` in the default build (the Q tile is ``q_group_rows(D)``).
 - ``"cuda-mma-fp16pv"``: "8b" with FP16 P~V (SageAttention1-style) for sm_80/86; reference: the same with pv="fp16".
+- ``"cuda-wgmma-fp8pv"``: the sm_90a Hopper kernel (kernels_cuda/hopper_attn.cuh; "8b" only, the default on sm_90
+  when the build has sm_90a): INT8 + FP8 wgmma, warp-specialized, 128-key blocks. Reference:
+  ``reference_config(IMPL_WGMMA)`` = ``SimConfig(block_k=128, q_group=Grouping(16, 8, 1),
+  k_group=Grouping(128, 8, 2), pv="fp8")``. "4b" stays on the portable kernel there.
 
 Both implementations also run "4b" (SageAttention2-4b numerics: INT4 values in [-7, 7] with the same per-thread
 groups, Q smoothing per 128-row block with its fp32 Delta S correction; carried in INT8 mma.sync on every arch, see
