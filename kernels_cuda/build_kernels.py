@@ -10,6 +10,7 @@ Environment:
     SAGE_PATCH_KERNELS_REQUIRED=1  make a failed or impossible build an error instead of a warning (CI)
     SAGE_PATCH_NVCC=/path/to/nvcc  use this compiler (else $CUDA_HOME/bin/nvcc, nvcc on PATH, /usr/local/cuda/bin/nvcc)
     SAGE_PATCH_NVCC_THREADS=N      nvcc --threads (default: number of CPUs, at most 4)
+    SAGE_PATCH_NVCC_EXTRA="-DX=1"  extra nvcc flags (kernel experiments: variants of hopper_attn.cuh)
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ def nvcc_command(nvcc: str, archs: list[str], out_path: str, threads: int | None
         "-Werror", "all-warnings", "--threads", str(threads),
         f'-DSAGE_ARCHS="{" ".join(archs)}"',
         *gencode_flags(archs),
+        *os.environ.get("SAGE_PATCH_NVCC_EXTRA", "").split(),
         "-o", out_path, *[os.path.join(HERE, s) for s in SOURCES],
     ]
 

@@ -24,12 +24,32 @@ constexpr int kHopThreads = 384;   // producer warpgroup + 2 consumer warpgroups
 #define SAGE_HOP_STAGES 3
 #endif
 constexpr int kHopStages = SAGE_HOP_STAGES;
+#ifndef SAGE_HOP_FASTSM
+#define SAGE_HOP_FASTSM 0
+#endif
+#ifndef SAGE_HOP_DIAG  // diagnostics for timing only: 1 = no softmax, 2 = no P~V GEMM (wrong results)
+#define SAGE_HOP_DIAG 0
+#endif
 #ifndef SAGE_HOP_PINGPONG
 #define SAGE_HOP_PINGPONG 1
 #endif
 
-__host__ __device__ constexpr int hop_img_off(int r, int c, int kbytes) {
+#ifndef SAGE_HOP_SWIZZLE
+#define SAGE_HOP_SWIZZLE 1
+#endif
+// Shared-memory images of the wgmma operands (Q, K blocks, V^T blocks), K-major, rows of kbytes (64 or 128) bytes.
+// SAGE_HOP_SWIZZLE: rows stored one after the other, the 16-byte chunks of row r XOR-permuted by r's place in its
+// 8-row atom (wgmma's 128B / 64B swizzle modes, atoms of 8 * kbytes bytes); else the no-swizzle core-matrix layout
+// (8 rows x 16 bytes per core matrix, core matrices along K adjacent).
+__host__ __device__ constexpr int hop_img_off_plain(int r, int c, int kbytes) {
     return ((r >> 3) * (kbytes >> 4) + (c >> 4)) * 128 + (r & 7) * 16 + (c & 15);
+}
+__host__ __device__ constexpr int hop_img_off(int r, int c, int kbytes) {
+#if SAGE_HOP_SWIZZLE
+    return r * kbytes + ((((c >> 4) ^ (kbytes == 128 ? (r & 7) : ((r >> 1) & 3)))) << 4) + (c & 15);
+#else
+    return hop_img_off_plain(r, c, kbytes);
+#endif
 }
 // V^T slot of key k within its 32-key group: slot s holds key 16(s/16) + 8((s%4)/2) + 2((s%16)/4) + s%2, the order in
 // which the S accumulator fragment of a lane is directly the A fragment of P~ (same rule as quant_v_kernel)
@@ -180,9 +200,20 @@ __global__ void __launch_bounds__(256, 2) hopper_quant_kv_kernel(SageAttnParams 
 #endif
 
 #if SAGE_HOP_DEVICE
-__device__ __forceinline__ uint64_t hop_desc(uint32_t saddr, uint32_t sbo) {
+__device__ __forceinline__ uint64_t hop_desc_plain(uint32_t saddr, uint32_t sbo) {
     // start address, leading byte offset 128 (next core matrix along K), stride byte offset sbo, no swizzle
     return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
+}
+// descriptor of an hop_img_off image with rows of kbytes, starting at byte k0 (a multiple of 32) of row 0
+__device__ __forceinline__ uint64_t hop_desc(uint32_t img, int k0, int kbytes) {
+#if SAGE_HOP_SWIZZLE
+    // swizzled K-major: 8-row atoms kbytes * 8 apart (SBO), LBO unused; mode 1 = 128B, 2 = 64B swizzle. The
+    // hardware applies the XOR to the address bits, so images start 8 * kbytes aligned and K steps add to the start.
+    const uint64_t mode = kbytes == 128 ? 1 : 2;
+    return (uint64_t)(((img + k0) & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)((8 * kbytes) >> 4) << 32) | (mode << 62);
+#else
+    return hop_desc_plain(img + (k0 >> 4) * 128, kbytes / 16 * 128);
+#endif
 }
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -294,8 +325,10 @@ struct HopSmem {
     static constexpr int Q_OFF = 0;
     static constexpr int K_OFF = 2 * QBYTES;
     static constexpr int V_OFF = K_OFF + kHopStages * KBYTES;
-    static constexpr int BAR_OFF = V_OFF + kHopStages * VBYTES;
-    static constexpr int TOTAL = BAR_OFF + 2 * kHopStages * 8;
+    static constexpr int EPI_OFF = V_OFF + kHopStages * VBYTES;  // V scale and mean per consumer x tile parity
+    static constexpr int EPI_FLOATS = 2 * D;
+    static constexpr int BAR_OFF = EPI_OFF + 2 * 2 * EPI_FLOATS * 4;
+    static constexpr int TOTAL = BAR_OFF + 2 * kHopStages * 8 + 1024;  // + slack to align the images to 1024 bytes
 };
 
 struct HopWs {
@@ -308,7 +341,10 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                                                                       const HopWs w) {
 #if SAGE_HOP_DEVICE
     using S = HopSmem<D>;
-    extern __shared__ __align__(1024) uint8_t hsmem[];
+    extern __shared__ __align__(1024) uint8_t hsmem_raw[];
+    // swizzled operand images need 1024-byte aligned atoms: align the base ourselves
+    const uint32_t spad = (1024u - (smem_u32(hsmem_raw) & 1023u)) & 1023u;
+    uint8_t* hsmem = hsmem_raw + spad;
     const uint32_t sbase = smem_u32(hsmem);
     const uint32_t bar_full = sbase + S::BAR_OFF, bar_empty = bar_full + 8 * kHopStages;
     const int wg = threadIdx.x >> 7;
@@ -350,7 +386,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     const int ltid = threadIdx.x & 127, warp = ltid >> 5, lane = ltid & 31, g = lane >> 2, t4 = lane & 3;
     const uint32_t sQ = sbase + S::Q_OFF + cw * S::QBYTES;
     uint8_t* sQp = hsmem + S::Q_OFF + cw * S::QBYTES;
-    int it = 0;
+    int it = 0, tpar = 0;
 #if SAGE_HOP_PINGPONG
     if (cw == 1) named_arrive(3, 256);  // warpgroup 0 issues first
 #endif
@@ -417,9 +453,18 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 *reinterpret_cast<uint4*>(sQp + hop_img_off(lrow0, t4 * QC + j, D)) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
                 *reinterpret_cast<uint4*>(sQp + hop_img_off(lrow0 + 8, t4 * QC + j, D)) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
             }
+            // V scale / mean for the epilogue, read now so their latency hides under the tile (buffer by tile parity:
+            // the previous tile's epilogue may still read the other one)
+            if (ltid < D) {
+                float* se = reinterpret_cast<float*>(hsmem + S::EPI_OFF) + (cw * 2 + tpar) * S::EPI_FLOATS;
+                se[ltid] = w.vscale[bhk * D + ltid];
+                se[D + ltid] = p.smooth_v ? w.vmean[bhk * D + ltid] : 0.f;
+            }
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             named_sync(1 + cw, 128);
         }
+        const float* sepi = reinterpret_cast<const float*>(hsmem + S::EPI_OFF) + (cw * 2 + tpar) * S::EPI_FLOATS;
+        tpar ^= 1;
 
         const int diag = skv - sq;
         const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
@@ -438,7 +483,81 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             const int kbase = kb * kHopBN;
             const bool need_mask = (kbase + kHopBN > skv) || kmasked ||
                                    (p.causal && kbase + kHopBN - 1 > wrow_min + diag);
-            const float sc = qs * kscale;  // one Q and one K scale per thread; log2 domain
+            const float sc = qs * kscale;  // one Q and one K scale per thread (>= 0); log2 domain
+#if SAGE_HOP_DIAG == 1
+            // diagnostic: no softmax (one LOP per score), to time the GEMMs and the pipeline alone
+            (void)need_mask; (void)sc;
+#pragma unroll
+            for (int i = 0; i < 64; ++i) sf[i] = __int_as_float((acc[i] & 0xff) | 0x3f800000);
+            al0 = al1 = 1.f;
+            l0 += 1.f; l1 += 1.f; m0 = m1 = 0.f;
+#elif SAGE_HOP_FASTSM
+            // Row max on the int32 scores (a lane's scale is >= 0, so the order is the same), then per score one IADD
+            // (int -> float bits: 1.5 * 2^23 + x, exact for |x| < 2^22), one FFMA (scale, subtract the max and the
+            // 1.5 * 2^23 offset, add log2 448) and EX2. The offset folded into c costs one rounding of c, the same for
+            // every score of the row in this block: a uniform factor of at most 1 + 2^-20 relative.
+            constexpr int kMagic = 0x4B400000;
+            constexpr float kMagicF = 12582912.f;
+            int im0 = INT_MIN, im1 = INT_MIN;
+            if (!need_mask) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    im0 = max(im0, max(acc[4 * j], acc[4 * j + 1]));
+                    im1 = max(im1, max(acc[4 * j + 2], acc[4 * j + 3]));
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = kbase + 8 * j + 2 * t4 + e;
+                        bool ok = key < skv;
+                        if (ok && mrow) ok = mrow[key] != 0;
+                        if (ok && !(p.causal && key > row0 + diag)) im0 = max(im0, acc[4 * j + e]);
+                        if (ok && !(p.causal && key > row1 + diag)) im1 = max(im1, acc[4 * j + 2 + e]);
+                    }
+            }
+            // the 4 lanes of a row hold different K scale groups: compare them as scaled floats
+            float mx0 = im0 == INT_MIN ? -INFINITY : (float)im0 * sc;
+            float mx1 = im1 == INT_MIN ? -INFINITY : (float)im1 * sc;
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(m0, fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2)));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(m1, fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2)));
+            const float mu0 = mx0 == -INFINITY ? 0.f : mx0;
+            const float mu1 = mx1 == -INFINITY ? 0.f : mx1;
+            al0 = fast_exp2(m0 - mu0);
+            al1 = fast_exp2(m1 - mu1);
+            m0 = mx0; m1 = mx1;
+            const float c0 = fmaf(kMagicF, sc, mu0 - kLog2Fp8Max), c1 = fmaf(kMagicF, sc, mu1 - kLog2Fp8Max);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                sf[4 * j] = fast_exp2(fmaf(__int_as_float(acc[4 * j] + kMagic), sc, -c0));
+                sf[4 * j + 1] = fast_exp2(fmaf(__int_as_float(acc[4 * j + 1] + kMagic), sc, -c0));
+                sf[4 * j + 2] = fast_exp2(fmaf(__int_as_float(acc[4 * j + 2] + kMagic), sc, -c1));
+                sf[4 * j + 3] = fast_exp2(fmaf(__int_as_float(acc[4 * j + 3] + kMagic), sc, -c1));
+            }
+            if (need_mask) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = kbase + 8 * j + 2 * t4 + e;
+                        bool ok = key < skv;
+                        if (ok && mrow) ok = mrow[key] != 0;
+                        if (!ok || (p.causal && key > row0 + diag)) sf[4 * j + e] = 0.f;
+                        if (!ok || (p.causal && key > row1 + diag)) sf[4 * j + 2 + e] = 0.f;
+                    }
+            }
+            float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                rs0 += sf[4 * j] + sf[4 * j + 1];
+                rs1 += sf[4 * j + 2] + sf[4 * j + 3];
+            }
+            l0 = l0 * al0 + rs0;
+            l1 = l1 * al1 + rs1;
+#else
 #pragma unroll
             for (int i = 0; i < 64; ++i) sf[i] = small_i2f(acc[i]) * sc;
             if (need_mask) {
@@ -479,6 +598,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             }
             l0 = l0 * al0 + rs0;
             l1 = l1 * al1 + rs1;
+#endif
         };
         auto pack_p = [&](const float (&sf)[64], uint32_t (&pa)[4][4]) {
 #pragma unroll
@@ -494,14 +614,18 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             const uint32_t sK = sbase + S::K_OFF + s * S::KBYTES;
 #pragma unroll
             for (int k = 0; k < D / 32; ++k)
-                wgmma_s8_n128(acc, hop_desc(sQ + 256 * k, D / 16 * 128), hop_desc(sK + 256 * k, D / 16 * 128), k);
+                wgmma_s8_n128(acc, hop_desc(sQ, 32 * k, D), hop_desc(sK, 32 * k, D), k);
             wg_commit();
         };
         // two-level accumulation: each block's P~V lands in its own accumulator (blk), then O = O * alpha + blk
         auto issue_pv = [&](float (&blk)[D / 2], uint32_t (&pa)[4][4], int s) {
             const uint32_t sV = sbase + S::V_OFF + s * S::VBYTES;
+#if SAGE_HOP_DIAG != 2
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) wgmma_pv<D>(blk, pa[kk], hop_desc(sV + 256 * kk, kHopBN / 16 * 128), kk);
+            for (int kk = 0; kk < 4; ++kk) wgmma_pv<D>(blk, pa[kk], hop_desc(sV, 32 * kk, kHopBN), kk);
+#else
+            (void)sV;
+#endif
             wg_commit();
         };
         auto merge = [&](const float (&blk)[D / 2], float al0, float al1) {
@@ -522,6 +646,10 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             int acc[64];
             uint32_t pa[4][4];
             float blk[D / 2];
+#if SAGE_HOP_DIAG == 2
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) blk[i] = 0.f;
+#endif
             float al0, al1;
             uint32_t ph;
             int s = stage_of(it, ph);
@@ -601,16 +729,16 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
         const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
         T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh + tok0_q(p, b) * p.o_ss;
-        const float* vsc = w.vscale + bhk * D;
-        const float* vmn = p.smooth_v ? w.vmean + bhk * D : nullptr;
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) {
             const int col = 8 * i + 2 * t4;
-            const float v0 = vsc[col], v1 = vsc[col + 1];
+            const float2 vv = *reinterpret_cast<const float2*>(sepi + col);
+            const float v0 = vv.x, v1 = vv.y;
             float a00 = o[4 * i] * inv0 * v0, a01 = o[4 * i + 1] * inv0 * v1;
             float a10 = o[4 * i + 2] * inv1 * v0, a11 = o[4 * i + 3] * inv1 * v1;
-            if (vmn) {
-                const float mm0 = vmn[col], mm1 = vmn[col + 1];
+            if (p.smooth_v) {
+                const float2 mv = *reinterpret_cast<const float2*>(sepi + D + col);
+                const float mm0 = mv.x, mm1 = mv.y;
                 if (l0 > 0.f) { a00 += mm0; a01 += mm1; }
                 if (l1 > 0.f) { a10 += mm0; a11 += mm1; }
             }
@@ -645,11 +773,11 @@ __global__ void __launch_bounds__(128) hopper_probe_kernel(const uint8_t* a, con
 #pragma unroll
     for (int i = 0; i < 8; ++i) { d[i] = 0.f; di[i] = 0; }
     for (int st = 0; st < steps; ++st) {
-        for (int i = threadIdx.x; i < 16 * 32; i += 128) sb[hop_img_off(i / 32, i % 32, 32)] = bm[(i / 32) * K + 32 * st + i % 32];
-        for (int i = threadIdx.x; i < 64 * 32; i += 128) sa[hop_img_off(i / 32, i % 32, 32)] = a[(i / 32) * K + 32 * st + i % 32];
+        for (int i = threadIdx.x; i < 16 * 32; i += 128) sb[hop_img_off_plain(i / 32, i % 32, 32)] = bm[(i / 32) * K + 32 * st + i % 32];
+        for (int i = threadIdx.x; i < 64 * 32; i += 128) sa[hop_img_off_plain(i / 32, i % 32, 32)] = a[(i / 32) * K + 32 * st + i % 32];
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        const uint64_t db = hop_desc(smem_u32(sb), 2 * 128);
+        const uint64_t db = hop_desc_plain(smem_u32(sb), 2 * 128);
         wg_fence();
         if (mode == 0) {
             uint32_t af[4];
@@ -666,7 +794,7 @@ __global__ void __launch_bounds__(128) hopper_probe_kernel(const uint8_t* a, con
                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
                 : "r"(af[0]), "r"(af[1]), "r"(af[2]), "r"(af[3]), "l"(db), "r"(st));
         } else {
-            const uint64_t da = hop_desc(smem_u32(sa), 2 * 128);
+            const uint64_t da = hop_desc_plain(smem_u32(sa), 2 * 128);
             asm volatile(
                 "{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
                 "wgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p;\n}\n"
