@@ -25,7 +25,7 @@ constexpr int kHopThreads = 384;   // producer warpgroup + 2 consumer warpgroups
 #endif
 constexpr int kHopStages = SAGE_HOP_STAGES;
 #ifndef SAGE_HOP_FASTSM
-#define SAGE_HOP_FASTSM 0
+#define SAGE_HOP_FASTSM 1
 #endif
 #ifndef SAGE_HOP_DIAG  // diagnostics for timing only: 1 = no softmax, 2 = no P~V GEMM (wrong results)
 #define SAGE_HOP_DIAG 0
@@ -87,7 +87,10 @@ inline HopLayout make_hop_layout(const SageAttnParams& p) {
 // ------------------------------------------------------------------------------------------------------------------
 // Pre-pass: one CTA per (128-key block, b * kv-head); 256 threads, 2 per key (half the channels each).
 template <int D, typename T>
-__global__ void __launch_bounds__(256, 2) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vmax,
+#ifndef SAGE_HOP_QKV_CTAS
+#define SAGE_HOP_QKV_CTAS 4  // CTAs per SM: measured 2/3/4 on the H200, 4 fastest (64 registers, no spill)
+#endif
+__global__ void __launch_bounds__(256, SAGE_HOP_QKV_CTAS) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vmax,
                                                               const float* vmean, int8_t* kimg, float* kscale,
                                                               uint8_t* vimg, float* vscale, int* kmflag, int nkb) {
     constexpr int H = D / 2, CH = H / 8;
@@ -124,16 +127,15 @@ __global__ void __launch_bounds__(256, 2) hopper_quant_kv_kernel(SageAttnParams 
             vraw[j] = make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    float x[CH][8];
+    // K - mean is recomputed from the raw registers where needed (a float copy would cost 64 registers and occupancy;
+    // invalid keys loaded as 0 give |0 - mean| here, so they are masked)
     float am = 0.f;
 #pragma unroll
     for (int j = 0; j < CH; ++j) {
-        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[j]), x[j]);
+        float x[8];
+        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[j]), x);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            x[j][e] = valid ? x[j][e] - smean[hh * H + 8 * j + e] : 0.f;
-            am = fmaxf(am, fabsf(x[j][e]));
-        }
+        for (int e = 0; e < 8; ++e) am = fmaxf(am, valid ? fabsf(x[e] - smean[hh * H + 8 * j + e]) : 0.f);
     }
     am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
     if (hh == 0) rowmax[c] = am;
@@ -163,12 +165,15 @@ __global__ void __launch_bounds__(256, 2) hopper_quant_kv_kernel(SageAttnParams 
     float gm = 0.f;
 #pragma unroll
     for (int a = 0; a < kHopBN / 8; ++a) gm = fmaxf(gm, fmaxf(rowmax[8 * a + 2 * grp], rowmax[8 * a + 2 * grp + 1]));
-    const float sc = gm / 127.f;
+    const float sc = gm / 127.f, inv = sc > 0.f ? 1.f / sc : 0.f;
     const int64_t blk = (int64_t)bh * nkb + kb;
     if (hh == 0 && c < 8 && (c & 1) == 0) kscale[blk * 4 + grp] = sc;
     int8_t* kdst = kimg + blk * kHopBN * D;
 #pragma unroll
-    for (int j = 0; j < CH; j += 2) {  // 16 channels = one 16-byte core-matrix row
+    for (int j = 0; j < CH; j += 2) {  // 16 channels = one 16-byte row chunk of the image
+        float x[16];
+        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[j]), x);
+        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[j + 1]), x + 8);
         uint32_t w[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -176,7 +181,8 @@ __global__ void __launch_bounds__(256, 2) hopper_quant_kv_kernel(SageAttnParams 
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int idx = 4 * q + e;
-                a |= (uint32_t)(quant_i8(x[j + idx / 8][idx % 8], sc) & 0xff) << (8 * e);
+                const float v = valid ? x[idx] - smean[hh * H + 8 * j + idx] : 0.f;
+                a |= (uint32_t)(quant_i8_inv(v, sc, inv) & 0xff) << (8 * e);
             }
             w[q] = a;
         }
@@ -325,8 +331,8 @@ struct HopSmem {
     static constexpr int Q_OFF = 0;
     static constexpr int K_OFF = 2 * QBYTES;
     static constexpr int V_OFF = K_OFF + kHopStages * KBYTES;
-    static constexpr int EPI_OFF = V_OFF + kHopStages * VBYTES;  // V scale and mean per consumer x tile parity
-    static constexpr int EPI_FLOATS = 2 * D;
+    static constexpr int EPI_OFF = V_OFF + kHopStages * VBYTES;  // V scale, V mean, K mean per consumer x tile parity
+    static constexpr int EPI_FLOATS = 3 * D;
     static constexpr int BAR_OFF = EPI_OFF + 2 * 2 * EPI_FLOATS * 4;
     static constexpr int TOTAL = BAR_OFF + 2 * kHopStages * 8 + 1024;  // + slack to align the images to 1024 bytes
 };
@@ -390,40 +396,66 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
 #if SAGE_HOP_PINGPONG
     if (cw == 1) named_arrive(3, 256);  // warpgroup 0 issues first
 #endif
-    for (int tt = blockIdx.x; tt < w.ntiles; tt += gridDim.x) {
+    const int lrow0 = warp * 16 + g;  // this lane's rows in the warpgroup's 64: lrow0, lrow0 + 8
+    // The next tile's Q rows, K mean and V scale/mean are loaded into registers before the current tile's epilogue,
+    // so their latency hides under it (the prologue used to wait on them with the tensor cores idle).
+    constexpr int QC = D / 4;  // Q channels per lane
+    struct Pre { uint4 q0[QC / 8], q1[QC / 8]; float vsc, vmn, km; };  // km, vsc, vmn: channel ltid
+    auto next_tile = [&](int t) {  // varlen: skip tiles past their sequence's end (the producer skips the same)
+        for (; t < w.ntiles; t += gridDim.x) {
+            const HopTile x = hop_tile(t, p.B, p.Hq, w.nqb);
+            if (x.qb * kHopBM < len_q(p, x.b)) break;
+        }
+        return t;
+    };
+    auto prefetch = [&](int t, Pre& pf) {
+        const HopTile x = hop_tile(t, p.B, p.Hq, w.nqb);
+        const int sqx = len_q(p, x.b), r0 = x.qb * kHopBM + cw * 64 + lrow0;
+        const int64_t hk = (int64_t)x.b * p.Hkv + x.h / group;
+        const T* qb = static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + tok0_q(p, x.b) * p.q_ss + t4 * QC;
+#pragma unroll
+        for (int j = 0; j < QC / 8; ++j) {
+            pf.q0[j] = r0 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)r0 * p.q_ss + 8 * j) : make_uint4(0, 0, 0, 0);
+            pf.q1[j] = r0 + 8 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)(r0 + 8) * p.q_ss + 8 * j)
+                                    : make_uint4(0, 0, 0, 0);
+        }
+        pf.km = ltid < D ? w.kmean[hk * D + ltid] : 0.f;
+        pf.vsc = ltid < D ? w.vscale[hk * D + ltid] : 0.f;
+        pf.vmn = ltid < D && p.smooth_v ? w.vmean[hk * D + ltid] : 0.f;
+    };
+    Pre pf;
+    int tt = next_tile(blockIdx.x);
+    if (tt < w.ntiles) prefetch(tt, pf);
+    while (tt < w.ntiles) {
         const HopTile tl = hop_tile(tt, p.B, p.Hq, w.nqb);
         const int b = tl.b, h = tl.h;
         const int sq = len_q(p, b), skv = len_k(p, b), q0 = tl.qb * kHopBM;
-        if (q0 >= sq) continue;
         const int nkb = hop_num_kv_blocks(p, q0, sq, skv);
         const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + h / group;
-        const int lrow0 = warp * 16 + g;                     // this lane's rows in the warpgroup's 64: lrow0, lrow0 + 8
         const int row0 = q0 + cw * 64 + lrow0, row1 = row0 + 8;
 
         // ---- Q prologue: rows row0/row1, this lane's quarter of the channels; scale per (row0, row1) pair
         float qshift0 = 0.f, qshift1 = 0.f, qs;
+        float* se = reinterpret_cast<float*>(hsmem + S::EPI_OFF) + (cw * 2 + tpar) * S::EPI_FLOATS;
         {
-            constexpr int QC = D / 4;  // channels per lane
-            const T* qb0 = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + tok0_q(p, b) * p.q_ss;
-            const float* km = w.kmean + bhk * D + t4 * QC;
+            // per-channel values into shared memory (buffer by tile parity: the previous tile's epilogue may still
+            // read the other one): V scale and mean for the epilogue, K mean for the Q shift below
+            if (ltid < D) {
+                se[ltid] = pf.vsc;
+                se[D + ltid] = pf.vmn;
+                se[2 * D + ltid] = pf.km;
+            }
+            named_sync(1 + cw, 128);
             float x0[QC], x1[QC];
 #pragma unroll
-            for (int j = 0; j < QC; j += 8) {
-                if (row0 < sq) Vec8<T>::load(qb0 + (int64_t)row0 * p.q_ss + t4 * QC + j, x0 + j);
-                else {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) x0[j + e] = 0.f;
-                }
-                if (row1 < sq) Vec8<T>::load(qb0 + (int64_t)row1 * p.q_ss + t4 * QC + j, x1 + j);
-                else {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) x1[j + e] = 0.f;
-                }
+            for (int j = 0; j < QC / 8; ++j) {
+                Vec8<T>::load(reinterpret_cast<const T*>(&pf.q0[j]), x0 + 8 * j);
+                Vec8<T>::load(reinterpret_cast<const T*>(&pf.q1[j]), x1 + 8 * j);
             }
             float am = 0.f;
 #pragma unroll
             for (int j = 0; j < QC; ++j) {
-                const float m = km[j];
+                const float m = se[2 * D + t4 * QC + j];
                 qshift0 = fmaf(x0[j], m, qshift0);
                 qshift1 = fmaf(x1[j], m, qshift1);
                 am = fmaxf(am, fmaxf(fabsf(x0[j]), fabsf(x1[j])));
@@ -434,7 +466,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 qshift0 += __shfl_xor_sync(0xffffffffu, qshift0, o);
                 qshift1 += __shfl_xor_sync(0xffffffffu, qshift1, o);
             }
-            const float sc = am / 127.f;
+            const float sc = am / 127.f, inv = sc > 0.f ? 1.f / sc : 0.f;
             qs = sc * p.sm_scale * kLog2e;
             // the previous tile's Q reads (wgmma) are complete: every consumer waited on its last wgmma group
 #pragma unroll
@@ -445,25 +477,18 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                     uint32_t a0 = 0, a1 = 0;
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        a0 |= (uint32_t)(quant_i8(x0[j + 4 * q + e], sc) & 0xff) << (8 * e);
-                        a1 |= (uint32_t)(quant_i8(x1[j + 4 * q + e], sc) & 0xff) << (8 * e);
+                        a0 |= (uint32_t)(quant_i8_inv(x0[j + 4 * q + e], sc, inv) & 0xff) << (8 * e);
+                        a1 |= (uint32_t)(quant_i8_inv(x1[j + 4 * q + e], sc, inv) & 0xff) << (8 * e);
                     }
                     w0[q] = a0; w1[q] = a1;
                 }
                 *reinterpret_cast<uint4*>(sQp + hop_img_off(lrow0, t4 * QC + j, D)) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
                 *reinterpret_cast<uint4*>(sQp + hop_img_off(lrow0 + 8, t4 * QC + j, D)) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
             }
-            // V scale / mean for the epilogue, read now so their latency hides under the tile (buffer by tile parity:
-            // the previous tile's epilogue may still read the other one)
-            if (ltid < D) {
-                float* se = reinterpret_cast<float*>(hsmem + S::EPI_OFF) + (cw * 2 + tpar) * S::EPI_FLOATS;
-                se[ltid] = w.vscale[bhk * D + ltid];
-                se[D + ltid] = p.smooth_v ? w.vmean[bhk * D + ltid] : 0.f;
-            }
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             named_sync(1 + cw, 128);
         }
-        const float* sepi = reinterpret_cast<const float*>(hsmem + S::EPI_OFF) + (cw * 2 + tpar) * S::EPI_FLOATS;
+        const float* sepi = se;
         tpar ^= 1;
 
         const int diag = skv - sq;
@@ -722,6 +747,11 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             ++it;
         }
 
+        const int tnext = next_tile(tt + gridDim.x);
+        // in flight during the epilogue; unconditional (the current tile again after the last one) so that the
+        // compiler sees pf redefined every iteration and does not keep it alive across the main loop
+        prefetch(tnext < w.ntiles ? tnext : tt, pf);
+
         // ---- epilogue
         l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
         l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -729,21 +759,20 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
         const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
         T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh + tok0_q(p, b) * p.o_ss;
+        T* O0 = O + (int64_t)row0 * p.o_ss + 2 * t4;
+        T* O1 = O + (int64_t)row1 * p.o_ss + 2 * t4;
+        const bool st0 = row0 < sq, st1 = row1 < sq;
+        // smooth V: + mean(V) on rows that attended to something (the staged mean is 0 without smooth V)
+        const float f0 = l0 > 0.f ? 1.f : 0.f, f1 = l1 > 0.f ? 1.f : 0.f;
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) {
             const int col = 8 * i + 2 * t4;
             const float2 vv = *reinterpret_cast<const float2*>(sepi + col);
-            const float v0 = vv.x, v1 = vv.y;
-            float a00 = o[4 * i] * inv0 * v0, a01 = o[4 * i + 1] * inv0 * v1;
-            float a10 = o[4 * i + 2] * inv1 * v0, a11 = o[4 * i + 3] * inv1 * v1;
-            if (p.smooth_v) {
-                const float2 mv = *reinterpret_cast<const float2*>(sepi + D + col);
-                const float mm0 = mv.x, mm1 = mv.y;
-                if (l0 > 0.f) { a00 += mm0; a01 += mm1; }
-                if (l1 > 0.f) { a10 += mm0; a11 += mm1; }
-            }
-            if (row0 < sq) *reinterpret_cast<uint32_t*>(O + (int64_t)row0 * p.o_ss + col) = pack2<T>(a00, a01);
-            if (row1 < sq) *reinterpret_cast<uint32_t*>(O + (int64_t)row1 * p.o_ss + col) = pack2<T>(a10, a11);
+            const float2 mv = *reinterpret_cast<const float2*>(sepi + D + col);
+            const uint32_t r0 = pack2<T>(fmaf(mv.x, f0, o[4 * i] * inv0 * vv.x), fmaf(mv.y, f0, o[4 * i + 1] * inv0 * vv.y));
+            const uint32_t r1 = pack2<T>(fmaf(mv.x, f1, o[4 * i + 2] * inv1 * vv.x), fmaf(mv.y, f1, o[4 * i + 3] * inv1 * vv.y));
+            if (st0) *reinterpret_cast<uint32_t*>(O0 + 8 * i) = r0;
+            if (st1) *reinterpret_cast<uint32_t*>(O1 + 8 * i) = r1;
         }
         if (p.lse && t4 == 0) {
             float* L = p.cu_seqlens_q ? p.lse + h * p.lse_sh + tok0_q(p, b) : p.lse + bhq * p.Sq;
@@ -751,6 +780,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             if (row0 < sq) L[row0] = l0 > 0.f ? m0 * kLn2 + (logf(l0) - kLnFp8Max) + qshift0 * ss : -INFINITY;
             if (row1 < sq) L[row1] = l1 > 0.f ? m1 * kLn2 + (logf(l1) - kLnFp8Max) + qshift1 * ss : -INFINITY;
         }
+        tt = tnext;
     }
 #else
     (void)p; (void)w;

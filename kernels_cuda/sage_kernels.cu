@@ -116,6 +116,14 @@ __device__ __forceinline__ int quant_i8(float x, float scale, int qmax = 127) {
     int q = __float2int_rn(x / scale);
     return q > qmax ? qmax : (q < -qmax ? -qmax : q);
 }
+// quant_i8 without the IEEE division's slow path: x * (1 / scale) plus one remainder correction, which gives the
+// correctly rounded quotient x / scale (the reference rounds exactly that); inv = 1 / scale, 0 for a zero scale
+__device__ __forceinline__ int quant_i8_inv(float x, float scale, float inv, int qmax = 127) {
+    const float q0 = x * inv;
+    const float q = fmaf(fmaf(-q0, scale, x), inv, q0);
+    const int r = __float2int_rn(q);
+    return r > qmax ? qmax : (r < -qmax ? -qmax : r);
+}
 __host__ __device__ __forceinline__ int qk_max(const SageAttnParams& p) { return p.qk_bits == 4 ? 7 : 127; }
 
 // sequence b: its lengths (the max lengths Sq/Skv unless varlen) and the token offset of its first row
