@@ -24,9 +24,6 @@ constexpr int kHopThreads = 384;   // producer warpgroup + 2 consumer warpgroups
 #define SAGE_HOP_STAGES 3
 #endif
 constexpr int kHopStages = SAGE_HOP_STAGES;
-#ifndef SAGE_HOP_FASTSM
-#define SAGE_HOP_FASTSM 1
-#endif
 #ifndef SAGE_HOP_DIAG  // diagnostics for timing only: 1 = no softmax, 2 = no P~V GEMM (wrong results)
 #define SAGE_HOP_DIAG 0
 #endif
@@ -516,7 +513,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             for (int i = 0; i < 64; ++i) sf[i] = __int_as_float((acc[i] & 0xff) | 0x3f800000);
             al0 = al1 = 1.f;
             l0 += 1.f; l1 += 1.f; m0 = m1 = 0.f;
-#elif SAGE_HOP_FASTSM
+#else
             // Row max on the int32 scores (a lane's scale is >= 0, so the order is the same), then per score one IADD
             // (int -> float bits: 1.5 * 2^23 + x, exact for |x| < 2^22), one FFMA (scale, subtract the max and the
             // 1.5 * 2^23 offset, add log2 448) and EX2. The offset folded into c costs one rounding of c, the same for
@@ -577,47 +574,6 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
-                rs0 += sf[4 * j] + sf[4 * j + 1];
-                rs1 += sf[4 * j + 2] + sf[4 * j + 3];
-            }
-            l0 = l0 * al0 + rs0;
-            l1 = l1 * al1 + rs1;
-#else
-#pragma unroll
-            for (int i = 0; i < 64; ++i) sf[i] = small_i2f(acc[i]) * sc;
-            if (need_mask) {
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = kbase + 8 * j + 2 * t4 + e;
-                        bool ok = key < skv;
-                        if (ok && mrow) ok = mrow[key] != 0;
-                        if (!ok || (p.causal && key > row0 + diag)) sf[4 * j + e] = -INFINITY;
-                        if (!ok || (p.causal && key > row1 + diag)) sf[4 * j + 2 + e] = -INFINITY;
-                    }
-            }
-            float mx0 = m0, mx1 = m1;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                mx0 = fmaxf(mx0, fmaxf(sf[4 * j], sf[4 * j + 1]));
-                mx1 = fmaxf(mx1, fmaxf(sf[4 * j + 2], sf[4 * j + 3]));
-            }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            const float mu0 = mx0 == -INFINITY ? 0.f : mx0;
-            const float mu1 = mx1 == -INFINITY ? 0.f : mx1;
-            al0 = fast_exp2(m0 - mu0);
-            al1 = fast_exp2(m1 - mu1);
-            m0 = mx0; m1 = mx1;
-            const float pm0 = mu0 - kLog2Fp8Max, pm1 = mu1 - kLog2Fp8Max;  // P~ * 448 directly
-            float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                sf[4 * j] = fast_exp2(sf[4 * j] - pm0); sf[4 * j + 1] = fast_exp2(sf[4 * j + 1] - pm0);
-                sf[4 * j + 2] = fast_exp2(sf[4 * j + 2] - pm1); sf[4 * j + 3] = fast_exp2(sf[4 * j + 3] - pm1);
                 rs0 += sf[4 * j] + sf[4 * j + 1];
                 rs1 += sf[4 * j + 2] + sf[4 * j + 3];
             }

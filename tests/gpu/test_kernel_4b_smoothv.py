@@ -8,7 +8,6 @@ Q smoothing matters), NaN-poisoned output memory, inputs checked unchanged, and 
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -17,45 +16,22 @@ import torch
 import sage_patch.kernels as K
 from sage_patch.accuracy import compare
 from sage_patch.reference import exact_attention, simulate
+from gpu_helpers import DEV, poison, record, to_bhsd
+from gpu_helpers import make_qkv as _make_qkv
 
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available() or not K.status()["loaded"]:  # pragma: no cover - CPU machines
     pytest.skip(f"compiled kernels not usable here: {K.status()['reason']}", allow_module_level=True)
 
-DEV = "cuda"
 SIM_L1 = float(os.environ.get("SAGE_TEST_SIM_L1", "1e-3"))
 # INT4 steps are 18x coarser than INT8: one rounding landing a step apart (K mean / Q block mean summed in another
 # order than torch's) moves one score by ~0.1; the LSE moves by p * that.
 LSE_ATOL = {"8b": 5e-3, "4b": 3e-2}
 
 
-def record(res: dict) -> None:
-    print(res)
-    path = os.environ.get("SAGE_TEST_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(res) + "\n")
-
-
-def make_qkv(b, hq, hkv, sq, skv, d, dtype, layout="bhsd", seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-
-    def rnd(h, s, bias):
-        x = torch.randn(b, h, s, d, generator=g, device=DEV) + bias * torch.randn(d, generator=g, device=DEV)
-        x = x.to(dtype)
-        return x.transpose(1, 2).contiguous() if layout == "bshd" else x
-
-    return rnd(hq, sq, 1.0), rnd(hkv, skv, 4.0), rnd(hkv, skv, 4.0)
-
-
-def to_bhsd(x, layout):
-    return x.transpose(1, 2) if layout == "bshd" else x
-
-
-def poison(shape, dtype):
-    t = torch.full(shape, float("nan"), device=DEV, dtype=dtype)
-    del t
+def make_qkv(*args, **kw):
+    return _make_qkv(*args, q_bias=1.0, **kw)  # these cases also give Q a channel bias (Q smoothing of "4b")
 
 
 def run_case(precision, b, hq, hkv, sq, skv, d, *, dtype=torch.float16, layout="bhsd", causal=False, mask=None,

@@ -8,7 +8,6 @@ with NaN before the call, inputs checked unchanged after it, and the kernel comp
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -17,49 +16,17 @@ import torch
 import sage_patch.kernels as K
 from sage_patch.accuracy import compare
 from sage_patch.reference import exact_attention, simulate
+from gpu_helpers import DEV, make_qkv, poison, record, to_bhsd
 
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available() or not K.status()["loaded"]:  # pragma: no cover - CPU machines
     pytest.skip(f"compiled kernels not usable here: {K.status()['reason']}", allow_module_level=True)
 
-DEV = "cuda"
 SIM_L1 = float(os.environ.get("SAGE_TEST_SIM_L1", "1e-3"))
 # LSE vs the simulation: the kernel's K mean is summed in another order than torch's, so a few INT8 roundings of
 # K - mean can land one step apart; each moves one score by one quantum (about 1e-2) and the LSE by p * that.
 SIM_LSE_ATOL = float(os.environ.get("SAGE_TEST_SIM_LSE_ATOL", "5e-3"))
-
-
-def record(res: dict) -> None:
-    """Print the measured figures; with SAGE_TEST_RESULTS=path also append them there as JSON lines."""
-    print(res)
-    path = os.environ.get("SAGE_TEST_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(res) + "\n")
-
-
-def make_qkv(b, hq, hkv, sq, skv, d, dtype, layout="bhsd", seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-
-    def rnd(h, s, bias):
-        x = torch.randn(b, h, s, d, generator=g, device=DEV)
-        if bias:
-            x = x + 4.0 * torch.randn(d, generator=g, device=DEV)
-        x = x.to(dtype)
-        return x.transpose(1, 2).contiguous() if layout == "bshd" else x
-
-    return rnd(hq, sq, False), rnd(hkv, skv, True), rnd(hkv, skv, True)
-
-
-def to_bhsd(x, layout):
-    return x.transpose(1, 2) if layout == "bshd" else x
-
-
-def poison(shape, dtype):
-    """Fill the caching allocator's next blocks of this size with NaN, so unwritten outputs show."""
-    t = torch.full(shape, float("nan"), device=DEV, dtype=dtype)
-    del t
 
 
 def run_case(b, hq, hkv, sq, skv, d, *, dtype=torch.float16, layout="bhsd", causal=False, mask=None, pv=None,

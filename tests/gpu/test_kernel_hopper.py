@@ -5,8 +5,6 @@ kernel on an H100/H200, since it is the default there. Run with `pytest -m gpu t
 from __future__ import annotations
 
 import ctypes
-import json
-import os
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ import torch
 import sage_patch.kernels as K
 from sage_patch.accuracy import compare
 from sage_patch.kernels import _lib
+from gpu_helpers import DEV, make_qkv, record
 from sage_patch.reference import exact_attention, simulate
 
 pytestmark = pytest.mark.gpu
@@ -23,15 +22,6 @@ if not torch.cuda.is_available() or not K.status()["loaded"]:  # pragma: no cove
 if torch.cuda.get_device_capability() != (9, 0) or "90a" not in K.status()["archs"]:  # pragma: no cover
     pytest.skip("the Hopper kernel needs sm_90 and an sm_90a build", allow_module_level=True)
 
-DEV = "cuda"
-
-
-def record(res: dict) -> None:
-    print(res)
-    path = os.environ.get("SAGE_TEST_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(res) + "\n")
 
 
 def probe(a: torch.Tensor, b: torch.Tensor, mode: int) -> torch.Tensor:
@@ -98,14 +88,6 @@ def test_fp8_wgmma_accumulator_width():
     record({"fp8_wgmma_accumulator": results})
     assert results["within_instruction"]["bits_below_leading_exact"] is not None
     assert results["within_instruction"]["bits_below_leading_exact"] >= 10
-
-
-def make_qkv(b, hq, hkv, sq, skv, d, dtype=torch.float16, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(b, hq, sq, d, generator=g, device=DEV)
-    k = torch.randn(b, hkv, skv, d, generator=g, device=DEV) + 4.0 * torch.randn(d, generator=g, device=DEV)
-    v = torch.randn(b, hkv, skv, d, generator=g, device=DEV) + 4.0 * torch.randn(d, generator=g, device=DEV)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 @pytest.mark.parametrize("b,hq,hkv,n,d,causal", [
