@@ -102,20 +102,21 @@ class Timer:
             torch.cuda.synchronize()
 
 
-def impl_counts(model) -> dict:
+def _summed(model, field: str) -> dict:
+    """Per-layer report counters (impls or fallbacks) summed over the model's layers."""
     out: dict = {}
     for st in sage_patch.report(model).layers.values():
-        for k, v in st.impls.items():
+        for k, v in getattr(st, field).items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+def impl_counts(model) -> dict:
+    return _summed(model, "impls")
 
 
 def fallback_reasons(model) -> dict:
-    out: dict = {}
-    for st in sage_patch.report(model).layers.values():
-        for k, v in st.fallbacks.items():
-            out[k] = out.get(k, 0) + v
-    return out
+    return _summed(model, "fallbacks")
 
 
 def reset_stats(model) -> None:
