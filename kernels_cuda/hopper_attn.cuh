@@ -307,12 +307,23 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[D / 2], const uint32_t* a, u
 }
 #endif  // SAGE_HOP_DEVICE
 
-// persistent tile order: q-blocks from the last (longest causal rows) to the first, (batch, head) inner so that
-// heads sharing K/V (GQA) run together
+#ifndef SAGE_HOP_TILE_ORDER
+#define SAGE_HOP_TILE_ORDER 1
+#endif
+// persistent tile order. 1: (batch, head) outer, q-blocks inner from the last (longest causal rows) to the first: the
+// CTAs running at the same time work on the same few heads, so each K/V block comes from HBM once and then from L2
+// (with (batch, head) inner, 132 CTAs stream 132 different heads' K/V: at B=4 H=32 N>=4K that working set is larger
+// than L2 and the kernel re-reads K/V from HBM per q-block). 0: q-blocks outer (globally heaviest first), heads inner.
+// Heads sharing K/V (GQA) are adjacent in both.
 struct HopTile { int b, h, qb; };
 __device__ __forceinline__ HopTile hop_tile(int t, int B, int Hq, int nqb) {
+#if SAGE_HOP_TILE_ORDER == 1
+    const int bh = t / nqb;
+    return HopTile{bh / Hq, bh % Hq, nqb - 1 - t % nqb};
+#else
     const int bh = t % (B * Hq);
     return HopTile{bh / Hq, bh % Hq, nqb - 1 - t / (B * Hq)};
+#endif
 }
 __device__ __forceinline__ int hop_num_kv_blocks(const SageAttnParams& p, int q0, int sq, int skv) {
     int kv_end = skv;
