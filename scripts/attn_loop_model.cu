@@ -1,15 +1,15 @@
-// wgmma throughput ceilings on sm_90a (issue 4 diagnostics, not part of the library).
-// Each CTA = NWG warpgroups looping over groups of wgmmas on operands already in shared memory (no loads), so the
-// numbers are the tensor-core issue ceilings of the shapes and operand sources the attention kernel uses.
-// Build: nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o wgmma_ceiling tools/wgmma_ceiling.cu
-// Run:   ./wgmma_ceiling            (prints one line per mode x warpgroup count: TOPS and cycles per wgmma)
+// Model of the Hopper attention kernel's consumer loop (issue 4 diagnostics, not part of the library): 2 consumer
+// warpgroups, operands resident in shared memory (no loads, no producer), the real softmax instruction mix, and
+// switchable issue orders / ping-pong / exp2 emulated on the FMA pipe for EMU of every 16 scores. Shows which loop
+// schedule can reach what speed before it is built into the kernel.
+// Build: nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o attn_loop_model scripts/attn_loop_model.cu
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-// 128B-swizzled K-major operand, rows of 128 bytes, k0 = byte offset of the k step
 __device__ __forceinline__ uint64_t desc128(uint32_t img, int k0) {
     return (uint64_t)(((img + k0) & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
 }
@@ -19,6 +19,31 @@ template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma
 template <int N, typename T> __device__ __forceinline__ void rfence(T (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&r[i]))::"memory");
+}
+__device__ __forceinline__ void rfence_pa(uint32_t (&r)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ float ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x)); return y; }
+__device__ __forceinline__ uint32_t cvt2(float lo, float hi) {
+    uint16_t r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// 2^y on the FMA pipe: round to nearest integer j with the 1.5 * 2^23 trick, 2^(y - j) by a degree-3 polynomial
+// (relative error 7.5e-5 on [-0.5, 0.5]), j added to the exponent field
+__device__ __forceinline__ float ex2_fma(float y) {
+    y = fmaxf(y, -126.f);
+    const float t = y + 12582912.f;
+    const float f = y - (t - 12582912.f);
+    float p = fmaf(0.05517132f, f, 0.24261054f);
+    p = fmaf(p, f, 0.69326099f);
+    p = fmaf(p, f, 0.99992811f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 
 __device__ __forceinline__ void mma_s8_ss_n128(int (&d)[64], uint64_t da, uint64_t db) {
@@ -54,254 +79,287 @@ __device__ __forceinline__ void mma_e4_rs_n256(float (&d)[128], const uint32_t* 
     asm volatile("wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, 1, 1, 1;\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
+__device__ __forceinline__ void wgmma_s8_ss(int (&d)[64], uint64_t da, uint64_t db, int accum) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p;\n}\n"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63]) : "l"(da), "l"(db), "r"(accum));
+}
+__device__ __forceinline__ void wgmma_e4_rs(float (&d)[64], const uint32_t* a, uint64_t db, int accum) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
 
-enum Mode { S8SS128 = 0, S8SS256, E4RS128, E4SS128, S8RS128, E4RS256, ATTN, ATTN_FFMA, NMODES };
-static const char* kNames[] = {"s8 SS m64n128k32", "s8 SS m64n256k32", "e4m3 RS m64n128k32", "e4m3 SS m64n128k32",
-                               "s8 RS m64n128k32", "e4m3 RS m64n256k32", "attn: 4 s8 SS n128 + 4 e4m3 RS n128",
-                               "attn + 64 FFMA + 32 cvt per group"};
-static const int kMacsPerGroup[] = {4 * 64 * 128 * 32, 4 * 64 * 256 * 32, 4 * 64 * 128 * 32, 4 * 64 * 128 * 32,
-                                    4 * 64 * 128 * 32, 4 * 64 * 256 * 32, 8 * 64 * 128 * 32, 8 * 64 * 128 * 32};
+__device__ __forceinline__ void wgmma_e4_rs64(float* d, const uint32_t* a, uint64_t db, int accum) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
 
-template <int MODE, int NWG>
-__global__ void __launch_bounds__(128 * NWG, 1) ceiling_kernel(int iters, long long* cycles, float* sink) {
+// P~V with 8 extra V^T rows of ones: columns 128..135 of the accumulator are the row sums of P~
+__device__ __forceinline__ void wgmma_e4_rs136(float (&d)[68], const uint32_t* a, uint64_t db, int accum) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %73, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67}, {%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
+__device__ __forceinline__ uint32_t h2_of(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ uint32_t ex2_h2(uint32_t x) {
+    uint32_t r;
+    asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+}
+__device__ __forceinline__ uint32_t e4m3_of_h2(uint32_t x) {
+    uint16_t r;
+    asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;\n" : "=h"(r) : "r"(x));
+    return r;
+}
+__device__ __forceinline__ uint32_t hadd2(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("add.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+template <int ORDER, int PP, int EMU, int EXH, int NWG>
+__global__ void __launch_bounds__(256, 1) model_kernel(int iters, long long* cycles, float* sink, float scale) {
     extern __shared__ __align__(1024) uint8_t sm_raw[];
     uint8_t* sm = sm_raw + ((1024u - (smem_u32(sm_raw) & 1023u)) & 1023u);
-    for (int i = threadIdx.x; i < 64 * 1024; i += blockDim.x) sm[i] = (uint8_t)((i * 37 + 11) & 0x77);
+    for (int i = threadIdx.x; i < 48 * 1024; i += blockDim.x) sm[i] = (uint8_t)((i * 37 + 11) & 0x37);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
-    const int wg = threadIdx.x >> 7;
-    const uint32_t sa = smem_u32(sm) + wg * 8192, sb = smem_u32(sm) + 32768;
-    uint32_t a[4][4];
+    const int cw = threadIdx.x >> 7, lane = threadIdx.x & 31;
+    const uint32_t sQ = smem_u32(sm) + cw * 8192, sK = smem_u32(sm) + 16384, sV = smem_u32(sm) + 32768;
+    int acc[64];
+    uint32_t pa[4][4];
+    constexpr int NB = EXH == 2 ? 68 : 64;
+    float blk[NB], o[64];
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
+    for (int i = 0; i < NB; ++i) blk[i] = 0.f;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) a[k][j] = 0x30303030u + threadIdx.x + k + j;
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, al0 = 1.f, al1 = 1.f;
+    const float sc = scale * (1.f + 1e-3f * (threadIdx.x & 3));
+    auto issue_qk = [&](int k) { wgmma_s8_ss(acc, desc128(sQ, 32 * k), desc128(sK, 32 * k), k); };
+    auto issue_pv = [&](int k) {
+        if constexpr (EXH == 2) wgmma_e4_rs136(blk, pa[k], desc128(sV, 32 * k), k);
+        else wgmma_e4_rs(blk, pa[k], desc128(sV, 32 * k), k);
+    };
+    auto softmax = [&](float (&sf)[64], float& b0, float& b1) {
+        int im0 = acc[0], im1 = acc[2];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            im0 = max(im0, max(acc[4 * j], acc[4 * j + 1]));
+            im1 = max(im1, max(acc[4 * j + 2], acc[4 * j + 3]));
+        }
+        float mx0 = (float)im0 * sc, mx1 = (float)im1 * sc;
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(m0, fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2)));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(m1, fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2)));
+        b0 = ex2(m0 - mx0); b1 = ex2(m1 - mx1);
+        m0 = mx0; m1 = mx1;
+        const float c0 = fmaf(12582912.f, sc, mx0 - 8.807f), c1 = fmaf(12582912.f, sc, mx1 - 8.807f);
+        if constexpr (EXH == 0) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) {
+                const float y = fmaf(__int_as_float(acc[i] + 0x4B400000), sc, (i & 2) ? -c1 : -c0);
+                sf[i] = (i % 16) < EMU ? ex2_fma(y) : ex2(y);
+            }
+            float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                rs0 += sf[4 * j] + sf[4 * j + 1];
+                rs1 += sf[4 * j + 2] + sf[4 * j + 3];
+            }
+            l0 = l0 * b0 + rs0; l1 = l1 * b1 + rs1;
+        } else {  // f16x2 exponentials: sf holds half2 pairs as bits (sf[2 * j] = keys (4j, 4j+1) row 0, +1 row 1)
+            uint32_t r0 = 0, r1 = 0;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const uint32_t h0 = ex2_h2(h2_of(fmaf(__int_as_float(acc[4 * j] + 0x4B400000), sc, -c0),
+                                                 fmaf(__int_as_float(acc[4 * j + 1] + 0x4B400000), sc, -c0)));
+                const uint32_t h1 = ex2_h2(h2_of(fmaf(__int_as_float(acc[4 * j + 2] + 0x4B400000), sc, -c1),
+                                                 fmaf(__int_as_float(acc[4 * j + 3] + 0x4B400000), sc, -c1)));
+                sf[2 * j] = __uint_as_float(h0);
+                sf[2 * j + 1] = __uint_as_float(h1);
+                if constexpr (EXH == 1) { r0 = hadd2(r0, h0); r1 = hadd2(r1, h1); }
+            }
+            if constexpr (EXH == 1) {
+                const __half2 a = *reinterpret_cast<__half2*>(&r0), b = *reinterpret_cast<__half2*>(&r1);
+                l0 = l0 * b0 + __low2float(a) + __high2float(a);
+                l1 = l1 * b1 + __low2float(b) + __high2float(b);
+            } else {
+                l0 = l0 * b0 + blk[64]; l1 = l1 * b1 + blk[66];  // stand-in for the merged row sums
+            }
+        }
+    };
+    auto pack = [&](const float (&sf)[64]) {
+        if constexpr (EXH != 0) {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {  // half2 (4j, 4j+1) of row 0 / row 1 -> e4m3 pairs
+                const float* q = sf + 8 * kk;
+                pa[kk][0] = e4m3_of_h2(__float_as_uint(q[0])) | (e4m3_of_h2(__float_as_uint(q[2])) << 16);
+                pa[kk][1] = e4m3_of_h2(__float_as_uint(q[1])) | (e4m3_of_h2(__float_as_uint(q[3])) << 16);
+                pa[kk][2] = e4m3_of_h2(__float_as_uint(q[4])) | (e4m3_of_h2(__float_as_uint(q[6])) << 16);
+                pa[kk][3] = e4m3_of_h2(__float_as_uint(q[5])) | (e4m3_of_h2(__float_as_uint(q[7])) << 16);
+            }
+            return;
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const float* q = sf + 16 * kk;
+            pa[kk][0] = cvt2(q[0], q[1]) | (cvt2(q[4], q[5]) << 16);
+            pa[kk][1] = cvt2(q[2], q[3]) | (cvt2(q[6], q[7]) << 16);
+            pa[kk][2] = cvt2(q[8], q[9]) | (cvt2(q[12], q[13]) << 16);
+            pa[kk][3] = cvt2(q[10], q[11]) | (cvt2(q[14], q[15]) << 16);
+        }
+    };
+    auto merge = [&](float a0, float a1) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            o[4 * i] = fmaf(o[4 * i], a0, blk[4 * i]);
+            o[4 * i + 1] = fmaf(o[4 * i + 1], a0, blk[4 * i + 1]);
+            o[4 * i + 2] = fmaf(o[4 * i + 2], a1, blk[4 * i + 2]);
+            o[4 * i + 3] = fmaf(o[4 * i + 3], a1, blk[4 * i + 3]);
+        }
+    };
+    if (PP && cw == 1) named_arrive(3, 256);
     const long long t0 = clock64();
-    float res = 0.f;
-    if constexpr (MODE == S8SS128 || MODE == S8RS128) {
-        int d[64];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) d[i] = 0;
-        for (int it = 0; it < iters; ++it) {
-            wg_fence();
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                if constexpr (MODE == S8SS128) mma_s8_ss_n128(d, desc128(sa, 32 * k), desc128(sb, 32 * k));
-                else mma_s8_rs_n128(d, a[k], desc128(sb, 32 * k));
-            }
-            wg_commit();
-            wg_wait<1>();
-        }
-        wg_wait<0>();
-        rfence<64>(d);
-        for (int i = 0; i < 64; ++i) res += (float)d[i];
-    } else if constexpr (MODE == S8SS256) {
-        int d[128];
-#pragma unroll
-        for (int i = 0; i < 128; ++i) d[i] = 0;
-        for (int it = 0; it < iters; ++it) {
-            wg_fence();
-#pragma unroll
-            for (int k = 0; k < 4; ++k) mma_s8_ss_n256(d, desc128(sa, 32 * k), desc128(sb, 32 * k));
-            wg_commit();
-            wg_wait<1>();
-        }
-        wg_wait<0>();
-        rfence<128>(d);
-        for (int i = 0; i < 128; ++i) res += (float)d[i];
-    } else if constexpr (MODE == E4RS128 || MODE == E4SS128) {
-        float d[64];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) d[i] = 0.f;
-        for (int it = 0; it < iters; ++it) {
-            wg_fence();
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                if constexpr (MODE == E4RS128) mma_e4_rs_n128(d, a[k], desc128(sb, 32 * k));
-                else mma_e4_ss_n128(d, desc128(sa, 32 * k), desc128(sb, 32 * k));
-            }
-            wg_commit();
-            wg_wait<1>();
-        }
-        wg_wait<0>();
-        rfence<64>(d);
-        for (int i = 0; i < 64; ++i) res += d[i];
-    } else if constexpr (MODE == E4RS256) {
-        float d[128];
-#pragma unroll
-        for (int i = 0; i < 128; ++i) d[i] = 0.f;
-        for (int it = 0; it < iters; ++it) {
-            wg_fence();
-#pragma unroll
-            for (int k = 0; k < 4; ++k) mma_e4_rs_n256(d, a[k], desc128(sb, 32 * k));
-            wg_commit();
-            wg_wait<1>();
-        }
-        wg_wait<0>();
-        rfence<128>(d);
-        for (int i = 0; i < 128; ++i) res += d[i];
-    } else {  // attention-like: S = Q K^T (SS), blk = P V (RS) in its own accumulator, O = O + blk
-        int s[64];
-        float blk[64], o[64];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) { s[i] = 0; blk[i] = 0.f; o[i] = 0.f; }
-        for (int it = 0; it < iters; ++it) {
-            wg_fence();
-#pragma unroll
-            for (int k = 0; k < 4; ++k) mma_s8_ss_n128(s, desc128(sa, 32 * k), desc128(sb, 32 * k));
-            wg_commit();
-#pragma unroll
-            for (int k = 0; k < 4; ++k) mma_e4_rs_n128(blk, a[k], desc128(sb + 16384, 32 * k));
-            wg_commit();
-            wg_wait<1>();
-            rfence<64>(s);
-            if constexpr (MODE == ATTN_FFMA) {
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        float x0 = __int_as_float(s[16 * k + 4 * j] + 0x4B400000) * 1e-3f;
-                        float x1 = __int_as_float(s[16 * k + 4 * j + 1] + 0x4B400000) * 1e-3f;
-                        uint16_t r;
-                        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(x0), "f"(x1));
-                        a[k][j] = (a[k][j] << 16) | r;
-                    }
-            }
-            wg_wait<0>();
-            rfence<64>(blk);
-#pragma unroll
-            for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], 0.999f, blk[i]);
-        }
-        for (int i = 0; i < 64; ++i) res += o[i] + (float)s[i];
-    }
-    const long long t1 = clock64();
-    if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 3 + wg] = t1 - t0;
-    if (res == 12345.f) sink[threadIdx.x] = res;
-}
-
-template <int MODE, int nwg> float run_mode( int iters, int nsm, double* cyc_per_wgmma) {
-    long long* cyc; float* sink;
-    cudaMalloc(&cyc, nsm * 3 * sizeof(long long));
-    cudaMalloc(&sink, 1024 * sizeof(float));
-    const int smem = 64 * 1024 + 1024;
-    cudaFuncSetAttribute(ceiling_kernel<MODE, nwg>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    ceiling_kernel<MODE, nwg><<<nsm, 128 * nwg, smem>>>(iters / 10, cyc, sink);  // warm-up
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0); cudaEventCreate(&e1);
-    cudaEventRecord(e0);
-    ceiling_kernel<MODE, nwg><<<nsm, 128 * nwg, smem>>>(iters, cyc, sink);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms = 0.f;
-    cudaEventElapsedTime(&ms, e0, e1);
-    long long h[3];
-    cudaMemcpy(h, cyc, 3 * sizeof(long long), cudaMemcpyDeviceToHost);
-    const int per_group = (MODE == ATTN || MODE == ATTN_FFMA) ? 8 : 4;
-    *cyc_per_wgmma = (double)h[0] / ((double)iters * per_group * nwg);  // per wgmma of the SM, all warpgroups
-    cudaFree(cyc); cudaFree(sink);
-    const double ops = 2.0 * kMacsPerGroup[MODE] * (double)iters * nwg * nsm;
-    return (float)(ops / (ms * 1e-3) / 1e12);
-}
-
-template <int MODE> void report(int nsm) {
-    double c = 0;
-    float tops = run_mode<MODE, 1>(20000, nsm, &c);
-    printf("%-44s  1 WG  %7.1f TOPS  %6.1f cycles per wgmma (per SM)\n", kNames[MODE], tops, c);
-    tops = run_mode<MODE, 2>(20000, nsm, &c);
-    printf("%-44s  2 WG  %7.1f TOPS  %6.1f cycles per wgmma (per SM)\n", kNames[MODE], tops, c);
-    tops = run_mode<MODE, 3>(20000, nsm, &c);
-    printf("%-44s  3 WG  %7.1f TOPS  %6.1f cycles per wgmma (per SM)  (168-register cap)\n", kNames[MODE], tops, c);
-}
-
-// Two accumulator chains per warpgroup, 4 wgmmas each per group; TA/TB: 0 = s8 SS n128 (int32), 1 = e4m3 RS n128
-// (fp32). SPLIT: warpgroup 0 runs two chains of TA, warpgroup 1 two chains of TB (types not mixed within a warp).
-template <int TA, int TB, int SPLIT>
-__global__ void __launch_bounds__(256, 1) mix_kernel(int iters, long long* cycles, float* sink) {
-    extern __shared__ __align__(1024) uint8_t sm_raw[];
-    uint8_t* sm = sm_raw + ((1024u - (smem_u32(sm_raw) & 1023u)) & 1023u);
-    for (int i = threadIdx.x; i < 64 * 1024; i += blockDim.x) sm[i] = (uint8_t)((i * 37 + 11) & 0x37);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    const int wg = threadIdx.x >> 7;
-    const uint32_t sa = smem_u32(sm) + wg * 8192, sb = smem_u32(sm) + 32768;
-    uint32_t a[4][4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) a[k][j] = 0x30303030u + threadIdx.x + k + j;
-    int ia[64], ib[64];  // the e4m3 chains use the same registers as fp32
-#pragma unroll
-    for (int i = 0; i < 64; ++i) ia[i] = ib[i] = 0;
-    float (&fa)[64] = reinterpret_cast<float (&)[64]>(ia);
-    float (&fb)[64] = reinterpret_cast<float (&)[64]>(ib);
-    const int ta = SPLIT ? (wg == 0 ? TA : TB) : TA, tb = SPLIT ? (wg == 0 ? TA : TB) : TB;
-    const long long t0 = clock64();
-    for (int it = 0; it < iters; ++it) {
+    {  // first block: S only
+        if (PP) named_sync(3 + cw, 256);
         wg_fence();
-        if (ta == 0) {
 #pragma unroll
-            for (int k = 0; k < 4; ++k) mma_s8_ss_n128(ia, desc128(sa, 32 * k), desc128(sb, 32 * k));
-        } else {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) mma_e4_rs_n128(fa, a[k], desc128(sb, 32 * k));
-        }
+        for (int k = 0; k < 4; ++k) issue_qk(k);
         wg_commit();
-        if (tb == 0) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) mma_s8_ss_n128(ib, desc128(sa, 32 * k), desc128(sb + 16384, 32 * k));
-        } else {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) mma_e4_rs_n128(fb, a[k], desc128(sb + 16384, 32 * k));
-        }
-        wg_commit();
-        wg_wait<1>();
+        if (PP) named_arrive(3 + (cw ^ 1), 256);
+        wg_wait<0>();
+        rfence<64>(acc);
+        float sf[64];
+        softmax(sf, al0, al1);
+        pack(sf);
     }
-    wg_wait<0>();
-    rfence<64>(ia); rfence<64>(ib);
-    float res = 0.f;
-    for (int i = 0; i < 64; ++i) res += (float)ia[i] + fb[i];
+    for (int it = 1; it < iters; ++it) {
+        if (PP) named_sync(3 + cw, 256);
+        wg_fence();
+        float sf[64], b0, b1;
+        if constexpr (ORDER == 0) {  // the kernel today: S group, then P~V group; softmax while P~V runs
+#pragma unroll
+            for (int k = 0; k < 4; ++k) issue_qk(k);
+            wg_commit();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) issue_pv(k);
+            wg_commit();
+            if (PP) named_arrive(3 + (cw ^ 1), 256);
+            wg_wait<1>();
+            rfence<64>(acc);
+            softmax(sf, b0, b1);
+            wg_wait<0>();
+            rfence<NB>(blk); rfence_pa(pa);
+        } else if constexpr (ORDER == 1) {  // interleaved, one group: wait for both, then softmax
+#pragma unroll
+            for (int k = 0; k < 4; ++k) { issue_qk(k); issue_pv(k); }
+            wg_commit();
+            if (PP) named_arrive(3 + (cw ^ 1), 256);
+            wg_wait<0>();
+            rfence<64>(acc); rfence<NB>(blk); rfence_pa(pa);
+            softmax(sf, b0, b1);
+        } else if constexpr (ORDER == 2) {  // interleaved, S complete in the first group, last two P~V after
+            issue_qk(0); issue_pv(0); issue_qk(1); issue_pv(1); issue_qk(2); issue_qk(3);
+            wg_commit();
+            issue_pv(2); issue_pv(3);
+            wg_commit();
+            if (PP) named_arrive(3 + (cw ^ 1), 256);
+            wg_wait<1>();
+            rfence<64>(acc);
+            softmax(sf, b0, b1);
+            wg_wait<0>();
+            rfence<NB>(blk); rfence_pa(pa);
+        } else if constexpr (ORDER == 4) {  // interleaved; only the last P~V after S's group
+            issue_qk(0); issue_pv(0); issue_qk(1); issue_pv(1); issue_qk(2); issue_pv(2); issue_qk(3);
+            wg_commit();
+            issue_pv(3);
+            wg_commit();
+            if (PP) named_arrive(3 + (cw ^ 1), 256);
+            wg_wait<1>();
+            rfence<64>(acc);
+            softmax(sf, b0, b1);
+            wg_wait<0>();
+            rfence<NB>(blk); rfence_pa(pa);
+        } else if constexpr (ORDER == 5) {  // as 0, P~V as two interleaved n64 chains (column halves)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) issue_qk(k);
+            wg_commit();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                wgmma_e4_rs64(blk, pa[k], desc128(sV, 32 * k), k);
+                wgmma_e4_rs64(blk + 32, pa[k], desc128(sV + 8192, 32 * k), k);
+            }
+            wg_commit();
+            if (PP) named_arrive(3 + (cw ^ 1), 256);
+            wg_wait<1>();
+            rfence<64>(acc);
+            softmax(sf, b0, b1);
+            wg_wait<0>();
+            rfence<NB>(blk); rfence_pa(pa);
+        } else {  // P~V group first, then S
+#pragma unroll
+            for (int k = 0; k < 4; ++k) issue_pv(k);
+            wg_commit();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) issue_qk(k);
+            wg_commit();
+            if (PP) named_arrive(3 + (cw ^ 1), 256);
+            wg_wait<0>();
+            rfence<64>(acc); rfence<NB>(blk); rfence_pa(pa);
+            softmax(sf, b0, b1);
+        }
+        merge(al0, al1);
+        pack(sf);
+        al0 = b0; al1 = b1;
+    }
     const long long t1 = clock64();
-    if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 3 + wg] = t1 - t0;
+    float res = l0 + l1;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) res += o[i];
+    if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + cw] = t1 - t0;
     if (res == 12345.f) sink[threadIdx.x] = res;
+    if (PP && cw == 0) named_sync(3, 256);  // balance the ping-pong barrier before exit
 }
 
-template <int TA, int TB, int SPLIT> void run_mix(int nsm, const char* name) {
+template <int ORDER, int PP, int EMU, int EXH = 0, int NWG = 2> void run(int nsm) {
     long long* cyc; float* sink;
-    cudaMalloc(&cyc, nsm * 3 * sizeof(long long));
+    cudaMalloc(&cyc, nsm * 2 * sizeof(long long));
     cudaMalloc(&sink, 1024 * sizeof(float));
-    const int smem = 64 * 1024 + 1024, iters = 20000;
-    cudaFuncSetAttribute(mix_kernel<TA, TB, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    mix_kernel<TA, TB, SPLIT><<<nsm, 256, smem>>>(iters / 10, cyc, sink);
+    const int smem = 48 * 1024 + 1024, iters = 20000;
+    auto k = model_kernel<ORDER, PP, EMU, EXH, NWG>;
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    k<<<nsm, 128 * NWG, smem>>>(iters / 10, cyc, sink, 1e-5f);
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0); cudaEventCreate(&e1);
     cudaEventRecord(e0);
-    mix_kernel<TA, TB, SPLIT><<<nsm, 256, smem>>>(iters, cyc, sink);
+    k<<<nsm, 128 * NWG, smem>>>(iters, cyc, sink, 1e-5f);
     cudaEventRecord(e1);
     cudaEventSynchronize(e1);
     float ms = 0.f;
     cudaEventElapsedTime(&ms, e0, e1);
     long long h[2];
     cudaMemcpy(h, cyc, 2 * sizeof(long long), cudaMemcpyDeviceToHost);
-    const double ops = 2.0 * 8 * 64 * 128 * 32 * (double)iters * 2 * nsm;
-    printf("%-52s %7.1f TOPS  %6.1f cycles per wgmma (per SM)\n", name, ops / (ms * 1e-3) / 1e12,
-           (double)h[0] / (iters * 16.0));
+    const double flops = 4.0 * 64 * 128 * 128 * (double)iters * NWG * nsm;  // 2 GEMMs x 2 flops, 2 warpgroups
+    printf("%d WG order %d pingpong %d emu %2d/16 exh %d: %7.1f TOPS, %6.0f cycles per iteration  (%s)\n", NWG, ORDER, PP, EMU, EXH,
+           flops / (ms * 1e-3) / 1e12, (double)h[0] / iters, cudaGetErrorString(cudaGetLastError()));
     cudaFree(cyc); cudaFree(sink);
 }
 
-int main() {
-    int nsm = 0, clk = 0;
+int main(int argc, char** argv) {
+    int nsm = 0;
     cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0);
-    cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, 0);
-    printf("SMs %d, max clock %.0f MHz\n", nsm, clk / 1e3);
-    if (getenv("CEILING_MIX_ONLY") == nullptr) {
-        report<S8SS128>(nsm); report<S8SS256>(nsm); report<E4RS128>(nsm); report<E4SS128>(nsm);
-        report<S8RS128>(nsm); report<E4RS256>(nsm); report<ATTN>(nsm); report<ATTN_FFMA>(nsm);
-    }
-    run_mix<0, 0, 0>(nsm, "2 WG x (s8 chain + s8 chain)");
-    run_mix<1, 1, 0>(nsm, "2 WG x (e4m3 chain + e4m3 chain)");
-    run_mix<0, 1, 0>(nsm, "2 WG x (s8 chain + e4m3 chain)  [attention mix]");
-    run_mix<0, 1, 1>(nsm, "WG0 2 s8 chains, WG1 2 e4m3 chains");
-    const cudaError_t e = cudaDeviceSynchronize();
-    printf("status: %s\n", cudaGetErrorString(e));
-    return e == cudaSuccess ? 0 : 1;
+    const int only = argc > 1 ? atoi(argv[1]) : -1;  // one configuration (for a profiler)
+    int idx = 0;
+#define RUN(...) do { if (only < 0 || only == idx) run<__VA_ARGS__>(nsm); ++idx; } while (0)
+    RUN(0, 1, 0, 0, 2); RUN(0, 0, 0, 0, 1); RUN(0, 0, 0, 1, 1); RUN(0, 0, 0, 2, 1); RUN(0, 1, 0, 1, 2);
+    RUN(0, 0, 2, 0, 1); RUN(4, 0, 0, 0, 1); RUN(5, 0, 0, 0, 1); RUN(1, 0, 0, 0, 1);
+    return 0;
 }
