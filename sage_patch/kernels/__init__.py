@@ -137,6 +137,17 @@ def _check_tensor(name, x, torch):
     return None
 
 
+def _dtype_dim_gqa_reason(q, k, v, hdim, torch):
+    """Checks shared by the padded and the varlen kernel: dtypes, head dim, GQA ratio (hdim: the heads axis)."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes fp16 or bf16 (all the same)"
+    if q.shape[-1] not in NATIVE_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]}: the kernel has head dims {NATIVE_HEAD_DIMS} only"
+    if k.shape[hdim] == 0 or q.shape[hdim] % k.shape[hdim]:
+        return f"GQA needs Hq % Hkv == 0 (Hq={q.shape[hdim]}, Hkv={k.shape[hdim]})"
+    return None
+
+
 def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smooth_v):
     if precision == "fp4":
         return None, "fp4 needs Blackwell FP4 tensor cores (sm_100/sm_120); no fp4 kernel for this GPU"
@@ -156,8 +167,6 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
         major, minor = device_cc(q.device.index)
         if not arch_supported(_lib.get().archs, major, minor) or (major, minor) < (8, 0):
             return None, f"device {q.device} (sm_{major}{minor}) not supported by this build"
-    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
-        return None, f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes fp16 or bf16 (all the same)"
     if not _layout_ok(layout):
         return None, f"layout {layout!r} not supported (bhsd, bshd)"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -166,16 +175,15 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
             return None, why
     bshd = str(layout).lower() == "bshd"
     d = q.shape[-1]
-    if d not in NATIVE_HEAD_DIMS:
-        return None, f"head_dim {d}: the kernel has head dims {NATIVE_HEAD_DIMS} only"
     if k.shape[-1] != d or v.shape[-1] != d:
         return None, f"head dims differ (q {d}, k {k.shape[-1]}, v {v.shape[-1]})"
     hdim = 2 if bshd else 1
     sdim = 1 if bshd else 2
     if q.shape[0] != k.shape[0] or k.shape != v.shape:
         return None, f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
-    if k.shape[hdim] == 0 or q.shape[hdim] % k.shape[hdim]:
-        return None, f"GQA needs Hq % Hkv == 0 (Hq={q.shape[hdim]}, Hkv={k.shape[hdim]})"
+    why = _dtype_dim_gqa_reason(q, k, v, hdim, torch)
+    if why:
+        return None, why
     if max(q.shape[sdim], k.shape[sdim]) >= 2**30:
         return None, "sequence too long"
     if q.shape[0] * q.shape[hdim] > 65535:
@@ -279,8 +287,6 @@ def can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v=F
         return None, "q, k, v, cu_seqlens_q, cu_seqlens_k must be CUDA tensors on one device"
     if q.device.index is not None and q.device.index != torch.cuda.current_device():
         return None, f"varlen kernel: {q.device} is not the current CUDA device"
-    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
-        return None, f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes fp16 or bf16 (all the same)"
     for c in (cu_seqlens_q, cu_seqlens_k):
         if c.dtype != torch.int32 or c.dim() != 1 or c.stride(0) != 1:
             return None, "cu_seqlens must be contiguous 1-D int32 tensors"
@@ -292,13 +298,11 @@ def can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v=F
         why = _check_tensor(name, x.unsqueeze(0), torch)
         if why:
             return None, why
-    d = q.shape[-1]
-    if d not in NATIVE_HEAD_DIMS:
-        return None, f"head_dim {d}: the kernel has head dims {NATIVE_HEAD_DIMS} only"
-    if k.shape != v.shape or k.shape[-1] != d:
+    if k.shape != v.shape or k.shape[-1] != q.shape[-1]:
         return None, f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        return None, f"GQA needs Hq % Hkv == 0 (Hq={q.shape[1]}, Hkv={k.shape[1]})"
+    why = _dtype_dim_gqa_reason(q, k, v, 1, torch)
+    if why:
+        return None, why
     if (cu_seqlens_q.shape[0] - 1) * q.shape[1] > 65535:
         return None, "B*H > 65535 (grid limit of the pre-passes)"
     if max(q.shape[0], k.shape[0]) >= 2**30:
