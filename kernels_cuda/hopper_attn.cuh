@@ -509,6 +509,10 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
         const int wrow_min = q0 + cw * 64;  // first row of this warpgroup
 
+        // masked blocks: key attended by the row (inside the sequence, not padded, not past the causal diagonal)
+        auto key_ok = [&](int key, int row) {
+            return key < skv && (!mrow || mrow[key] != 0) && !(p.causal && key > row + diag);
+        };
         // S of block kb (int32 wgmma accumulator) -> P~ fragments (e4m3 x 448) and the rescale factors alpha
         // kscale: this thread's K scale of block kb (prefetched one block ahead)
         auto softmax_block = [&](const int (&acc)[64], int kb, float kscale, int kmasked, float (&sf)[64], float& al0,
@@ -544,10 +548,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int key = kbase + 8 * j + 2 * t4 + e;
-                        bool ok = key < skv;
-                        if (ok && mrow) ok = mrow[key] != 0;
-                        if (ok && !(p.causal && key > row0 + diag)) im0 = max(im0, acc[4 * j + e]);
-                        if (ok && !(p.causal && key > row1 + diag)) im1 = max(im1, acc[4 * j + 2 + e]);
+                        if (key_ok(key, row0)) im0 = max(im0, acc[4 * j + e]);
+                        if (key_ok(key, row1)) im1 = max(im1, acc[4 * j + 2 + e]);
                     }
             }
             // the 4 lanes of a row hold different K scale groups: compare them as scaled floats
@@ -576,10 +578,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int key = kbase + 8 * j + 2 * t4 + e;
-                        bool ok = key < skv;
-                        if (ok && mrow) ok = mrow[key] != 0;
-                        if (!ok || (p.causal && key > row0 + diag)) sf[4 * j + e] = 0.f;
-                        if (!ok || (p.causal && key > row1 + diag)) sf[4 * j + 2 + e] = 0.f;
+                        if (!key_ok(key, row0)) sf[4 * j + e] = 0.f;
+                        if (!key_ok(key, row1)) sf[4 * j + 2 + e] = 0.f;
                     }
             }
             float rs0 = 0.f, rs1 = 0.f;

@@ -8,18 +8,7 @@
 #include <cstdlib>
 #include <cuda_runtime.h>
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-// 128B-swizzled K-major operand, rows of 128 bytes, k0 = byte offset of the k step
-__device__ __forceinline__ uint64_t desc128(uint32_t img, int k0) {
-    return (uint64_t)(((img + k0) & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-template <int N, typename T> __device__ __forceinline__ void rfence(T (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&r[i]))::"memory");
-}
+#include "wgmma_diag.cuh"
 
 __device__ __forceinline__ void mma_s8_ss_n128(int (&d)[64], uint64_t da, uint64_t db) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1;\n"
@@ -65,10 +54,7 @@ static const int kMacsPerGroup[] = {4 * 64 * 128 * 32, 4 * 64 * 256 * 32, 4 * 64
 template <int MODE, int NWG>
 __global__ void __launch_bounds__(128 * NWG, 1) ceiling_kernel(int iters, long long* cycles, float* sink) {
     extern __shared__ __align__(1024) uint8_t sm_raw[];
-    uint8_t* sm = sm_raw + ((1024u - (smem_u32(sm_raw) & 1023u)) & 1023u);
-    for (int i = threadIdx.x; i < 64 * 1024; i += blockDim.x) sm[i] = (uint8_t)((i * 37 + 11) & 0x77);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
+    uint8_t* sm = fill_operands(sm_raw, 64 * 1024, 0x77);
     const int wg = threadIdx.x >> 7;
     const uint32_t sa = smem_u32(sm) + wg * 8192, sb = smem_u32(sm) + 32768;
     uint32_t a[4][4];
@@ -179,28 +165,16 @@ __global__ void __launch_bounds__(128 * NWG, 1) ceiling_kernel(int iters, long l
     if (res == 12345.f) sink[threadIdx.x] = res;
 }
 
-template <int MODE, int nwg> float run_mode( int iters, int nsm, double* cyc_per_wgmma) {
-    long long* cyc; float* sink;
-    cudaMalloc(&cyc, nsm * 3 * sizeof(long long));
-    cudaMalloc(&sink, 1024 * sizeof(float));
+template <int MODE, int nwg> float run_mode(int iters, int nsm, double* cyc_per_wgmma) {
     const int smem = 64 * 1024 + 1024;
     cudaFuncSetAttribute(ceiling_kernel<MODE, nwg>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    ceiling_kernel<MODE, nwg><<<nsm, 128 * nwg, smem>>>(iters / 10, cyc, sink);  // warm-up
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0); cudaEventCreate(&e1);
-    cudaEventRecord(e0);
-    ceiling_kernel<MODE, nwg><<<nsm, 128 * nwg, smem>>>(iters, cyc, sink);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms = 0.f;
-    cudaEventElapsedTime(&ms, e0, e1);
-    long long h[3];
-    cudaMemcpy(h, cyc, 3 * sizeof(long long), cudaMemcpyDeviceToHost);
+    const Timed t = time_launch(nsm, iters, [&](int n, long long* cyc, float* sink) {
+        ceiling_kernel<MODE, nwg><<<nsm, 128 * nwg, smem>>>(n, cyc, sink);
+    });
     const int per_group = (MODE == ATTN || MODE == ATTN_FFMA) ? 8 : 4;
-    *cyc_per_wgmma = (double)h[0] / ((double)iters * per_group * nwg);  // per wgmma of the SM, all warpgroups
-    cudaFree(cyc); cudaFree(sink);
+    *cyc_per_wgmma = (double)t.cycles / ((double)iters * per_group * nwg);  // per wgmma of the SM, all warpgroups
     const double ops = 2.0 * kMacsPerGroup[MODE] * (double)iters * nwg * nsm;
-    return (float)(ops / (ms * 1e-3) / 1e12);
+    return (float)(ops / (t.ms * 1e-3) / 1e12);
 }
 
 template <int MODE> void report(int nsm) {
@@ -218,10 +192,7 @@ template <int MODE> void report(int nsm) {
 template <int TA, int TB, int SPLIT>
 __global__ void __launch_bounds__(256, 1) mix_kernel(int iters, long long* cycles, float* sink) {
     extern __shared__ __align__(1024) uint8_t sm_raw[];
-    uint8_t* sm = sm_raw + ((1024u - (smem_u32(sm_raw) & 1023u)) & 1023u);
-    for (int i = threadIdx.x; i < 64 * 1024; i += blockDim.x) sm[i] = (uint8_t)((i * 37 + 11) & 0x37);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
+    uint8_t* sm = fill_operands(sm_raw, 64 * 1024, 0x37);
     const int wg = threadIdx.x >> 7;
     const uint32_t sa = smem_u32(sm) + wg * 8192, sb = smem_u32(sm) + 32768;
     uint32_t a[4][4];
@@ -266,26 +237,14 @@ __global__ void __launch_bounds__(256, 1) mix_kernel(int iters, long long* cycle
 }
 
 template <int TA, int TB, int SPLIT> void run_mix(int nsm, const char* name) {
-    long long* cyc; float* sink;
-    cudaMalloc(&cyc, nsm * 3 * sizeof(long long));
-    cudaMalloc(&sink, 1024 * sizeof(float));
     const int smem = 64 * 1024 + 1024, iters = 20000;
     cudaFuncSetAttribute(mix_kernel<TA, TB, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    mix_kernel<TA, TB, SPLIT><<<nsm, 256, smem>>>(iters / 10, cyc, sink);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0); cudaEventCreate(&e1);
-    cudaEventRecord(e0);
-    mix_kernel<TA, TB, SPLIT><<<nsm, 256, smem>>>(iters, cyc, sink);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms = 0.f;
-    cudaEventElapsedTime(&ms, e0, e1);
-    long long h[2];
-    cudaMemcpy(h, cyc, 2 * sizeof(long long), cudaMemcpyDeviceToHost);
+    const Timed t = time_launch(nsm, iters, [&](int n, long long* cyc, float* sink) {
+        mix_kernel<TA, TB, SPLIT><<<nsm, 256, smem>>>(n, cyc, sink);
+    });
     const double ops = 2.0 * 8 * 64 * 128 * 32 * (double)iters * 2 * nsm;
-    printf("%-52s %7.1f TOPS  %6.1f cycles per wgmma (per SM)\n", name, ops / (ms * 1e-3) / 1e12,
-           (double)h[0] / (iters * 16.0));
-    cudaFree(cyc); cudaFree(sink);
+    printf("%-52s %7.1f TOPS  %6.1f cycles per wgmma (per SM)\n", name, ops / (t.ms * 1e-3) / 1e12,
+           (double)t.cycles / (iters * 16.0));
 }
 
 int main() {
