@@ -31,6 +31,18 @@ constexpr int kHopStages = SAGE_HOP_STAGES;
 #define SAGE_HOP_PINGPONG 1
 #endif
 
+#ifndef SAGE_HOP_TC_ROWSUM  // row sums of P~ by the tensor cores: P~V as m64n(D+8) with 8 rows of ones under V^T
+#define SAGE_HOP_TC_ROWSUM 1
+#endif
+#ifndef SAGE_HOP_EXP16  // exponentials in f16x2 (one MUFU.EX2 per two scores), converted to e4m3 from f16x2
+#define SAGE_HOP_EXP16 1
+#endif
+#if SAGE_HOP_EXP16 && !SAGE_HOP_TC_ROWSUM
+#error "SAGE_HOP_EXP16 needs SAGE_HOP_TC_ROWSUM (f16 row sums would lose precision)"
+#endif
+// P~V accumulator columns: D, plus 8 columns of row sums (all 8 equal) with SAGE_HOP_TC_ROWSUM
+__host__ __device__ constexpr int hop_pv_n(int D) { return D + (SAGE_HOP_TC_ROWSUM ? 8 : 0); }
+
 #ifndef SAGE_HOP_SWIZZLE
 #define SAGE_HOP_SWIZZLE 1
 #endif
@@ -174,14 +186,13 @@ __global__ void __launch_bounds__(256, SAGE_HOP_QKV_CTAS) hopper_quant_kv_kernel
         uint32_t w[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-            uint32_t a = 0;
+            uint32_t b[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int idx = 4 * q + e;
-                const float v = valid ? x[idx] - smean[hh * H + 8 * j + idx] : 0.f;
-                a |= (uint32_t)(quant_i8_inv(v, sc, inv) & 0xff) << (8 * e);
+                b[e] = quant_i8_bits(valid ? x[idx] - smean[hh * H + 8 * j + idx] : 0.f, sc, inv);
             }
-            w[q] = a;
+            w[q] = pack_low_bytes(b[0], b[1], b[2], b[3]);
         }
         *reinterpret_cast<uint4*>(kdst + hop_img_off(c, hh * H + 8 * j, D)) = make_uint4(w[0], w[1], w[2], w[3]);
     }
@@ -269,13 +280,14 @@ template <int N, int M> __device__ __forceinline__ void reg_fence(uint32_t (&r)[
 #define SAGE_F8(i) "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                    "+f"(d[i + 6]), "+f"(d[i + 7])
 #define SAGE_A8(i) "%" #i ", "
-#define SAGE_REGS32 \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-    "%24, %25, %26, %27, %28, %29, %30, %31}"
-#define SAGE_REGS64 \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, " \
-    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define SAGE_LIST32 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31"
+#define SAGE_LIST64 \
+    SAGE_LIST32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, " \
+    "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define SAGE_REGS32 "{" SAGE_LIST32 "}"
+#define SAGE_REGS64 "{" SAGE_LIST64 "}"
 
 // S (64 x 128, int32) += Q (64 x 32 int8, smem) . K (128 x 32 int8, smem)^T
 __device__ __forceinline__ void wgmma_s8_n128(int (&d)[64], uint64_t da, uint64_t db, int accum) {
@@ -300,10 +312,46 @@ __device__ __forceinline__ void wgmma_e4m3_n64(float (&d)[32], const uint32_t* a
         : SAGE_F8(0), SAGE_F8(8), SAGE_F8(16), SAGE_F8(24)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
 }
+// the same with 8 more columns (V^T rows of ones: the row sums of P~)
+__device__ __forceinline__ void wgmma_e4m3_n136(float (&d)[68], const uint32_t* a, uint64_t db, int accum) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %73, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {" SAGE_LIST64 ", %64, %65, %66, %67}, "
+        "{%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
+        : SAGE_F8(0), SAGE_F8(8), SAGE_F8(16), SAGE_F8(24), SAGE_F8(32), SAGE_F8(40), SAGE_F8(48), SAGE_F8(56),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
+__device__ __forceinline__ void wgmma_e4m3_n72(float (&d)[36], const uint32_t* a, uint64_t db, int accum) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %41, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 {" SAGE_LIST32 ", %32, %33, %34, %35}, "
+        "{%36, %37, %38, %39}, %40, p, 1, 1;\n}\n"
+        : SAGE_F8(0), SAGE_F8(8), SAGE_F8(16), SAGE_F8(24), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
 template <int D>
-__device__ __forceinline__ void wgmma_pv(float (&d)[D / 2], const uint32_t* a, uint64_t db, int accum) {
-    if constexpr (D == 128) wgmma_e4m3_n128(d, a, db, accum);
+__device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint32_t* a, uint64_t db, int accum) {
+    if constexpr (hop_pv_n(D) == 136) wgmma_e4m3_n136(d, a, db, accum);
+    else if constexpr (hop_pv_n(D) == 128) wgmma_e4m3_n128(d, a, db, accum);
+    else if constexpr (hop_pv_n(D) == 72) wgmma_e4m3_n72(d, a, db, accum);
     else wgmma_e4m3_n64(d, a, db, accum);
+}
+// f16x2 softmax pieces: (lo, hi) -> f16x2; 2^x on both halves; f16x2 -> two e4m3 (low byte = low half)
+__device__ __forceinline__ uint32_t h2_of(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ uint32_t ex2_h2(uint32_t x) {
+    uint32_t r;
+    asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+}
+__device__ __forceinline__ uint32_t e4m3x2_of_h2(uint32_t x) {
+    uint16_t r;
+    asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;\n" : "=h"(r) : "r"(x));
+    return r;
 }
 #endif  // SAGE_HOP_DEVICE
 
@@ -335,11 +383,13 @@ template <int D>
 struct HopSmem {
     static constexpr int QBYTES = 64 * D;          // per consumer warpgroup
     static constexpr int KBYTES = kHopBN * D;      // one K block image
-    static constexpr int VBYTES = kHopBN * D;      // one V^T block image
+    static constexpr int VBYTES = kHopBN * D;      // one V^T block image (what the producer copies)
+    static constexpr int ONES = (hop_pv_n(D) - D) * kHopBN;  // + 8 rows of e4m3 ones below it (row sums), set once
+    static constexpr int VSTRIDE = VBYTES + ONES;
     static constexpr int Q_OFF = 0;
     static constexpr int K_OFF = 2 * QBYTES;
     static constexpr int V_OFF = K_OFF + kHopStages * KBYTES;
-    static constexpr int EPI_OFF = V_OFF + kHopStages * VBYTES;  // V scale, V mean, K mean per consumer x tile parity
+    static constexpr int EPI_OFF = V_OFF + kHopStages * VSTRIDE;  // V scale, V mean, K mean per consumer x tile parity
     static constexpr int EPI_FLOATS = 3 * D;
     static constexpr int BAR_OFF = EPI_OFF + 2 * 2 * EPI_FLOATS * 4;
     static constexpr int TOTAL = BAR_OFF + 2 * kHopStages * 8 + 1024;  // + slack to align the images to 1024 bytes
@@ -369,6 +419,13 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+    if constexpr (S::ONES > 0) {  // e4m3 1.0 = 0x38 in the rows below every V^T stage (the copies never touch them)
+        for (int i = threadIdx.x; i < kHopStages * S::ONES / 4; i += kHopThreads) {
+            const int st = i / (S::ONES / 4), wd = i % (S::ONES / 4);
+            *reinterpret_cast<uint32_t*>(hsmem + S::V_OFF + st * S::VSTRIDE + S::VBYTES + 4 * wd) = 0x38383838u;
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma (async proxy)
+    }
     __syncthreads();
     const int group = p.Hq / p.Hkv;
 
@@ -388,7 +445,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 mbar_wait(bar_empty + 8 * s, ph ^ 1u);
                 mbar_expect_tx(bar_full + 8 * s, S::KBYTES + S::VBYTES);
                 bulk_g2s(sbase + S::K_OFF + s * S::KBYTES, w.kimg + (blk0 + kb) * S::KBYTES, S::KBYTES, bar_full + 8 * s);
-                bulk_g2s(sbase + S::V_OFF + s * S::VBYTES, w.vimg + (blk0 + kb) * S::VBYTES, S::VBYTES, bar_full + 8 * s);
+                bulk_g2s(sbase + S::V_OFF + s * S::VSTRIDE, w.vimg + (blk0 + kb) * S::VBYTES, S::VBYTES, bar_full + 8 * s);
             }
         }
         return;
@@ -405,6 +462,14 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     if (cw == 1) named_arrive(3, 256);  // warpgroup 0 issues first
 #endif
     const int lrow0 = warp * 16 + g;  // this lane's rows in the warpgroup's 64: lrow0, lrow0 + 8
+    constexpr int kBlk = hop_pv_n(D) / 2;  // P~V block accumulator registers
+#if SAGE_HOP_EXP16
+    using PVal = uint32_t;  // 448 p as f16x2: [2j] = keys (8j + 2t4, +1) of row0, [2j + 1] the same keys of row1
+    constexpr int kPVals = 32;
+#else
+    using PVal = float;     // 448 p in fp32, in accumulator order
+    constexpr int kPVals = 64;
+#endif
     // The next tile's Q rows, K mean and V scale/mean are loaded into registers before the current tile's epilogue,
     // so their latency hides under it (the prologue used to wait on them with the tensor cores idle).
     constexpr int QC = D / 4;  // Q channels per lane
@@ -482,13 +547,12 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 uint32_t w0[4], w1[4];
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
-                    uint32_t a0 = 0, a1 = 0;
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        a0 |= (uint32_t)(quant_i8_inv(x0[j + 4 * q + e], sc, inv) & 0xff) << (8 * e);
-                        a1 |= (uint32_t)(quant_i8_inv(x1[j + 4 * q + e], sc, inv) & 0xff) << (8 * e);
-                    }
-                    w0[q] = a0; w1[q] = a1;
+                    const float* y0 = x0 + j + 4 * q;
+                    const float* y1 = x1 + j + 4 * q;
+                    w0[q] = pack_low_bytes(quant_i8_bits(y0[0], sc, inv), quant_i8_bits(y0[1], sc, inv),
+                                           quant_i8_bits(y0[2], sc, inv), quant_i8_bits(y0[3], sc, inv));
+                    w1[q] = pack_low_bytes(quant_i8_bits(y1[0], sc, inv), quant_i8_bits(y1[1], sc, inv),
+                                           quant_i8_bits(y1[2], sc, inv), quant_i8_bits(y1[3], sc, inv));
                 }
                 *reinterpret_cast<uint4*>(sQp + hop_img_off(lrow0, t4 * QC + j, D)) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
                 *reinterpret_cast<uint4*>(sQp + hop_img_off(lrow0 + 8, t4 * QC + j, D)) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
@@ -513,10 +577,10 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         auto key_ok = [&](int key, int row) {
             return key < skv && (!mrow || mrow[key] != 0) && !(p.causal && key > row + diag);
         };
-        // S of block kb (int32 wgmma accumulator) -> P~ fragments (e4m3 x 448) and the rescale factors alpha
-        // kscale: this thread's K scale of block kb (prefetched one block ahead)
-        auto softmax_block = [&](const int (&acc)[64], int kb, float kscale, int kmasked, float (&sf)[64], float& al0,
-                                 float& al1) {
+        // S of block kb (int32 wgmma accumulator) -> 448 p per score (PVal, before the e4m3 conversion of pack_p)
+        // and the rescale factors alpha. kscale: this thread's K scale of block kb (prefetched one block ahead)
+        auto softmax_block = [&](const int (&acc)[64], int kb, float kscale, int kmasked, PVal (&sf)[kPVals],
+                                 float& al0, float& al1) {
             const int kbase = kb * kHopBN;
             const bool need_mask = (kbase + kHopBN > skv) || kmasked ||
                                    (p.causal && kbase + kHopBN - 1 > wrow_min + diag);
@@ -525,7 +589,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             // diagnostic: no softmax (one LOP per score), to time the GEMMs and the pipeline alone
             (void)need_mask; (void)sc;
 #pragma unroll
-            for (int i = 0; i < 64; ++i) sf[i] = __int_as_float((acc[i] & 0xff) | 0x3f800000);
+            for (int i = 0; i < kPVals; ++i) sf[i] = (PVal)((acc[i] & 0xff) | 0x3c003c00);  // ~1 in fp32 or f16x2
             al0 = al1 = 1.f;
             l0 += 1.f; l1 += 1.f; m0 = m1 = 0.f;
 #else
@@ -565,12 +629,32 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             al1 = fast_exp2(m1 - mu1);
             m0 = mx0; m1 = mx1;
             const float c0 = fmaf(kMagicF, sc, mu0 - kLog2Fp8Max), c1 = fmaf(kMagicF, sc, mu1 - kLog2Fp8Max);
+            auto arg = [&](int i, float c) { return fmaf(__int_as_float(acc[i] + kMagic), sc, -c); };
+#if SAGE_HOP_EXP16
+            // one cvt + one MUFU.EX2 per two scores (keys 4j, 4j + 1 of row0; 4j + 2, 4j + 3 are row1's)
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
-                sf[4 * j] = fast_exp2(fmaf(__int_as_float(acc[4 * j] + kMagic), sc, -c0));
-                sf[4 * j + 1] = fast_exp2(fmaf(__int_as_float(acc[4 * j + 1] + kMagic), sc, -c0));
-                sf[4 * j + 2] = fast_exp2(fmaf(__int_as_float(acc[4 * j + 2] + kMagic), sc, -c1));
-                sf[4 * j + 3] = fast_exp2(fmaf(__int_as_float(acc[4 * j + 3] + kMagic), sc, -c1));
+                sf[2 * j] = ex2_h2(h2_of(arg(4 * j, c0), arg(4 * j + 1, c0)));
+                sf[2 * j + 1] = ex2_h2(h2_of(arg(4 * j + 2, c1), arg(4 * j + 3, c1)));
+            }
+            if (need_mask) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = kbase + 8 * j + 2 * t4 + e;
+                        const uint32_t keep = e ? 0x0000FFFFu : 0xFFFF0000u;  // clears half e
+                        if (!key_ok(key, row0)) sf[2 * j] &= keep;
+                        if (!key_ok(key, row1)) sf[2 * j + 1] &= keep;
+                    }
+            }
+#else
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                sf[4 * j] = fast_exp2(arg(4 * j, c0));
+                sf[4 * j + 1] = fast_exp2(arg(4 * j + 1, c0));
+                sf[4 * j + 2] = fast_exp2(arg(4 * j + 2, c1));
+                sf[4 * j + 3] = fast_exp2(arg(4 * j + 3, c1));
             }
             if (need_mask) {
 #pragma unroll
@@ -582,6 +666,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                         if (!key_ok(key, row1)) sf[4 * j + 2 + e] = 0.f;
                     }
             }
+#endif
+#if !SAGE_HOP_TC_ROWSUM  // else the P~V GEMM sums the rows (merge)
             float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
@@ -591,8 +677,19 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             l0 = l0 * al0 + rs0;
             l1 = l1 * al1 + rs1;
 #endif
+#endif
         };
-        auto pack_p = [&](const float (&sf)[64], uint32_t (&pa)[4][4]) {
+        auto pack_p = [&](const PVal (&sf)[kPVals], uint32_t (&pa)[4][4]) {
+#if SAGE_HOP_EXP16
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {  // f16x2 pairs of row0 / row1 -> e4m3 pairs in V^T's slot order
+                const uint32_t* q = sf + 8 * kk;
+                pa[kk][0] = e4m3x2_of_h2(q[0]) | (e4m3x2_of_h2(q[2]) << 16);
+                pa[kk][1] = e4m3x2_of_h2(q[1]) | (e4m3x2_of_h2(q[3]) << 16);
+                pa[kk][2] = e4m3x2_of_h2(q[4]) | (e4m3x2_of_h2(q[6]) << 16);
+                pa[kk][3] = e4m3x2_of_h2(q[5]) | (e4m3x2_of_h2(q[7]) << 16);
+            }
+#else
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {  // slots follow V^T's permuted key order
                 const float* q = sf + 16 * kk;
@@ -601,6 +698,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 pa[kk][2] = cvt_e4m3x2(q[8], q[9]) | (cvt_e4m3x2(q[12], q[13]) << 16);
                 pa[kk][3] = cvt_e4m3x2(q[10], q[11]) | (cvt_e4m3x2(q[14], q[15]) << 16);
             }
+#endif
         };
         auto issue_qk = [&](int (&acc)[64], int s) {
             const uint32_t sK = sbase + S::K_OFF + s * S::KBYTES;
@@ -610,8 +708,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             wg_commit();
         };
         // two-level accumulation: each block's P~V lands in its own accumulator (blk), then O = O * alpha + blk
-        auto issue_pv = [&](float (&blk)[D / 2], uint32_t (&pa)[4][4], int s) {
-            const uint32_t sV = sbase + S::V_OFF + s * S::VBYTES;
+        auto issue_pv = [&](float (&blk)[kBlk], uint32_t (&pa)[4][4], int s) {
+            const uint32_t sV = sbase + S::V_OFF + s * S::VSTRIDE;
 #if SAGE_HOP_DIAG != 2
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) wgmma_pv<D>(blk, pa[kk], hop_desc(sV, 32 * kk, kHopBN), kk);
@@ -620,7 +718,11 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
 #endif
             wg_commit();
         };
-        auto merge = [&](const float (&blk)[D / 2], float al0, float al1) {
+        auto merge = [&](const float (&blk)[kBlk], float al0, float al1) {
+#if SAGE_HOP_TC_ROWSUM  // columns D..D+7 of the block hold its row sums (row0: blk[D/2], row1: blk[D/2 + 2])
+            l0 = l0 * al0 + blk[D / 2];
+            l1 = l1 * al1 + blk[D / 2 + 2];
+#endif
 #pragma unroll
             for (int i = 0; i < D / 8; ++i) {
                 o[4 * i] = o[4 * i] * al0 + blk[4 * i];
@@ -637,10 +739,10 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         if (nkb > 0) {
             int acc[64];
             uint32_t pa[4][4];
-            float blk[D / 2];
+            float blk[kBlk];
 #if SAGE_HOP_DIAG == 2
 #pragma unroll
-            for (int i = 0; i < D / 2; ++i) blk[i] = 0.f;
+            for (int i = 0; i < kBlk; ++i) blk[i] = 0.f;
 #endif
             float al0, al1;
             uint32_t ph;
@@ -661,7 +763,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             wg_wait<0>();
             reg_fence(acc);
             {
-                float sf[64];
+                PVal sf[kPVals];
                 softmax_block(acc, 0, kscale_cur, kmask_cur, sf, al0, al1);
                 pack_p(sf, pa);
             }
@@ -686,7 +788,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
 #endif
                 wg_wait<1>();  // S(kb) is ready; P~V(kb-1) may still run
                 reg_fence(acc);
-                float sf[64];
+                PVal sf[kPVals];
                 float bl0, bl1;
                 softmax_block(acc, kb, kscale_cur, kmask_cur, sf, bl0, bl1);
                 wg_wait<0>();
@@ -720,10 +822,12 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         prefetch(tnext < w.ntiles ? tnext : tt, pf);
 
         // ---- epilogue
+#if !SAGE_HOP_TC_ROWSUM  // (tensor-core row sums are whole rows already)
         l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
         l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+#endif
         const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
         T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh + tok0_q(p, b) * p.o_ss;
         T* O0 = O + (int64_t)row0 * p.o_ss + 2 * t4;

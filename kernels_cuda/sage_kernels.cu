@@ -116,13 +116,18 @@ __device__ __forceinline__ int quant_i8(float x, float scale, int qmax = 127) {
     int q = __float2int_rn(x / scale);
     return q > qmax ? qmax : (q < -qmax ? -qmax : q);
 }
-// quant_i8 without the IEEE division's slow path: x * (1 / scale) plus one remainder correction, which gives the
-// correctly rounded quotient x / scale (the reference rounds exactly that); inv = 1 / scale, 0 for a zero scale
-__device__ __forceinline__ int quant_i8_inv(float x, float scale, float inv, int qmax = 127) {
+// x / scale rounded to the nearest integer (ties to even, as quant_i8) without the IEEE division's slow path:
+// x * (1 / scale) plus one remainder correction gives the correctly rounded quotient (the reference rounds exactly
+// that); inv = 1 / scale, 0 for a zero scale. For |x| <= 127 * scale (no clamp needed). Returned as the bits of
+// 1.5 * 2^23 + q: the FP32 add does the rounding and the low byte is q as int8, so the quantization passes stay off
+// the 16/clk/SM conversion pipe (F2I).
+__device__ __forceinline__ uint32_t quant_i8_bits(float x, float scale, float inv) {
     const float q0 = x * inv;
-    const float q = fmaf(fmaf(-q0, scale, x), inv, q0);
-    const int r = __float2int_rn(q);
-    return r > qmax ? qmax : (r < -qmax ? -qmax : r);
+    return __float_as_uint(fmaf(fmaf(-q0, scale, x), inv, q0) + 12582912.f);
+}
+// the low bytes of a, b, c, d -> one word (a in byte 0)
+__device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
 }
 __host__ __device__ __forceinline__ int qk_max(const SageAttnParams& p) { return p.qk_bits == 4 ? 7 : 127; }
 
@@ -247,18 +252,30 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float
     float acc[8], amx[8], amn[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) { acc[i] = 0.f; amx[i] = -INFINITY; amn[i] = INFINITY; }
-    for (int s = s0 + rl; s < s1; s += NR) {
-        float x[8];
-        Vec8<T>::load(base + s * ss + col * 8, x);
-        if (z == 0) {
+    constexpr int U = 4;  // rows loaded before any is used: 4 x 16 bytes in flight per thread (1 left it latency-bound)
+    for (int s = s0 + rl; s < s1; s += U * NR) {
+        uint4 raw[U];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] += x[i];
-        } else if (sv) {
+        for (int u = 0; u < U; ++u)
+            raw[u] = s + u * NR < s1 ? *reinterpret_cast<const uint4*>(base + (int64_t)(s + u * NR) * ss + col * 8)
+                                     : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) { acc[i] += x[i]; amx[i] = fmaxf(amx[i], x[i]); amn[i] = fminf(amn[i], x[i]); }
-        } else {
+        for (int u = 0; u < U; ++u) {
+            if (s + u * NR >= s1) break;
+            float x[8];
+            Vec8<T>::load(reinterpret_cast<const T*>(&raw[u]), x);
+            if (z == 0) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = fmaxf(acc[i], fabsf(x[i]));
+                for (int i = 0; i < 8; ++i) acc[i] += x[i];
+            } else if (sv) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    acc[i] += x[i]; amx[i] = fmaxf(amx[i], x[i]); amn[i] = fminf(amn[i], x[i]);
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] = fmaxf(acc[i], fabsf(x[i]));
+            }
         }
     }
 #pragma unroll

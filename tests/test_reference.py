@@ -195,6 +195,12 @@ def test_simconfig_validation():
         SimConfig(pv="int8")
     with pytest.raises(ValueError, match="p_scaling"):
         SimConfig(p_scaling="x")
+    with pytest.raises(ValueError, match="p_exp"):
+        SimConfig(p_exp="bf16")
+    with pytest.raises(ValueError, match="pv='fp8'"):
+        SimConfig(p_exp="fp16", pv="fp16")
+    with pytest.raises(ValueError, match="row_sum"):
+        SimConfig(row_sum="x")
 
 
 def test_fp16_pv_variant_for_ampere():
@@ -209,3 +215,32 @@ def test_wgmma_grouping_is_expressible_and_accurate():
     cfg = SimConfig(q_group=Grouping(16, 8, 1), k_group=Grouping(128, 8, 2), block_k=128)
     m = compare(simulate(q, k, v, "8b", config=cfg), exact_attention(q, k, v))
     assert m["cos"] >= 0.9995 and m["rel_l1"] <= 0.03
+
+
+def test_hopper_numerics_fp16_exponentials_and_operand_row_sums():
+    """The Hopper kernel's softmax: exp2 in fp16 (ex2.approx.f16x2) and the row sums taken by the tensor cores from
+    the quantized P~ (a ones row in V^T). Both stay within the "8b" thresholds and close to the fp32 simulation."""
+    q, k, v = structured_qkv(b=1, h=2, sq=300, skv=700, d=128, seed=16)
+    base = SimConfig(q_group=Grouping(16, 8, 1), k_group=Grouping(128, 8, 2), block_k=128)
+    hop = SimConfig(q_group=Grouping(16, 8, 1), k_group=Grouping(128, 8, 2), block_k=128, p_exp="fp16",
+                    row_sum="operand")
+    ref = exact_attention(q, k, v)
+    out_base, lse_base = simulate(q, k, v, "8b", config=base, return_lse=True)
+    out_hop, lse_hop = simulate(q, k, v, "8b", config=hop, return_lse=True)
+    m = compare(out_hop, ref)
+    assert m["cos"] >= 0.9995 and m["rel_l1"] <= 0.03, m
+    assert rel_l1(out_hop, out_base) < 5e-3
+    assert 0 < (lse_hop - lse_base).abs().max() < 1e-2
+
+
+def test_operand_row_sums_make_the_output_a_true_weighted_average():
+    """With row_sum="operand" numerator and denominator use the same quantized P~: if every key has the same value
+    row, the output is exactly that (quantized) row; with the fp32 row sum the P~ rounding leaves an error."""
+    q, k, _ = structured_qkv(b=1, h=1, sq=64, skv=256, d=64, seed=17)
+    v = torch.randn(1, 1, 1, 64).expand(1, 1, 256, 64).contiguous()
+    want = simulate(q, k, v, "8b", config=SimConfig(row_sum="operand"))[0, 0, 0]  # any row: all must match it
+    got = simulate(q, k, v, "8b", config=SimConfig(row_sum="operand"))
+    assert torch.allclose(got, want.expand_as(got), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(want, v[0, 0, 0], rtol=0.07, atol=0)  # V's own e4m3 rounding only
+    plain = simulate(q, k, v, "8b", config=SimConfig(row_sum="p"))
+    assert (plain - want).abs().max() > 1e-4

@@ -26,6 +26,7 @@ from .quant import (
 )
 
 QUANTIZED = ("8b", "4b", "fp4")
+_LOG2E = 1.0 / math.log(2.0)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class SimConfig:
     pv_chunk: int = 32                          # keys per MMA instruction (k32) for pv_accum_bits
     fp4_block: int = 16                         # NVFP4 microscaling block
     p_scaling: str = "two_level"                # fp4 P~: "two_level" (row scale, then microscale) or "direct"
+    p_exp: str = "fp32"                         # "fp16": exp2 argument and 448 p rounded to fp16 (ex2.approx.f16x2)
+    row_sum: str = "p"                          # "operand": l sums the P~ the P~V GEMM multiplies (tensor-core sums)
 
     def __post_init__(self):
         if self.block_k < 1 or self.block_k % self.fp4_block and self.block_k % 16:
@@ -52,6 +55,12 @@ class SimConfig:
             raise ValueError(f"pv must be 'fp8' or 'fp16', got {self.pv!r}")
         if self.p_scaling not in ("two_level", "direct"):
             raise ValueError(f"p_scaling must be 'two_level' or 'direct', got {self.p_scaling!r}")
+        if self.p_exp not in ("fp32", "fp16"):
+            raise ValueError(f"p_exp must be 'fp32' or 'fp16', got {self.p_exp!r}")
+        if self.p_exp == "fp16" and self.pv != "fp8":
+            raise ValueError("p_exp='fp16' models the FP8 P~V path: it needs pv='fp8'")
+        if self.row_sum not in ("p", "operand"):
+            raise ValueError(f"row_sum must be 'p' or 'operand', got {self.row_sum!r}")
 
 
 # A module-level default: torch.compile cannot build SimConfig() inside a graph (its Grouping defaults are objects
@@ -133,17 +142,23 @@ class _Quantized:
             s = s + self.q_mean @ self.k_smoothed[..., j0:j1, :].transpose(-1, -2)
         return s * scale
 
-    def pv_block(self, p: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
-        """The block's P~V product, with P~ quantized as the precision prescribes (V's scale applied later)."""
+    def pv_block(self, p: torch.Tensor, j0: int, j1: int, p448: torch.Tensor | None = None):
+        """The block's P~V product with P~ quantized as the precision prescribes (V's scale applied later), and the
+        row sums of that P~ accumulated like the product (a column of ones appended to V), in p's units.
+        p448: 448 p as the kernel computed it (fp16 exponentials), rounded to e4m3 as it is."""
         cfg, v = self.cfg, self.v_op[..., j0:j1, :]
         if self.precision == "fp4":
             row_scale = None
             if cfg.p_scaling == "two_level":
                 row_scale = p.amax(dim=-1, keepdim=True) / (FP8_E4M3_MAX * 6.0)
-            return quantize_nvfp4(p, cfg.fp4_block, row_scale) @ v
-        if cfg.pv == "fp8":
-            return _chunked_matmul(round_fp8_e4m3(p * FP8_E4M3_MAX), v, cfg) / FP8_E4M3_MAX
-        return _chunked_matmul(p.half().float(), v, cfg)
+            op, div, chunked = quantize_nvfp4(p, cfg.fp4_block, row_scale), 1.0, False
+        elif cfg.pv == "fp8":
+            op, div, chunked = round_fp8_e4m3(p * FP8_E4M3_MAX if p448 is None else p448), FP8_E4M3_MAX, True
+        else:
+            op, div, chunked = p.half().float(), 1.0, True
+        v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+        out = _chunked_matmul(op, v1, cfg) if chunked else op @ v1
+        return out[..., :-1] / div, out[..., -1] / div
 
     def finish(self, o: torch.Tensor, nonempty: torch.Tensor) -> torch.Tensor:
         if self.v_scale is not None:
@@ -189,10 +204,16 @@ def simulate(q, k, v, precision, *, is_causal=False, scale=None, attn_mask=None,
             s = s.masked_fill(~mask[..., j0:j1], -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - m_safe.unsqueeze(-1))
+        p448 = None
+        if cfg.p_exp == "fp16":  # the kernel: t = log2(e) (s - m) + log2(448) and 2^t, both in fp16
+            t = ((s - m_safe.unsqueeze(-1)) * _LOG2E + math.log2(FP8_E4M3_MAX)).half().float()
+            p448 = torch.exp2(t).half().float()
+            p = p448 / FP8_E4M3_MAX
+        else:
+            p = torch.exp(s - m_safe.unsqueeze(-1))
         alpha = torch.exp(m - m_safe)
-        l = l * alpha + p.sum(dim=-1)
-        blk = qt.pv_block(p, j0, j1)
+        blk, p_sum = qt.pv_block(p, j0, j1, p448)
+        l = l * alpha + (p_sum if cfg.row_sum == "operand" else p.sum(dim=-1))
         if cfg.two_level or cfg.pv_accum_bits is None:
             acc = acc * alpha.unsqueeze(-1) + blk
         else:  # one narrow accumulator for the whole row: the error two-level accumulation avoids
