@@ -31,17 +31,10 @@ constexpr int kHopStages = SAGE_HOP_STAGES;
 #define SAGE_HOP_PINGPONG 1
 #endif
 
-#ifndef SAGE_HOP_TC_ROWSUM  // row sums of P~ by the tensor cores: P~V as m64n(D+8) with 8 rows of ones under V^T
-#define SAGE_HOP_TC_ROWSUM 1
-#endif
-#ifndef SAGE_HOP_EXP16  // exponentials in f16x2 (one MUFU.EX2 per two scores), converted to e4m3 from f16x2
-#define SAGE_HOP_EXP16 1
-#endif
-#if SAGE_HOP_EXP16 && !SAGE_HOP_TC_ROWSUM
-#error "SAGE_HOP_EXP16 needs SAGE_HOP_TC_ROWSUM (f16 row sums would lose precision)"
-#endif
-// P~V accumulator columns: D, plus 8 columns of row sums (all 8 equal) with SAGE_HOP_TC_ROWSUM
-__host__ __device__ constexpr int hop_pv_n(int D) { return D + (SAGE_HOP_TC_ROWSUM ? 8 : 0); }
+// P~V accumulator columns: D, plus 8 columns (V^T rows of e4m3 ones) that hold the row sums of P~: the tensor cores
+// sum exactly the quantized P~ the output is made of (one FADD per score less; the output normalised by the sum of
+// its own weights is more accurate, docs/benchmarks.md), all 8 columns equal.
+__host__ __device__ constexpr int hop_pv_n(int D) { return D + 8; }
 
 #ifndef SAGE_HOP_SWIZZLE
 #define SAGE_HOP_SWIZZLE 1
@@ -297,22 +290,7 @@ __device__ __forceinline__ void wgmma_s8_n128(int (&d)[64], uint64_t da, uint64_
         : SAGE_R8(0), SAGE_R8(8), SAGE_R8(16), SAGE_R8(24), SAGE_R8(32), SAGE_R8(40), SAGE_R8(48), SAGE_R8(56)
         : "l"(da), "l"(db), "r"(accum));
 }
-// O (64 x 128, fp32) += P~ (64 x 32 e4m3, registers) . V^T (128 x 32 e4m3, smem)^T
-__device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], const uint32_t* a, uint64_t db, int accum) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " SAGE_REGS64 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : SAGE_F8(0), SAGE_F8(8), SAGE_F8(16), SAGE_F8(24), SAGE_F8(32), SAGE_F8(40), SAGE_F8(48), SAGE_F8(56)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
-}
-__device__ __forceinline__ void wgmma_e4m3_n64(float (&d)[32], const uint32_t* a, uint64_t db, int accum) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " SAGE_REGS32 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-        : SAGE_F8(0), SAGE_F8(8), SAGE_F8(16), SAGE_F8(24)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
-}
-// the same with 8 more columns (V^T rows of ones: the row sums of P~)
+// O (64 x D + 8, fp32) += P~ (64 x 32 e4m3, registers) . V^T (D + 8 x 32 e4m3, smem)^T; columns D.. are row sums
 __device__ __forceinline__ void wgmma_e4m3_n136(float (&d)[68], const uint32_t* a, uint64_t db, int accum) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %73, 0;\n"
@@ -332,26 +310,8 @@ __device__ __forceinline__ void wgmma_e4m3_n72(float (&d)[36], const uint32_t* a
 }
 template <int D>
 __device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint32_t* a, uint64_t db, int accum) {
-    if constexpr (hop_pv_n(D) == 136) wgmma_e4m3_n136(d, a, db, accum);
-    else if constexpr (hop_pv_n(D) == 128) wgmma_e4m3_n128(d, a, db, accum);
-    else if constexpr (hop_pv_n(D) == 72) wgmma_e4m3_n72(d, a, db, accum);
-    else wgmma_e4m3_n64(d, a, db, accum);
-}
-// f16x2 softmax pieces: (lo, hi) -> f16x2; 2^x on both halves; f16x2 -> two e4m3 (low byte = low half)
-__device__ __forceinline__ uint32_t h2_of(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ uint32_t ex2_h2(uint32_t x) {
-    uint32_t r;
-    asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(r) : "r"(x));
-    return r;
-}
-__device__ __forceinline__ uint32_t e4m3x2_of_h2(uint32_t x) {
-    uint16_t r;
-    asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;\n" : "=h"(r) : "r"(x));
-    return r;
+    if constexpr (D == 128) wgmma_e4m3_n136(d, a, db, accum);
+    else wgmma_e4m3_n72(d, a, db, accum);
 }
 #endif  // SAGE_HOP_DEVICE
 
@@ -419,7 +379,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    if constexpr (S::ONES > 0) {  // e4m3 1.0 = 0x38 in the rows below every V^T stage (the copies never touch them)
+    {  // e4m3 1.0 = 0x38 in the rows below every V^T stage (the bulk copies never touch them)
         for (int i = threadIdx.x; i < kHopStages * S::ONES / 4; i += kHopThreads) {
             const int st = i / (S::ONES / 4), wd = i % (S::ONES / 4);
             *reinterpret_cast<uint32_t*>(hsmem + S::V_OFF + st * S::VSTRIDE + S::VBYTES + 4 * wd) = 0x38383838u;
@@ -462,14 +422,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     if (cw == 1) named_arrive(3, 256);  // warpgroup 0 issues first
 #endif
     const int lrow0 = warp * 16 + g;  // this lane's rows in the warpgroup's 64: lrow0, lrow0 + 8
-    constexpr int kBlk = hop_pv_n(D) / 2;  // P~V block accumulator registers
-#if SAGE_HOP_EXP16
-    using PVal = uint32_t;  // 448 p as f16x2: [2j] = keys (8j + 2t4, +1) of row0, [2j + 1] the same keys of row1
-    constexpr int kPVals = 32;
-#else
-    using PVal = float;     // 448 p in fp32, in accumulator order
-    constexpr int kPVals = 64;
-#endif
+    constexpr int kBlk = hop_pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
     // The next tile's Q rows, K mean and V scale/mean are loaded into registers before the current tile's epilogue,
     // so their latency hides under it (the prologue used to wait on them with the tensor cores idle).
     constexpr int QC = D / 4;  // Q channels per lane
@@ -570,16 +523,17 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         float o[D / 2];
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-        float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+        float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // l: tensor-core row sums of P~ (whole rows)
+        float ls0 = 0.f, ls1 = 0.f;  // fp32 sums of 448 p over this lane's keys, for the LSE only
         const int wrow_min = q0 + cw * 64;  // first row of this warpgroup
 
         // masked blocks: key attended by the row (inside the sequence, not padded, not past the causal diagonal)
         auto key_ok = [&](int key, int row) {
             return key < skv && (!mrow || mrow[key] != 0) && !(p.causal && key > row + diag);
         };
-        // S of block kb (int32 wgmma accumulator) -> 448 p per score (PVal, before the e4m3 conversion of pack_p)
+        // S of block kb (int32 wgmma accumulator) -> 448 p per score (fp32, before the e4m3 conversion of pack_p)
         // and the rescale factors alpha. kscale: this thread's K scale of block kb (prefetched one block ahead)
-        auto softmax_block = [&](const int (&acc)[64], int kb, float kscale, int kmasked, PVal (&sf)[kPVals],
+        auto softmax_block = [&](const int (&acc)[64], int kb, float kscale, int kmasked, float (&sf)[64],
                                  float& al0, float& al1) {
             const int kbase = kb * kHopBN;
             const bool need_mask = (kbase + kHopBN > skv) || kmasked ||
@@ -589,7 +543,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             // diagnostic: no softmax (one LOP per score), to time the GEMMs and the pipeline alone
             (void)need_mask; (void)sc;
 #pragma unroll
-            for (int i = 0; i < kPVals; ++i) sf[i] = (PVal)((acc[i] & 0xff) | 0x3c003c00);  // ~1 in fp32 or f16x2
+            for (int i = 0; i < 64; ++i) sf[i] = __int_as_float((acc[i] & 0xff) | 0x3f800000);
             al0 = al1 = 1.f;
             l0 += 1.f; l1 += 1.f; m0 = m1 = 0.f;
 #else
@@ -630,25 +584,6 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             m0 = mx0; m1 = mx1;
             const float c0 = fmaf(kMagicF, sc, mu0 - kLog2Fp8Max), c1 = fmaf(kMagicF, sc, mu1 - kLog2Fp8Max);
             auto arg = [&](int i, float c) { return fmaf(__int_as_float(acc[i] + kMagic), sc, -c); };
-#if SAGE_HOP_EXP16
-            // one cvt + one MUFU.EX2 per two scores (keys 4j, 4j + 1 of row0; 4j + 2, 4j + 3 are row1's)
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                sf[2 * j] = ex2_h2(h2_of(arg(4 * j, c0), arg(4 * j + 1, c0)));
-                sf[2 * j + 1] = ex2_h2(h2_of(arg(4 * j + 2, c1), arg(4 * j + 3, c1)));
-            }
-            if (need_mask) {
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = kbase + 8 * j + 2 * t4 + e;
-                        const uint32_t keep = e ? 0x0000FFFFu : 0xFFFF0000u;  // clears half e
-                        if (!key_ok(key, row0)) sf[2 * j] &= keep;
-                        if (!key_ok(key, row1)) sf[2 * j + 1] &= keep;
-                    }
-            }
-#else
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 sf[4 * j] = fast_exp2(arg(4 * j, c0));
@@ -666,30 +601,20 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                         if (!key_ok(key, row1)) sf[4 * j + 2 + e] = 0.f;
                     }
             }
-#endif
-#if !SAGE_HOP_TC_ROWSUM  // else the P~V GEMM sums the rows (merge)
+            // the output is normalised by the tensor cores' row sums (merge); the LSE keeps fp32 sums of p (the FP8
+            // accumulator keeps ~13 bits: its sums run up to ~1% low, which cancels in the output, not in the LSE)
+            if (!p.lse) return;
             float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 rs0 += sf[4 * j] + sf[4 * j + 1];
                 rs1 += sf[4 * j + 2] + sf[4 * j + 3];
             }
-            l0 = l0 * al0 + rs0;
-            l1 = l1 * al1 + rs1;
-#endif
+            ls0 = ls0 * al0 + rs0;
+            ls1 = ls1 * al1 + rs1;
 #endif
         };
-        auto pack_p = [&](const PVal (&sf)[kPVals], uint32_t (&pa)[4][4]) {
-#if SAGE_HOP_EXP16
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {  // f16x2 pairs of row0 / row1 -> e4m3 pairs in V^T's slot order
-                const uint32_t* q = sf + 8 * kk;
-                pa[kk][0] = e4m3x2_of_h2(q[0]) | (e4m3x2_of_h2(q[2]) << 16);
-                pa[kk][1] = e4m3x2_of_h2(q[1]) | (e4m3x2_of_h2(q[3]) << 16);
-                pa[kk][2] = e4m3x2_of_h2(q[4]) | (e4m3x2_of_h2(q[6]) << 16);
-                pa[kk][3] = e4m3x2_of_h2(q[5]) | (e4m3x2_of_h2(q[7]) << 16);
-            }
-#else
+        auto pack_p = [&](const float (&sf)[64], uint32_t (&pa)[4][4]) {
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {  // slots follow V^T's permuted key order
                 const float* q = sf + 16 * kk;
@@ -698,7 +623,6 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 pa[kk][2] = cvt_e4m3x2(q[8], q[9]) | (cvt_e4m3x2(q[12], q[13]) << 16);
                 pa[kk][3] = cvt_e4m3x2(q[10], q[11]) | (cvt_e4m3x2(q[14], q[15]) << 16);
             }
-#endif
         };
         auto issue_qk = [&](int (&acc)[64], int s) {
             const uint32_t sK = sbase + S::K_OFF + s * S::KBYTES;
@@ -719,10 +643,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             wg_commit();
         };
         auto merge = [&](const float (&blk)[kBlk], float al0, float al1) {
-#if SAGE_HOP_TC_ROWSUM  // columns D..D+7 of the block hold its row sums (row0: blk[D/2], row1: blk[D/2 + 2])
-            l0 = l0 * al0 + blk[D / 2];
+            l0 = l0 * al0 + blk[D / 2];  // the block's row sums: columns D.. (row0: blk[D/2], row1: blk[D/2 + 2])
             l1 = l1 * al1 + blk[D / 2 + 2];
-#endif
 #pragma unroll
             for (int i = 0; i < D / 8; ++i) {
                 o[4 * i] = o[4 * i] * al0 + blk[4 * i];
@@ -763,7 +685,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             wg_wait<0>();
             reg_fence(acc);
             {
-                PVal sf[kPVals];
+                float sf[64];
                 softmax_block(acc, 0, kscale_cur, kmask_cur, sf, al0, al1);
                 pack_p(sf, pa);
             }
@@ -788,7 +710,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
 #endif
                 wg_wait<1>();  // S(kb) is ready; P~V(kb-1) may still run
                 reg_fence(acc);
-                PVal sf[kPVals];
+                float sf[64];
                 float bl0, bl1;
                 softmax_block(acc, kb, kscale_cur, kmask_cur, sf, bl0, bl1);
                 wg_wait<0>();
@@ -822,12 +744,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         prefetch(tnext < w.ntiles ? tnext : tt, pf);
 
         // ---- epilogue
-#if !SAGE_HOP_TC_ROWSUM  // (tensor-core row sums are whole rows already)
-        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-#endif
+
         const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
         T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh + tok0_q(p, b) * p.o_ss;
         T* O0 = O + (int64_t)row0 * p.o_ss + 2 * t4;
@@ -845,11 +762,17 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             if (st0) *reinterpret_cast<uint32_t*>(O0 + 8 * i) = r0;
             if (st1) *reinterpret_cast<uint32_t*>(O1 + 8 * i) = r1;
         }
+        if (p.lse) {
+            ls0 += __shfl_xor_sync(0xffffffffu, ls0, 1);
+            ls0 += __shfl_xor_sync(0xffffffffu, ls0, 2);
+            ls1 += __shfl_xor_sync(0xffffffffu, ls1, 1);
+            ls1 += __shfl_xor_sync(0xffffffffu, ls1, 2);
+        }
         if (p.lse && t4 == 0) {
             float* L = p.cu_seqlens_q ? p.lse + h * p.lse_sh + tok0_q(p, b) : p.lse + bhq * p.Sq;
             const float ss = p.sm_scale;
-            if (row0 < sq) L[row0] = l0 > 0.f ? m0 * kLn2 + (logf(l0) - kLnFp8Max) + qshift0 * ss : -INFINITY;
-            if (row1 < sq) L[row1] = l1 > 0.f ? m1 * kLn2 + (logf(l1) - kLnFp8Max) + qshift1 * ss : -INFINITY;
+            if (row0 < sq) L[row0] = ls0 > 0.f ? m0 * kLn2 + (logf(ls0) - kLnFp8Max) + qshift0 * ss : -INFINITY;
+            if (row1 < sq) L[row1] = ls1 > 0.f ? m1 * kLn2 + (logf(ls1) - kLnFp8Max) + qshift1 * ss : -INFINITY;
         }
         tt = tnext;
     }

@@ -21,8 +21,8 @@ Implementations (see docs/kernels.md):
 - ``"cuda-wgmma-fp8pv"``: the sm_90a Hopper kernel (kernels_cuda/hopper_attn.cuh; "8b" only, the default on sm_90
   when the build has sm_90a): INT8 + FP8 wgmma, warp-specialized, 128-key blocks. Reference:
   ``reference_config(IMPL_WGMMA)`` = ``SimConfig(block_k=128, q_group=Grouping(16, 8, 1),
-  k_group=Grouping(128, 8, 2), pv="fp8", p_exp="fp16", row_sum="operand")`` (exponentials in f16x2, row sums of
-  P~ by the tensor cores). "4b" stays on the portable kernel there.
+  k_group=Grouping(128, 8, 2), pv="fp8", row_sum="operand")`` (the output is normalised by the tensor cores' sums
+  of the quantized P~). "4b" stays on the portable kernel there.
 
 Both implementations also run "4b" (SageAttention2-4b numerics: INT4 values in [-7, 7] with the same per-thread
 groups, Q smoothing per 128-row block with its fp32 Delta S correction; carried in INT8 mma.sync on every arch, see
@@ -336,7 +336,7 @@ def reference_config(impl: str = IMPL_FP8PV, head_dim: int = 128):
 
     if impl == IMPL_WGMMA:  # 64-row warpgroup tiles (rows g, g+8 of each warp's 16), 128-key blocks
         return SimConfig(block_k=HOPPER_BLOCK_K, q_group=Grouping(*HOPPER_Q_GROUPING_ARGS),
-                         k_group=Grouping(*HOPPER_K_GROUPING_ARGS), pv="fp8", p_exp="fp16", row_sum="operand")
+                         k_group=Grouping(*HOPPER_K_GROUPING_ARGS), pv="fp8", row_sum="operand")
     rows = q_group_rows(head_dim)
     return SimConfig(block_k=KERNEL_BLOCK_K, q_group=Grouping(rows, 8, 1), k_group=Grouping(*KERNEL_K_GROUPING_ARGS),
                      q_smooth_block=4 * rows, pv="fp16" if impl == IMPL_FP16PV else "fp8")

@@ -26,7 +26,6 @@ from .quant import (
 )
 
 QUANTIZED = ("8b", "4b", "fp4")
-_LOG2E = 1.0 / math.log(2.0)
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,8 @@ class SimConfig:
     pv_chunk: int = 32                          # keys per MMA instruction (k32) for pv_accum_bits
     fp4_block: int = 16                         # NVFP4 microscaling block
     p_scaling: str = "two_level"                # fp4 P~: "two_level" (row scale, then microscale) or "direct"
-    p_exp: str = "fp32"                         # "fp16": exp2 argument and 448 p rounded to fp16 (ex2.approx.f16x2)
-    row_sum: str = "p"                          # "operand": l sums the P~ the P~V GEMM multiplies (tensor-core sums)
+    row_sum: str = "p"                          # output normaliser: "p" (fp32 sum of p) or "operand" (the sum of
+                                                # the quantized P~, as the tensor cores take it); the LSE uses "p"
 
     def __post_init__(self):
         if self.block_k < 1 or self.block_k % self.fp4_block and self.block_k % 16:
@@ -55,10 +54,6 @@ class SimConfig:
             raise ValueError(f"pv must be 'fp8' or 'fp16', got {self.pv!r}")
         if self.p_scaling not in ("two_level", "direct"):
             raise ValueError(f"p_scaling must be 'two_level' or 'direct', got {self.p_scaling!r}")
-        if self.p_exp not in ("fp32", "fp16"):
-            raise ValueError(f"p_exp must be 'fp32' or 'fp16', got {self.p_exp!r}")
-        if self.p_exp == "fp16" and self.pv != "fp8":
-            raise ValueError("p_exp='fp16' models the FP8 P~V path: it needs pv='fp8'")
         if self.row_sum not in ("p", "operand"):
             raise ValueError(f"row_sum must be 'p' or 'operand', got {self.row_sum!r}")
 
@@ -142,10 +137,9 @@ class _Quantized:
             s = s + self.q_mean @ self.k_smoothed[..., j0:j1, :].transpose(-1, -2)
         return s * scale
 
-    def pv_block(self, p: torch.Tensor, j0: int, j1: int, p448: torch.Tensor | None = None):
+    def pv_block(self, p: torch.Tensor, j0: int, j1: int):
         """The block's P~V product with P~ quantized as the precision prescribes (V's scale applied later), and the
-        row sums of that P~ accumulated like the product (a column of ones appended to V), in p's units.
-        p448: 448 p as the kernel computed it (fp16 exponentials), rounded to e4m3 as it is."""
+        row sums of that P~ accumulated like the product (a column of ones appended to V), in p's units."""
         cfg, v = self.cfg, self.v_op[..., j0:j1, :]
         if self.precision == "fp4":
             row_scale = None
@@ -153,7 +147,7 @@ class _Quantized:
                 row_scale = p.amax(dim=-1, keepdim=True) / (FP8_E4M3_MAX * 6.0)
             op, div, chunked = quantize_nvfp4(p, cfg.fp4_block, row_scale), 1.0, False
         elif cfg.pv == "fp8":
-            op, div, chunked = round_fp8_e4m3(p * FP8_E4M3_MAX if p448 is None else p448), FP8_E4M3_MAX, True
+            op, div, chunked = round_fp8_e4m3(p * FP8_E4M3_MAX), FP8_E4M3_MAX, True
         else:
             op, div, chunked = p.half().float(), 1.0, True
         v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
@@ -196,6 +190,7 @@ def simulate(q, k, v, precision, *, is_causal=False, scale=None, attn_mask=None,
     shape = (*q.shape[:-2], sq)
     m = torch.full(shape, -math.inf, device=q.device)
     l = torch.zeros(shape, device=q.device)
+    l_op = torch.zeros(shape, device=q.device)  # the same over the quantized P~ (row_sum="operand")
     acc = torch.zeros(*shape, v.shape[-1], device=q.device)
     for j0 in range(0, skv, cfg.block_k):
         j1 = min(j0 + cfg.block_k, skv)
@@ -204,23 +199,19 @@ def simulate(q, k, v, precision, *, is_causal=False, scale=None, attn_mask=None,
             s = s.masked_fill(~mask[..., j0:j1], -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p448 = None
-        if cfg.p_exp == "fp16":  # the kernel: t = log2(e) (s - m) + log2(448) and 2^t, both in fp16
-            t = ((s - m_safe.unsqueeze(-1)) * _LOG2E + math.log2(FP8_E4M3_MAX)).half().float()
-            p448 = torch.exp2(t).half().float()
-            p = p448 / FP8_E4M3_MAX
-        else:
-            p = torch.exp(s - m_safe.unsqueeze(-1))
+        p = torch.exp(s - m_safe.unsqueeze(-1))
         alpha = torch.exp(m - m_safe)
-        blk, p_sum = qt.pv_block(p, j0, j1, p448)
-        l = l * alpha + (p_sum if cfg.row_sum == "operand" else p.sum(dim=-1))
+        blk, op_sum = qt.pv_block(p, j0, j1)
+        l = l * alpha + p.sum(dim=-1)
+        l_op = l_op * alpha + op_sum
         if cfg.two_level or cfg.pv_accum_bits is None:
             acc = acc * alpha.unsqueeze(-1) + blk
         else:  # one narrow accumulator for the whole row: the error two-level accumulation avoids
             acc = round_mantissa(acc * alpha.unsqueeze(-1) + blk, cfg.pv_accum_bits)
         m = m_new
     nonempty = l > 0
-    out = torch.where(nonempty.unsqueeze(-1), acc / torch.where(nonempty, l, 1.0).unsqueeze(-1), 0.0)
+    norm = l_op if cfg.row_sum == "operand" else l
+    out = torch.where(nonempty.unsqueeze(-1), acc / torch.where(nonempty, norm, 1.0).unsqueeze(-1), 0.0)
     out = qt.finish(out, nonempty)
     if not return_lse:
         return out
