@@ -360,7 +360,8 @@ struct HopWs {
     const float* kmean; const float* vmean; const int* kmflag; int nkb; int nqb; int ntiles;
 };
 
-template <int D, typename T>
+// LSE: whether p.lse is written (a template parameter: its fp32 row sums cost registers the loop needs otherwise)
+template <int D, typename T, bool LSE>
 __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __grid_constant__ SageAttnParams p,
                                                                       const HopWs w) {
 #if SAGE_HOP_DEVICE
@@ -603,7 +604,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             }
             // the output is normalised by the tensor cores' row sums (merge); the LSE keeps fp32 sums of p (the FP8
             // accumulator keeps ~13 bits: its sums run up to ~1% low, which cancels in the output, not in the LSE)
-            if (!p.lse) return;
+            if constexpr (!LSE) return;
             float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
@@ -762,13 +763,13 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             if (st0) *reinterpret_cast<uint32_t*>(O0 + 8 * i) = r0;
             if (st1) *reinterpret_cast<uint32_t*>(O1 + 8 * i) = r1;
         }
-        if (p.lse) {
+        if constexpr (LSE) {
             ls0 += __shfl_xor_sync(0xffffffffu, ls0, 1);
             ls0 += __shfl_xor_sync(0xffffffffu, ls0, 2);
             ls1 += __shfl_xor_sync(0xffffffffu, ls1, 1);
             ls1 += __shfl_xor_sync(0xffffffffu, ls1, 2);
         }
-        if (p.lse && t4 == 0) {
+        if (LSE && t4 == 0) {
             float* L = p.cu_seqlens_q ? p.lse + h * p.lse_sh + tok0_q(p, b) : p.lse + bhq * p.Sq;
             const float ss = p.sm_scale;
             if (row0 < sq) L[row0] = ls0 > 0.f ? m0 * kLn2 + (logf(ls0) - kLnFp8Max) + qshift0 * ss : -INFINITY;
@@ -893,14 +894,15 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     if (e != cudaSuccess) return (int)e;
 
     using S = HopSmem<D>;
-    auto kern = hopper_attn_kernel<D, T>;
+    const bool lse = p.lse != nullptr;
+    auto kern = lse ? hopper_attn_kernel<D, T, true> : hopper_attn_kernel<D, T, false>;
     const int dev = p.device;
     {
-        static bool done[64] = {};
-        if (dev < 0 || dev >= 64 || !done[dev]) {
+        static bool done[2][64] = {};
+        if (dev < 0 || dev >= 64 || !done[lse][dev]) {
             e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, S::TOTAL);
             if (e != cudaSuccess) return (int)e;
-            if (dev >= 0 && dev < 64) done[dev] = true;
+            if (dev >= 0 && dev < 64) done[lse][dev] = true;
         }
     }
     HopWs w;

@@ -90,7 +90,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
             mq = _max_len(cu_q) if max_seqlen_q is None else int(max_seqlen_q)
             mk = _max_len(cu_k) if max_seqlen_k is None else int(max_seqlen_k)
             out, lse = kernels.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, is_causal=is_causal, scale=scale,
-                                                precision=precision,
+                                                precision=precision, return_lse=return_lse,
                                                 pv="fp16" if impl == kernels.IMPL_FP16PV else "fp8")
             return (out, lse) if return_lse else out
     return _reference_loop(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,

@@ -164,16 +164,19 @@ def test_custom_op_fake_shapes(bshd):
     out, lse = torch.ops.sage_patch.attn_8b(q, k, k, None, bshd, True, 0.125, 2)
     assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == "meta"
     assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
-    out, lse = torch.ops.sage_patch.attn(q, k, k, None, bshd, False, 0.125, 2, 4, True, 1)
+    out, lse = torch.ops.sage_patch.attn(q, k, k, None, bshd, False, 0.125, 2, 4, True, 1, True)
     assert out.shape == q.shape and lse.shape == (2, 4, 7)
+    out, lse = torch.ops.sage_patch.attn(q, k, k, None, bshd, False, 0.125, 2, 8, False, 0, False)
+    assert out.shape == q.shape and lse.shape == (0,)  # no LSE wanted
 
 
 def test_custom_op_varlen_fake_shapes():
     q = torch.empty(11, 4, 128, dtype=torch.float16, device="meta")
     k = torch.empty(13, 2, 128, dtype=torch.float16, device="meta")
     cu = torch.empty(3, dtype=torch.int32, device="meta")
-    out, lse = torch.ops.sage_patch.attn_varlen(q, k, k, cu, cu, 8, 9, True, 0.1, 2, 8, False, 0)
+    out, lse = torch.ops.sage_patch.attn_varlen(q, k, k, cu, cu, 8, 9, True, 0.1, 2, 8, False, 0, True)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (4, 11) and lse.dtype == torch.float32
+    assert torch.ops.sage_patch.attn_varlen(q, k, k, cu, cu, 8, 9, True, 0.1, 2, 8, False, 0, False)[1].shape == (0,)
 
 
 def _built_library():

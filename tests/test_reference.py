@@ -1,5 +1,4 @@
 """Reference numerics against float64 exact attention, and the papers' ablations."""
-import math
 
 import pytest
 import torch

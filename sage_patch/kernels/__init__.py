@@ -216,7 +216,7 @@ def run(impl, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return
     if precision not in QK_BITS or impl not in _IMPL_PV or (impl == IMPL_WGMMA and precision != "8b"):
         raise RuntimeError(f"no compiled kernel {impl!r} for precision {precision!r}")
     out, lse = attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                         pv=_IMPL_PV[impl], precision=precision, smooth_v=smooth_v)
+                         pv=_IMPL_PV[impl], precision=precision, smooth_v=smooth_v, return_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -262,16 +262,18 @@ def qk_mma(q, qk=None) -> int:
 
 
 def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, pv=None, precision="8b",
-              smooth_v=False, qk=None):
-    """Direct call of the compiled kernel (no resolver): returns (out, lse).
+              smooth_v=False, qk=None, return_lse=True):
+    """Direct call of the compiled kernel (no resolver): returns (out, lse); lse is None with return_lse=False (the
+    kernel then skips the LSE work).
 
     precision: "8b" or "4b". pv: None (the variant can_run would pick), "fp8" (best FP8 P~V mode for this GPU),
     "fp16", "fp8-mma", "fp8-f16". qk ("4b" only): None (default for this GPU), "int4" or "int8" MMA."""
     torch = _torch()
     mode = _mode(q, pv, precision)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return torch.ops.sage_patch.attn(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale,
-                                     mode, QK_BITS[precision], bool(smooth_v), qk_mma(q, qk))
+    out, lse = torch.ops.sage_patch.attn(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale,
+                                         mode, QK_BITS[precision], bool(smooth_v), qk_mma(q, qk), bool(return_lse))
+    return out, (lse if return_lse else None)
 
 
 def can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v=False):
@@ -313,15 +315,16 @@ def can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v=F
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False,
-                     scale=None, precision="8b", smooth_v=False, pv=None, qk=None):
-    """Direct packed variable-length call: returns (out (total_q, Hq, D), lse (Hq, total_q)). max_seqlen_* must be
-    >= every sequence's length (longer sequences are cut there)."""
+                     scale=None, precision="8b", smooth_v=False, pv=None, qk=None, return_lse=True):
+    """Direct packed variable-length call: returns (out (total_q, Hq, D), lse (Hq, total_q) or None with
+    return_lse=False). max_seqlen_* must be >= every sequence's length (longer sequences are cut there)."""
     torch = _torch()
     mode = _mode(q, pv, precision)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return torch.ops.sage_patch.attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                            int(max_seqlen_k), bool(is_causal), scale, mode, QK_BITS[precision],
-                                            bool(smooth_v), qk_mma(q, qk))
+    out, lse = torch.ops.sage_patch.attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                int(max_seqlen_k), bool(is_causal), scale, mode, QK_BITS[precision],
+                                                bool(smooth_v), qk_mma(q, qk), bool(return_lse))
+    return out, (lse if return_lse else None)
 
 
 def q_group_rows(head_dim: int) -> int:

@@ -4,6 +4,8 @@
 - ``sage_patch::attn``: "8b" or "4b" (qk_bits 8/4), optional smooth V, BHSD or BSHD.
 - ``sage_patch::attn_varlen``: packed variable-length batches (q (total_q, Hq, D), k/v (total_k, Hkv, D),
   cu_seqlens int32 (B+1)); lse is (Hq, total_q).
+``attn`` and ``attn_varlen`` take want_lse: False returns an empty lse (shape (0,)) and the kernel skips the LSE
+work (the sm_90 kernel then runs a variant without the fp32 row sums the LSE needs).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def _launch(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_c
     p.k, (p.k_sb, p.k_sh, p.k_ss) = k.data_ptr(), ks
     p.v, (p.v_sb, p.v_sh, p.v_ss) = v.data_ptr(), vs
     p.o, (p.o_sb, p.o_sh, p.o_ss) = out.data_ptr(), os_
-    p.lse = lse.data_ptr()
+    p.lse = lse.data_ptr() if lse.numel() else None  # NULL: no LSE wanted
     if kmask is not None:
         if kmask.stride(-1) != 1:
             kmask = kmask.contiguous()
@@ -62,7 +64,7 @@ def _launch(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_c
         p.kmask_sb = kmask.stride(0) if kmask.shape[0] > 1 else 0
     if cu_q is not None:
         p.cu_seqlens_q, p.cu_seqlens_k = cu_q.data_ptr(), cu_k.data_ptr()
-        p.lse_sh = lse.stride(0)  # (Hq, total_q)
+        p.lse_sh = lse.stride(0) if lse.numel() else 0  # (Hq, total_q)
     p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = B, Hq, Hkv, Sq, Skv, D
     p.causal = int(bool(is_causal))
     p.dtype = _DTYPE_CODE[q.dtype]
@@ -81,12 +83,16 @@ def _launch(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_c
         raise RuntimeError(f"sage_patch kernel launch failed ({rc}): {h.sage_error_string(rc).decode()}")
 
 
-def _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma):
+def _lse_or_empty(q, shape, want_lse):
+    return q.new_empty(shape if want_lse else (0,), dtype=torch.float32)
+
+
+def _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma, want_lse=True):
     (B, Hq, Sq, D), qs = _dims(q, bshd)
     (_, Hkv, Skv, _), ks = _dims(k, bshd)
     _, vs = _dims(v, bshd)
     out = q.new_empty(q.shape)
-    lse = torch.empty((B, Hq, Sq), device=q.device, dtype=torch.float32)
+    lse = _lse_or_empty(q, (B, Hq, Sq), want_lse)
     if Sq == 0 or B == 0 or Hq == 0:
         return out, lse
     if Skv == 0:
@@ -118,29 +124,30 @@ def _attn_8b_fake(q, k, v, kmask, bshd, is_causal, scale, pv_mode):
 
 @torch.library.custom_op("sage_patch::attn", mutates_args=(), device_types="cuda")
 def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[torch.Tensor], bshd: bool,
-         is_causal: bool, scale: float, pv_mode: int, qk_bits: int, smooth_v: bool,
-         qk_mma: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Like attn_8b, plus qk_bits (8: "8b", 4: "4b" = INT4 values with Q smoothing), smooth_v and, for "4b",
-    qk_mma (0: INT4 values on INT8 mma.sync, 1: packed INT4 mma.sync m16n8k64)."""
-    return _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma)
+         is_causal: bool, scale: float, pv_mode: int, qk_bits: int, smooth_v: bool, qk_mma: int,
+         want_lse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Like attn_8b, plus qk_bits (8: "8b", 4: "4b" = INT4 values with Q smoothing), smooth_v, for "4b" qk_mma
+    (0: INT4 values on INT8 mma.sync, 1: packed INT4 mma.sync m16n8k64) and want_lse."""
+    return _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma, want_lse)
 
 
 @attn.register_fake
-def _attn_fake(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma):
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, bshd), dtype=torch.float32)
+def _attn_fake(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma, want_lse):
+    return q.new_empty(q.shape), _lse_or_empty(q, _lse_shape(q, bshd), want_lse)
 
 
 @torch.library.custom_op("sage_patch::attn_varlen", mutates_args=(), device_types="cuda")
 def attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
-                pv_mode: int, qk_bits: int, smooth_v: bool, qk_mma: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                pv_mode: int, qk_bits: int, smooth_v: bool, qk_mma: int,
+                want_lse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed variable-length batches: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens int32 (B+1) on q's
     device, max_seqlen_* >= every sequence's length. Returns (out like q, lse fp32 (Hq, total_q))."""
     total_q, Hq, D = q.shape
     Hkv = k.shape[1]
     B = cu_seqlens_q.shape[0] - 1
     out = q.new_empty(q.shape)
-    lse = torch.empty((Hq, total_q), device=q.device, dtype=torch.float32)
+    lse = _lse_or_empty(q, (Hq, total_q), want_lse)
     if total_q == 0 or B <= 0 or Hq == 0 or max_seqlen_q <= 0:
         return out, lse
     if max_seqlen_k <= 0 or k.shape[0] == 0:
@@ -159,5 +166,5 @@ def attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
 
 @attn_varlen.register_fake
 def _attn_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, pv_mode,
-                      qk_bits, smooth_v, qk_mma):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+                      qk_bits, smooth_v, qk_mma, want_lse):
+    return q.new_empty(q.shape), _lse_or_empty(q, (q.shape[1], q.shape[0]), want_lse)

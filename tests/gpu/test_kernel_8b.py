@@ -173,6 +173,21 @@ def test_deterministic():
     assert torch.equal(a, b)
 
 
+def test_output_identical_without_lse():
+    """return_lse=False skips the LSE work (on sm_90 a kernel variant without fp32 row sums): same output bits,
+    dense and varlen, and no LSE tensor."""
+    q, k, v = make_qkv(2, 8, 4, 700, 900, 128, torch.float16)
+    a, lse = K.attention(q, k, v, is_causal=True)
+    b, none = K.attention(q, k, v, is_causal=True, return_lse=False)
+    assert none is None and lse.shape == (2, 8, 700) and torch.equal(a, b)
+    qv, kv, vv = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))  # one sequence, (tokens, heads, D)
+    cu_q = torch.tensor([0, 300, 700], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 500, 900], dtype=torch.int32, device=DEV)
+    a, lse = K.attention_varlen(qv, kv, vv, cu_q, cu_k, 400, 500, is_causal=True)
+    b, none = K.attention_varlen(qv, kv, vv, cu_q, cu_k, 400, 500, is_causal=True, return_lse=False)
+    assert none is None and lse.shape == (8, 700) and torch.equal(a, b)
+
+
 def test_torch_compile_fullgraph():
     q, k, v = make_qkv(1, 4, 4, 256, 256, 64, torch.float16)
 
