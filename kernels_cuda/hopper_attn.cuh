@@ -315,242 +315,6 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint
 }
 #endif  // SAGE_HOP_DEVICE
 
-// ------------------------------------------------------------------------------------------------------------------
-// Fused pre-pass for short and mid-length sequences (up to kPrepMaxCluster * kPrepMaxNB blocks per head): the stats
-// pass, its finalize and the K/V pass in one kernel, each K/V element read from HBM once. One thread-block cluster
-// per (b, kv-head) covers all of the head's 128-key blocks, NB blocks per CTA (256 threads each), held in registers;
-// the per-channel statistics (sum K; max |V|, or sum, max and min of V with smooth V) are reduced in the CTA, then
-// across the cluster through distributed shared memory in rank order (deterministic), then every CTA quantizes its
-// blocks exactly like hopper_quant_kv_kernel. Thread layout per block: warp w holds keys w, w + 8, ..., w + 120, lane
-// l channels CPL * l .. CPL * l + CPL - 1 (rows read and written as contiguous 128/256-byte runs).
-constexpr int kPrepMaxNB = 3;        // blocks per CTA (768 threads: <= 85 registers, no spills)
-constexpr int kPrepMaxCluster = 16;  // CTAs per cluster (non-portable size: 16 > 8)
-
-#if SAGE_HOP_DEVICE
-__device__ __forceinline__ void cluster_sync_all() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ float ld_cluster_f32(const float* local, uint32_t rank) {
-    uint32_t a;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(smem_u32(local)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
-    return v;
-}
-#endif
-
-// shared memory of hopper_prep_kernel for nb blocks per CTA (floats first, then the V^T staging tiles)
-__host__ __device__ constexpr int hop_prep_floats(int D, int nb) { return (nb * 8 * D + 7 * D + nb * (kHopBN + 8) + 3) & ~3; }
-__host__ __device__ constexpr int hop_prep_smem(int D, int nb) {  // + V^T staging tiles + parked V rows
-    return hop_prep_floats(D, nb) * 4 + nb * D * (kHopBN + 16) + nb * kHopBN * D * 2;
-}
-
-// one fp16 / bf16 value from the low 16 bits of a word (register bit operations: no address taken)
-template <typename T> __device__ __forceinline__ float half_bits_to_float(uint32_t h);
-template <> __device__ __forceinline__ float half_bits_to_float<__half>(uint32_t h) {
-    return __half2float(__ushort_as_half((unsigned short)(h & 0xffffu)));
-}
-template <> __device__ __forceinline__ float half_bits_to_float<__nv_bfloat16>(uint32_t h) {
-    return __uint_as_float(h << 16);
-}
-
-template <int D, typename T>
-__global__ void __launch_bounds__(256 * kPrepMaxNB) hopper_prep_kernel(SageAttnParams p, float* kmean_out,
-                                                                      float* vscale_out, float* vmean_out,
-                                                                      int8_t* kimg, float* kscale, uint8_t* vimg,
-                                                                      int* kmflag, int nkb) {
-#if SAGE_HOP_DEVICE
-    constexpr int CPL = D / 32;                // channels per lane
-    constexpr int KPW = kHopBN / 8;            // keys per warp (16)
-    constexpr int VROW = kHopBN + 16;          // padded V^T staging row (bytes)
-    using Raw = typename std::conditional<CPL == 4, uint2, uint32_t>::type;  // a lane's CPL values of one row
-    extern __shared__ __align__(16) uint8_t prep_smem[];
-    const int nb = blockDim.x / 256, cs = gridDim.x, rank = blockIdx.x, bh = blockIdx.y;
-    float* red = reinterpret_cast<float*>(prep_smem);  // [nb * 8 warps][D] partials of one statistic
-    float* ksum = red + nb * 8 * D;                     // this CTA's K sum (read by the whole cluster)
-    float* vst = ksum + D;                              // [3][D] its V max|.|, or V sum, max, min (the same)
-    float* smean = vst + 3 * D;                         // head's K mean, V 1/scale, V mean
-    float* svinv = smean + D;
-    float* svmean = svinv + D;
-    float* rowmax = svmean + D;                         // [nb][128]
-    float* gscale = rowmax + nb * kHopBN;               // [nb][4] K group scales
-    int* anymask = reinterpret_cast<int*>(gscale + nb * 4);  // [nb]
-    uint8_t* vt = prep_smem + hop_prep_floats(D, nb) * 4;    // [nb][D * VROW]
-
-    const int b = bh / p.Hkv, h = bh % p.Hkv, skv = len_k(p, b);
-    const int grp_id = threadIdx.x >> 8, gt = threadIdx.x & 255, warp = gt >> 5, lane = gt & 31;
-    const int kb = rank * nb + grp_id, kbase = kb * kHopBN;
-    const bool blk_live = kb < nkb && (kb == 0 || kbase < skv);  // varlen: blocks past the end write nothing
-    const int64_t tok0 = tok0_k(p, b);
-    const T* kbp = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + lane * CPL;
-    const T* vbp = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + lane * CPL;
-    Raw kraw[KPW], vraw[KPW];  // all loads in flight before any use
-#pragma unroll
-    for (int i = 0; i < KPW; ++i) {
-        const int key = kbase + warp + 8 * i;
-        if (key < skv) {
-            kraw[i] = *reinterpret_cast<const Raw*>(kbp + (tok0 + key) * p.k_ss);
-            vraw[i] = *reinterpret_cast<const Raw*>(vbp + (tok0 + key) * p.v_ss);
-        } else {
-            kraw[i] = Raw{};
-            vraw[i] = Raw{};
-        }
-    }
-    auto vals = [](const Raw& r, float (&x)[CPL]) {
-#pragma unroll
-        for (int c = 0; c < CPL; c += 2) {
-            uint32_t w;
-            if constexpr (CPL == 4) w = c ? r.y : r.x;
-            else w = r;
-            x[c] = half_bits_to_float<T>(w);
-            x[c + 1] = half_bits_to_float<T>(w >> 16);
-        }
-    };
-    // ---- this CTA's statistics: per lane over its warp's keys (all while the rows are in registers), then over the
-    // CTA's warps in order. 0: K sum; 1: V max|.| (V sum with smooth V); 2, 3 (smooth V): V max, V min
-    const bool sv = p.smooth_v;
-    float a0[CPL], a1[CPL], a2[CPL], a3[CPL];
-#pragma unroll
-    for (int c = 0; c < CPL; ++c) { a0[c] = 0.f; a1[c] = 0.f; a2[c] = -INFINITY; a3[c] = INFINITY; }
-#pragma unroll
-    for (int i = 0; i < KPW; ++i) {
-        if (kbase + warp + 8 * i >= skv) continue;
-        float x[CPL], y[CPL];
-        vals(kraw[i], x);
-        vals(vraw[i], y);
-#pragma unroll
-        for (int c = 0; c < CPL; ++c) {
-            a0[c] += x[c];
-            if (sv) { a1[c] += y[c]; a2[c] = fmaxf(a2[c], y[c]); a3[c] = fminf(a3[c], y[c]); }
-            else a1[c] = fmaxf(a1[c], fabsf(y[c]));
-        }
-    }
-    // V rows wait in shared memory until the quantization (registers for the K rows only: no spills at D = 128)
-    Raw* vpark = reinterpret_cast<Raw*>(vt + nb * D * VROW) + (grp_id * KPW) * 256 + gt;
-#pragma unroll
-    for (int i = 0; i < KPW; ++i) vpark[i * 256] = vraw[i];
-#pragma unroll
-    for (int st = 0; st < 4; ++st) {
-        if (st == 2 && !sv) break;
-        const bool is_sum = st == 0 || (st == 1 && sv), is_min = st == 3;
-#pragma unroll
-        for (int c = 0; c < CPL; ++c)
-            red[(grp_id * 8 + warp) * D + lane * CPL + c] = st == 0 ? a0[c] : st == 1 ? a1[c] : st == 2 ? a2[c] : a3[c];
-        __syncthreads();
-        if (threadIdx.x < D) {
-            const int d = threadIdx.x;
-            float r = red[d];
-            for (int wv = 1; wv < nb * 8; ++wv) {
-                const float y = red[wv * D + d];
-                r = is_sum ? r + y : is_min ? fminf(r, y) : fmaxf(r, y);
-            }
-            (st == 0 ? ksum : vst + (st - 1) * D)[d] = r;
-        }
-        __syncthreads();
-    }
-    // ---- the head's statistics: every CTA adds the cluster's partials in rank order (same bits everywhere)
-    cluster_sync_all();
-    float km = 0.f, vsum = 0.f, vmx = -INFINITY, vmn = INFINITY, vam = 0.f;
-    if (threadIdx.x < D) {
-        const int d = threadIdx.x;
-        for (int r = 0; r < cs; ++r) {
-            km += ld_cluster_f32(ksum + d, r);
-            if (sv) {
-                vsum += ld_cluster_f32(vst + d, r);
-                vmx = fmaxf(vmx, ld_cluster_f32(vst + D + d, r));
-                vmn = fminf(vmn, ld_cluster_f32(vst + 2 * D + d, r));
-            } else {
-                vam = fmaxf(vam, ld_cluster_f32(vst + d, r));
-            }
-        }
-    }
-    cluster_sync_all();  // every remote read done before any CTA of the cluster leaves
-    if (threadIdx.x < D) {  // as finalize_stats_kernel
-        const int d = threadIdx.x;
-        const float mean = skv > 0 ? km / (float)skv : 0.f;
-        const float vmean = sv && skv > 0 ? vsum / (float)skv : 0.f;
-        const float vmax = sv ? (skv > 0 ? fmaxf(0.f, fmaxf(vmx - vmean, vmean - vmn)) : 0.f) : vam;
-        const float sc = vmax / kFp8Max;
-        smean[d] = mean;
-        svinv[d] = sc > 0.f ? 1.f / sc : 0.f;
-        svmean[d] = vmean;
-        if (rank == 0) {
-            kmean_out[(int64_t)bh * D + d] = mean;
-            vscale_out[(int64_t)bh * D + d] = sc;
-            vmean_out[(int64_t)bh * D + d] = vmean;
-        }
-    }
-    if (gt == 0) anymask[grp_id] = 0;
-    __syncthreads();
-    // ---- quantize this warp's keys: K rows (group scales over 32 keys), V into the transposed staging tile
-    float* rmax = rowmax + grp_id * kHopBN;
-    uint8_t* vtg = vt + grp_id * D * VROW;
-    int masked = 0;
-#pragma unroll
-    for (int i = 0; i < KPW; ++i) {
-        const int c = warp + 8 * i, key = kbase + c;
-        const bool valid = key < skv;
-        float x[CPL], y[CPL];
-        vals(kraw[i], x);
-        vals(vpark[i * 256], y);
-        float am = 0.f;
-#pragma unroll
-        for (int e = 0; e < CPL; ++e) am = fmaxf(am, valid ? fabsf(x[e] - smean[lane * CPL + e]) : 0.f);
-#pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-        if (lane == 0) rmax[c] = am;
-        const int slot = (c & ~31) | hop_slot_of_key(c & 31);
-#pragma unroll
-        for (int e = 0; e < CPL; e += 2) {
-            const int d = lane * CPL + e;
-            const float a = valid ? (y[e] - svmean[d]) * svinv[d] : 0.f;
-            const float bb = valid ? (y[e + 1] - svmean[d + 1]) * svinv[d + 1] : 0.f;
-            const uint32_t w = cvt_e4m3x2(a, bb);
-            vtg[d * VROW + slot] = (uint8_t)(w & 0xff);
-            vtg[(d + 1) * VROW + slot] = (uint8_t)(w >> 8);
-        }
-        if (p.kmask && valid && lane == 0) masked |= p.kmask[(int64_t)b * p.kmask_sb + key] == 0;
-    }
-    if (masked) atomicOr(&anymask[grp_id], 1);
-    named_sync(1 + grp_id, 256);
-    if (gt < 4) {  // K group scale: the 32 keys with equal (key % 8) / 2
-        float gm = 0.f;
-        for (int a = 0; a < kHopBN / 8; ++a) gm = fmaxf(gm, fmaxf(rmax[8 * a + 2 * gt], rmax[8 * a + 2 * gt + 1]));
-        gscale[grp_id * 4 + gt] = gm / 127.f;
-    }
-    named_sync(1 + grp_id, 256);
-    if (!blk_live) return;
-    const int64_t blk = (int64_t)bh * nkb + kb;
-    if (gt < 4) kscale[blk * 4 + gt] = gscale[grp_id * 4 + gt];
-    if (p.kmask && h == 0 && gt == 0) kmflag[(int64_t)b * nkb + kb] = anymask[grp_id];
-    int8_t* kdst = kimg + blk * kHopBN * D;
-#pragma unroll
-    for (int i = 0; i < KPW; ++i) {
-        const int c = warp + 8 * i;
-        const bool valid = kbase + c < skv;
-        const float sc = gscale[grp_id * 4 + ((c & 7) >> 1)], inv = sc > 0.f ? 1.f / sc : 0.f;
-        float x[CPL];
-        vals(kraw[i], x);
-        uint32_t q[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int e = 0; e < CPL; ++e) q[e] = quant_i8_bits(valid ? x[e] - smean[lane * CPL + e] : 0.f, sc, inv);
-        if constexpr (CPL == 4)
-            *reinterpret_cast<uint32_t*>(kdst + hop_img_off(c, lane * CPL, D)) = pack_low_bytes(q[0], q[1], q[2], q[3]);
-        else
-            *reinterpret_cast<uint16_t*>(kdst + hop_img_off(c, lane * CPL, D)) =
-                (uint16_t)(pack_low_bytes(q[0], q[1], 0u, 0u) & 0xffffu);
-    }
-    uint8_t* vdst = vimg + blk * kHopBN * D;
-    for (int i = gt; i < D * (kHopBN / 16); i += 256) {
-        const int d = i / (kHopBN / 16), ch = i % (kHopBN / 16);
-        *reinterpret_cast<uint4*>(vdst + hop_img_off(d, ch * 16, kHopBN)) =
-            *reinterpret_cast<const uint4*>(vtg + d * VROW + ch * 16);
-    }
-#else
-    (void)p; (void)kmean_out; (void)vscale_out; (void)vmean_out; (void)kimg; (void)kscale; (void)vimg; (void)kmflag;
-    (void)nkb;
-#endif
-}
 #ifndef SAGE_HOP_TILE_ORDER
 #define SAGE_HOP_TILE_ORDER 1
 #endif
@@ -1107,38 +871,6 @@ inline int hop_num_sms(int dev) {
     return n;
 }
 
-#ifndef SAGE_HOP_FUSED_PREP  // 0: always the separate stats, finalize and K/V passes (for comparisons)
-#define SAGE_HOP_FUSED_PREP 1
-#endif
-// whether a cluster of cs CTAs of hopper_prep_kernel with nb blocks each can run on this device (asked once)
-template <int D, typename T>
-bool hop_prep_fits(int dev, int nb, int cs) {
-    static signed char cache[64][kPrepMaxNB + 1][kPrepMaxCluster + 1] = {};  // 0 unknown, 1 yes, -1 no
-    signed char* c = dev >= 0 && dev < 64 ? &cache[dev][nb][cs] : nullptr;
-    if (c && *c) return *c > 0;
-    auto kern = hopper_prep_kernel<D, T>;
-    bool ok = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, hop_prep_smem(D, kPrepMaxNB)) ==
-                  cudaSuccess &&
-              cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-    if (ok) {
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute at[1];
-        at[0].id = cudaLaunchAttributeClusterDimension;
-        at[0].val.clusterDim.x = cs;
-        at[0].val.clusterDim.y = at[0].val.clusterDim.z = 1;
-        cfg.gridDim = dim3(cs, 1);
-        cfg.blockDim = dim3(256 * nb);
-        cfg.dynamicSmemBytes = hop_prep_smem(D, nb);
-        cfg.attrs = at;
-        cfg.numAttrs = 1;
-        int n = 0;
-        ok = cudaOccupancyMaxActiveClusters(&n, kern, &cfg) == cudaSuccess && n > 0;
-    }
-    cudaGetLastError();  // a refusal above is an answer, not an error of the next launch
-    if (c) *c = ok ? 1 : -1;
-    return ok;
-}
-
 template <int D, typename T>
 int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     const HopLayout L = make_hop_layout(p);
@@ -1153,35 +885,18 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     float* vmax = reinterpret_cast<float*>(ws + L.vmax);
     float* vmean = reinterpret_cast<float*>(ws + L.vmean);
     const int bhk = p.B * p.Hkv, ns = L.nsplit, nkb = (int)L.nkb;
+    stats_kernel<D, T><<<dim3(ns, bhk, 2), kThreads, 0, st>>>(p, kpart, vpart, ns);
+    finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, kpart, vpart, ns, kmean, vmax, vmean, 1);
     int* kmflag = reinterpret_cast<int*>(ws + L.kmflag);
-    const int dev = p.device;
-    cudaError_t e = cudaSuccess;
-    const int nb = (nkb + kPrepMaxCluster - 1) / kPrepMaxCluster, cs = (nkb + nb - 1) / nb;
-    if (SAGE_HOP_FUSED_PREP && nb <= kPrepMaxNB && hop_prep_fits<D, T>(dev, nb, cs)) {
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute at[1];
-        at[0].id = cudaLaunchAttributeClusterDimension;
-        at[0].val.clusterDim.x = cs;
-        at[0].val.clusterDim.y = at[0].val.clusterDim.z = 1;
-        cfg.gridDim = dim3(cs, bhk);
-        cfg.blockDim = dim3(256 * nb);
-        cfg.dynamicSmemBytes = hop_prep_smem(D, nb);
-        cfg.stream = st;
-        cfg.attrs = at;
-        cfg.numAttrs = 1;
-        e = cudaLaunchKernelEx(&cfg, hopper_prep_kernel<D, T>, p, kmean, vscale, vmean, kimg, kscale, vimg, kmflag, nkb);
-    } else {
-        stats_kernel<D, T><<<dim3(ns, bhk, 2), kThreads, 0, st>>>(p, kpart, vpart, ns);
-        finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, kpart, vpart, ns, kmean, vmax, vmean, 1);
-        hopper_quant_kv_kernel<D, T><<<dim3(nkb, bhk), 256, 0, st>>>(p, kmean, vmax, vmean, kimg, kscale, vimg,
-                                                                     vscale, kmflag, nkb);
-        e = cudaGetLastError();
-    }
+    hopper_quant_kv_kernel<D, T><<<dim3(nkb, bhk), 256, 0, st>>>(p, kmean, vmax, vmean, kimg, kscale, vimg, vscale,
+                                                                 kmflag, nkb);
+    cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
 
     using S = HopSmem<D>;
     const bool lse = p.lse != nullptr;
     auto kern = lse ? hopper_attn_kernel<D, T, true> : hopper_attn_kernel<D, T, false>;
+    const int dev = p.device;
     {
         static bool done[2][64] = {};
         if (dev < 0 || dev >= 64 || !done[lse][dev]) {
