@@ -28,7 +28,7 @@ constexpr int kHopStages = SAGE_HOP_STAGES;
 #define SAGE_HOP_DIAG 0
 #endif
 #ifndef SAGE_HOP_PINGPONG
-#define SAGE_HOP_PINGPONG 1
+#define SAGE_HOP_PINGPONG 0  // off: 2-6% faster since the row sums moved to the tensor cores (measured, H200)
 #endif
 
 // P~V accumulator columns: D, plus 8 columns (V^T rows of e4m3 ones) that hold the row sums of P~: the tensor cores
