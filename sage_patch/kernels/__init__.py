@@ -152,12 +152,9 @@ def _dtype_dim_gqa_reason(q, k, v, hdim, torch):
 def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smooth_v):
     if precision == "fp4":
         return None, "fp4 needs Blackwell FP4 tensor cores (sm_100/sm_120); no fp4 kernel for this GPU"
-    why = _feature_reason(precision, smooth_v)
+    why = _unserved_reason(precision, smooth_v)
     if why:
         return None, why
-    st = status()
-    if not st["loaded"]:
-        return None, st["reason"]
     torch = _torch()
     if not (q.is_cuda and k.is_cuda and v.is_cuda) or not (q.device == k.device == v.device):
         return None, "q, k, v must be CUDA tensors on one device"
@@ -205,6 +202,15 @@ def _feature_reason(precision, smooth_v, varlen=False):
         if on and key in DISABLED:
             return DISABLED[key]
     return None
+
+
+def _unserved_reason(precision, smooth_v, varlen=False):
+    """Why no compiled kernel serves this precision / feature combination here at all (None: one may)."""
+    why = _feature_reason(precision, smooth_v, varlen)
+    if why:
+        return why
+    st = status()
+    return None if st["loaded"] else st["reason"]
 
 
 def _ops_cc(q):
@@ -278,12 +284,9 @@ def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=
 
 def can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v=False):
     """(impl | None, reason) for a packed variable-length call: q (total_q, Hq, D), k/v (total_k, Hkv, D)."""
-    why = _feature_reason(precision, smooth_v, varlen=True)
+    why = _unserved_reason(precision, smooth_v, varlen=True)
     if why:
         return None, why
-    st = status()
-    if not st["loaded"]:
-        return None, st["reason"]
     torch = _torch()
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     if not all(x.is_cuda for x in tensors) or len({x.device for x in tensors}) != 1:
