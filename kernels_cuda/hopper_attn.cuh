@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
 #pragma unroll
             for (int i = 0; i < 64; ++i) sf[i] = __int_as_float((acc[i] & 0xff) | 0x3f800000);
             al0 = al1 = 1.f;
-            l0 += 1.f; l1 += 1.f; m0 = m1 = 0.f;
+            m0 = m1 = 0.f;  // (l comes from the P~V row sums in merge)
 #else
             // Row max on the int32 scores (a lane's scale is >= 0, so the order is the same), then per score one IADD
             // (int -> float bits: 1.5 * 2^23 + x, exact for |x| < 2^22), one FFMA (scale, subtract the max and the
