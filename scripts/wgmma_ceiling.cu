@@ -3,6 +3,7 @@
 // numbers are the tensor-core issue ceilings of the shapes and operand sources the attention kernel uses.
 // Build: nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o wgmma_ceiling scripts/wgmma_ceiling.cu
 // Run:   ./wgmma_ceiling            (prints one line per mode x warpgroup count: TOPS and cycles per wgmma)
+//        CEILING_EX2_ONLY=1 ./wgmma_ceiling   (only whether MUFU.EX2 overlaps the tensor cores)
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -247,11 +248,64 @@ template <int TA, int TB, int SPLIT> void run_mix(int nsm, const char* name) {
            (double)t.cycles / (iters * 16.0));
 }
 
+// Whether MUFU.EX2 runs under the tensor cores: 2 warpgroups, each iteration issues 4 s8 SS n128 wgmmas (if WG) and
+// then E exponentials per thread (8 independent chains) before waiting. Per SM and iteration the wgmmas take ~512
+// cycles at peak and E = 32 exponentials ~512 cycles of MUFU (16 per SM per clock): ~512 if they overlap, ~1024 if not.
+template <int E, bool WG>
+__global__ void __launch_bounds__(256, 1) ex2_overlap_kernel(int iters, long long* cycles, float* sink) {
+    extern __shared__ __align__(1024) uint8_t sm_raw[];
+    uint8_t* sm = fill_operands(sm_raw, 64 * 1024, 0x37);
+    const int wg = threadIdx.x >> 7;
+    const uint32_t sa = smem_u32(sm) + wg * 8192, sb = smem_u32(sm) + 32768;
+    int d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0;
+    float x[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) x[c] = -1e-3f * (threadIdx.x + c);
+    const long long t0 = clock64();
+    for (int it = 0; it < iters; ++it) {
+        if constexpr (WG) {
+            wg_fence();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) mma_s8_ss_n128(d, desc128(sa, 32 * k), desc128(sb, 32 * k));
+            wg_commit();
+        }
+#pragma unroll
+        for (int e = 0; e < E / 8; ++e)
+#pragma unroll
+            for (int c = 0; c < 8; ++c) asm volatile("ex2.approx.ftz.f32 %0, %0;\n" : "+f"(x[c]));
+        if constexpr (WG) wg_wait<0>();
+    }
+    if constexpr (WG) rfence<64>(d);
+    float res = 0.f;
+    for (int i = 0; i < 64; ++i) res += (float)d[i];
+    for (int c = 0; c < 8; ++c) res += x[c];
+    const long long t1 = clock64();
+    if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 3 + wg] = t1 - t0;
+    if (res == 12345.f) sink[threadIdx.x] = res;
+}
+
+template <int E, bool WG> void run_ex2(int nsm) {
+    const int smem = 64 * 1024 + 1024, iters = 20000;
+    cudaFuncSetAttribute(ex2_overlap_kernel<E, WG>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const Timed t = time_launch(nsm, iters, [&](int n, long long* cyc, float* sink) {
+        ex2_overlap_kernel<E, WG><<<nsm, 256, smem>>>(n, cyc, sink);
+    });
+    printf("2 WG x (%s + %2d ex2 per thread): %7.1f cycles per iteration (per SM)\n", WG ? "4 s8 wgmma" : "no wgmma  ",
+           E, (double)t.cycles / iters);
+}
+
 int main() {
     int nsm = 0, clk = 0;
     cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0);
     cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, 0);
     printf("SMs %d, max clock %.0f MHz\n", nsm, clk / 1e3);
+    if (getenv("CEILING_EX2_ONLY") != nullptr) {
+        run_ex2<0, true>(nsm); run_ex2<32, false>(nsm); run_ex2<32, true>(nsm);
+        run_ex2<64, false>(nsm); run_ex2<64, true>(nsm); run_ex2<16, true>(nsm);
+        return 0;
+    }
     if (getenv("CEILING_MIX_ONLY") == nullptr) {
         report<S8SS128>(nsm); report<S8SS256>(nsm); report<E4RS128>(nsm); report<E4SS128>(nsm);
         report<S8RS128>(nsm); report<E4RS256>(nsm); report<ATTN>(nsm); report<ATTN_FFMA>(nsm);
