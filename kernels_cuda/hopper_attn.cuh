@@ -211,16 +211,37 @@ __device__ __forceinline__ uint64_t hop_desc_plain(uint32_t saddr, uint32_t sbo)
     // start address, leading byte offset 128 (next core matrix along K), stride byte offset sbo, no swizzle
     return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
 }
-// descriptor of an hop_img_off image with rows of kbytes, starting at byte k0 (a multiple of 32) of row 0
-__device__ __forceinline__ uint64_t hop_desc(uint32_t img, int k0, int kbytes) {
+// Descriptor of an hop_img_off image with rows of kbytes, in two halves: the low word holds the start address (and
+// the leading byte offset), the high word is a compile-time constant (stride, swizzle mode). Moving along K or to
+// another stage adds to the low word only (hop_desc_step): shared-memory addresses are < 2^18, so the 14-bit address
+// field never carries into the rest, and the loop pays one add per wgmma instead of a mask-shift-or sequence.
+__host__ __device__ constexpr uint32_t hop_desc_hi(int kbytes) {
 #if SAGE_HOP_SWIZZLE
     // swizzled K-major: 8-row atoms kbytes * 8 apart (SBO), LBO unused; mode 1 = 128B, 2 = 64B swizzle. The
     // hardware applies the XOR to the address bits, so images start 8 * kbytes aligned and K steps add to the start.
-    const uint64_t mode = kbytes == 128 ? 1 : 2;
-    return (uint64_t)(((img + k0) & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)((8 * kbytes) >> 4) << 32) | (mode << 62);
+    return (uint32_t)((8 * kbytes) >> 4) | ((kbytes == 128 ? 1u : 2u) << 30);
 #else
-    return hop_desc_plain(img + (k0 >> 4) * 128, kbytes / 16 * 128);
+    return (uint32_t)((kbytes / 16 * 128) >> 4);
 #endif
+}
+__device__ __forceinline__ uint32_t hop_desc_lo(uint32_t img) {
+#if SAGE_HOP_SWIZZLE
+    return ((img & 0x3FFFF) >> 4) | (1u << 16);
+#else
+    return ((img & 0x3FFFF) >> 4) | ((128u >> 4) << 16);
+#endif
+}
+// low-word increment for starting k0 bytes (a multiple of 32) further along K
+__host__ __device__ constexpr uint32_t hop_desc_step(int k0) {
+#if SAGE_HOP_SWIZZLE
+    return (uint32_t)(k0 >> 4);
+#else
+    return (uint32_t)((k0 >> 4) * 128 >> 4);
+#endif
+}
+__device__ __forceinline__ uint64_t hop_desc_make(uint32_t lo, uint32_t hi) { return ((uint64_t)hi << 32) | lo; }
+__device__ __forceinline__ uint64_t hop_desc(uint32_t img, int k0, int kbytes) {
+    return hop_desc_make(hop_desc_lo(img) + hop_desc_step(k0), hop_desc_hi(kbytes));
 }
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -267,51 +288,48 @@ template <int N, int M> __device__ __forceinline__ void reg_fence(uint32_t (&r)[
         for (int j = 0; j < M; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
-// operand lists for 64 / 32 accumulator registers
-#define SAGE_R8(i) "+r"(d[i + 0]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
-                   "+r"(d[i + 6]), "+r"(d[i + 7])
-#define SAGE_F8(i) "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                   "+f"(d[i + 6]), "+f"(d[i + 7])
-#define SAGE_A8(i) "%" #i ", "
+// operand lists for 64 / 32 accumulator registers; C: "+r" / "+f" (accumulate) or "=r" / "=f" (first k step: the
+// accumulator is only written, so its old values are dead for the compiler and cost no registers across the softmax)
+#define SAGE_D8(C, i) C(d[i + 0]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), \
+                      C(d[i + 7])
+#define SAGE_D64(C) SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24), SAGE_D8(C, 32), SAGE_D8(C, 40), \
+                    SAGE_D8(C, 48), SAGE_D8(C, 56)
 #define SAGE_LIST32 \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
     "%24, %25, %26, %27, %28, %29, %30, %31"
 #define SAGE_LIST64 \
     SAGE_LIST32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, " \
     "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define SAGE_REGS32 "{" SAGE_LIST32 "}"
-#define SAGE_REGS64 "{" SAGE_LIST64 "}"
 
-// S (64 x 128, int32) += Q (64 x 32 int8, smem) . K (128 x 32 int8, smem)^T
-__device__ __forceinline__ void wgmma_s8_n128(int (&d)[64], uint64_t da, uint64_t db, int accum) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " SAGE_REGS64 ", %64, %65, p;\n}\n"
-        : SAGE_R8(0), SAGE_R8(8), SAGE_R8(16), SAGE_R8(24), SAGE_R8(32), SAGE_R8(40), SAGE_R8(48), SAGE_R8(56)
-        : "l"(da), "l"(db), "r"(accum));
+// S (64 x 128, int32) (+)= Q (64 x 32 int8, smem) . K (128 x 32 int8, smem)^T; ACC: add to d, else overwrite it
+#define SAGE_WGMMA_S8(SCALE_D, C) \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {" SAGE_LIST64 "}, %64, %65, " SCALE_D ";\n" \
+                 : SAGE_D64(C) : "l"(da), "l"(db))
+template <bool ACC> __device__ __forceinline__ void wgmma_s8_n128(int (&d)[64], uint64_t da, uint64_t db) {
+    if constexpr (ACC) SAGE_WGMMA_S8("1", "+r");
+    else SAGE_WGMMA_S8("0", "=r");
 }
-// O (64 x D + 8, fp32) += P~ (64 x 32 e4m3, registers) . V^T (D + 8 x 32 e4m3, smem)^T; columns D.. are row sums
-__device__ __forceinline__ void wgmma_e4m3_n136(float (&d)[68], const uint32_t* a, uint64_t db, int accum) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %73, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {" SAGE_LIST64 ", %64, %65, %66, %67}, "
-        "{%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
-        : SAGE_F8(0), SAGE_F8(8), SAGE_F8(16), SAGE_F8(24), SAGE_F8(32), SAGE_F8(40), SAGE_F8(48), SAGE_F8(56),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
-}
-__device__ __forceinline__ void wgmma_e4m3_n72(float (&d)[36], const uint32_t* a, uint64_t db, int accum) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %41, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 {" SAGE_LIST32 ", %32, %33, %34, %35}, "
-        "{%36, %37, %38, %39}, %40, p, 1, 1;\n}\n"
-        : SAGE_F8(0), SAGE_F8(8), SAGE_F8(16), SAGE_F8(24), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
-}
-template <int D>
-__device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint32_t* a, uint64_t db, int accum) {
-    if constexpr (D == 128) wgmma_e4m3_n136(d, a, db, accum);
-    else wgmma_e4m3_n72(d, a, db, accum);
+// O (64 x D + 8, fp32) (+)= P~ (64 x 32 e4m3, registers) . V^T (D + 8 x 32 e4m3, smem)^T; columns D.. are row sums
+#define SAGE_WGMMA_E4_N136(SCALE_D, C) \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {" SAGE_LIST64 ", %64, %65, %66, %67}, " \
+                 "{%68, %69, %70, %71}, %72, " SCALE_D ", 1, 1;\n" \
+                 : SAGE_D64(C), C(d[64]), C(d[65]), C(d[66]), C(d[67]) \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+#define SAGE_WGMMA_E4_N72(SCALE_D, C) \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 {" SAGE_LIST32 ", %32, %33, %34, %35}, " \
+                 "{%36, %37, %38, %39}, %40, " SCALE_D ", 1, 1;\n" \
+                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24), C(d[32]), C(d[33]), C(d[34]), \
+                   C(d[35]) \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+template <int D, bool ACC>
+__device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint32_t* a, uint64_t db) {
+    if constexpr (D == 128) {
+        if constexpr (ACC) SAGE_WGMMA_E4_N136("1", "+f");
+        else SAGE_WGMMA_E4_N136("0", "=f");
+    } else {
+        if constexpr (ACC) SAGE_WGMMA_E4_N72("1", "+f");
+        else SAGE_WGMMA_E4_N72("0", "=f");
+    }
 }
 #endif  // SAGE_HOP_DEVICE
 
@@ -353,6 +371,7 @@ struct HopSmem {
     static constexpr int EPI_FLOATS = 3 * D;
     static constexpr int BAR_OFF = EPI_OFF + 2 * 2 * EPI_FLOATS * 4;
     static constexpr int TOTAL = BAR_OFF + 2 * kHopStages * 8 + 1024;  // + slack to align the images to 1024 bytes
+    static_assert(TOTAL < (1 << 18), "descriptor low words (hop_desc_step) assume shared addresses < 2^18");
 };
 
 struct HopWs {
@@ -417,6 +436,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     const int cw = wg - 1;                                   // consumer warpgroup 0/1: rows 64cw..64cw+63 of the tile
     const int ltid = threadIdx.x & 127, warp = ltid >> 5, lane = ltid & 31, g = lane >> 2, t4 = lane & 3;
     const uint32_t sQ = sbase + S::Q_OFF + cw * S::QBYTES;
+    // descriptor low words of this warpgroup's Q image and of stage 0's K and V^T images (hop_desc_lo)
+    const uint32_t dq = hop_desc_lo(sQ), dk0 = hop_desc_lo(sbase + S::K_OFF), dv0 = hop_desc_lo(sbase + S::V_OFF);
     uint8_t* sQp = hsmem + S::Q_OFF + cw * S::QBYTES;
     int it = 0, tpar = 0;
 #if SAGE_HOP_PINGPONG
@@ -626,20 +647,24 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             }
         };
         auto issue_qk = [&](int (&acc)[64], int s) {
-            const uint32_t sK = sbase + S::K_OFF + s * S::KBYTES;
+            const uint32_t dk = dk0 + (uint32_t)s * (S::KBYTES >> 4);
+            wgmma_s8_n128<false>(acc, hop_desc_make(dq, hop_desc_hi(D)), hop_desc_make(dk, hop_desc_hi(D)));
 #pragma unroll
-            for (int k = 0; k < D / 32; ++k)
-                wgmma_s8_n128(acc, hop_desc(sQ, 32 * k, D), hop_desc(sK, 32 * k, D), k);
+            for (int k = 1; k < D / 32; ++k)
+                wgmma_s8_n128<true>(acc, hop_desc_make(dq + hop_desc_step(32 * k), hop_desc_hi(D)),
+                                    hop_desc_make(dk + hop_desc_step(32 * k), hop_desc_hi(D)));
             wg_commit();
         };
         // two-level accumulation: each block's P~V lands in its own accumulator (blk), then O = O * alpha + blk
         auto issue_pv = [&](float (&blk)[kBlk], uint32_t (&pa)[4][4], int s) {
-            const uint32_t sV = sbase + S::V_OFF + s * S::VSTRIDE;
+            const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
 #if SAGE_HOP_DIAG != 2
+            wgmma_pv<D, false>(blk, pa[0], hop_desc_make(dv, hop_desc_hi(kHopBN)));
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) wgmma_pv<D>(blk, pa[kk], hop_desc(sV, 32 * kk, kHopBN), kk);
+            for (int kk = 1; kk < 4; ++kk)
+                wgmma_pv<D, true>(blk, pa[kk], hop_desc_make(dv + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
 #else
-            (void)sV;
+            (void)dv;
 #endif
             wg_commit();
         };
