@@ -561,9 +561,13 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             const bool need_mask = (kbase + kHopBN > skv) || kmasked ||
                                    (p.causal && kbase + kHopBN - 1 > wrow_min + diag);
             const float sc = qs * kscale;  // one Q and one K scale per thread (>= 0); log2 domain
+            // blocks without padded keys: row r attends to keys kbase + k for k < lim (sequence end, causal
+            // diagonal), one compare and select per score instead of the general test with its branches
+            // (computed where used: kept live across the exponentials they cost registers in the unmasked path)
+            auto lim = [&](int row) { return min(skv, p.causal ? row + diag + 1 : skv) - kbase; };
 #if SAGE_HOP_DIAG == 1
             // diagnostic: no softmax (one LOP per score), to time the GEMMs and the pipeline alone
-            (void)need_mask; (void)sc;
+            (void)need_mask; (void)sc; (void)lim;
 #pragma unroll
             for (int i = 0; i < 64; ++i) sf[i] = __int_as_float((acc[i] & 0xff) | 0x3f800000);
             al0 = al1 = 1.f;
@@ -582,6 +586,16 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                     im0 = max(im0, max(acc[4 * j], acc[4 * j + 1]));
                     im1 = max(im1, max(acc[4 * j + 2], acc[4 * j + 3]));
                 }
+            } else if (!kmasked) {  // sequence end / causal diagonal: a row's keys are a prefix of the block
+                const int lim0 = lim(row0), lim1 = lim(row1);
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int k = 8 * j + 2 * t4 + e;
+                        if (k < lim0) im0 = max(im0, acc[4 * j + e]);
+                        if (k < lim1) im1 = max(im1, acc[4 * j + 2 + e]);
+                    }
             } else {
 #pragma unroll
                 for (int j = 0; j < 16; ++j)
@@ -613,7 +627,17 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 sf[4 * j + 2] = fast_exp2(arg(4 * j + 2, c1));
                 sf[4 * j + 3] = fast_exp2(arg(4 * j + 3, c1));
             }
-            if (need_mask) {
+            if (need_mask && !kmasked) {
+                const int lim0 = lim(row0), lim1 = lim(row1);
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int k = 8 * j + 2 * t4 + e;
+                        if (k >= lim0) sf[4 * j + e] = 0.f;
+                        if (k >= lim1) sf[4 * j + 2 + e] = 0.f;
+                    }
+            } else if (need_mask) {
 #pragma unroll
                 for (int j = 0; j < 16; ++j)
 #pragma unroll
