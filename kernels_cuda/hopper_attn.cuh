@@ -240,9 +240,6 @@ __host__ __device__ constexpr uint32_t hop_desc_step(int k0) {
 #endif
 }
 __device__ __forceinline__ uint64_t hop_desc_make(uint32_t lo, uint32_t hi) { return ((uint64_t)hi << 32) | lo; }
-__device__ __forceinline__ uint64_t hop_desc(uint32_t img, int k0, int kbytes) {
-    return hop_desc_make(hop_desc_lo(img) + hop_desc_step(k0), hop_desc_hi(kbytes));
-}
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
