@@ -61,7 +61,7 @@ __host__ __device__ constexpr int hop_slot_of_key(int k) {
 
 struct HopLayout {
     int64_t nkb;  // 128-key blocks per (b, kv-head)
-    int64_t kimg, kscale, vimg, vscale, kpart, vpart, kmean, vmax, vmean, kmflag, total;
+    int64_t kimg, kscale, vimg, vscale, kpart, vpart, kmean, vmax, vmean, kmflag, tilectr, total;
     int nsplit;
 };
 
@@ -82,6 +82,7 @@ inline HopLayout make_hop_layout(const SageAttnParams& p) {
     L.vmax = off;   off = align256(off + bhk * D * 4);
     L.vmean = off;  off = align256(off + bhk * D * 4);
     L.kmflag = off; off = align256(off + (p.kmask ? (int64_t)p.B * L.nkb * 4 : 0));
+    L.tilectr = off; off = align256(off + 4);  // dynamic tile scheduler's counter (zeroed by the stats finalize)
     L.total = off;
     return L;
 }
@@ -339,6 +340,14 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint
 // than L2 and the kernel re-reads K/V from HBM per q-block). 0: q-blocks outer (globally heaviest first), heads inner.
 // Heads sharing K/V (GQA) are adjacent in both.
 struct HopTile { int b, h, qb; };
+#ifndef SAGE_HOP_DYNAMIC
+#define SAGE_HOP_DYNAMIC 1
+#endif
+// SAGE_HOP_DYNAMIC: after its first tile (blockIdx.x) a CTA takes the next unclaimed tile from a global counter
+// (the producer thread, one atomic per tile, ahead of the consumers), so CTAs that drew short causal tiles take more
+// of them; 0: static round-robin (tile blockIdx.x + i * gridDim.x). The producer hands tile indices to the consumers
+// through a small mbarrier ring in shared memory (it runs up to kHopStages blocks ahead, so possibly several tiles).
+constexpr int kHopTileRing = 4;
 __device__ __forceinline__ HopTile hop_tile(int t, int B, int Hq, int nqb) {
 #if SAGE_HOP_TILE_ORDER == 1
     const int bh = t / nqb;
@@ -367,14 +376,29 @@ struct HopSmem {
     static constexpr int EPI_OFF = V_OFF + kHopStages * VSTRIDE;  // V scale, V mean, K mean per consumer x tile parity
     static constexpr int EPI_FLOATS = 3 * D;
     static constexpr int BAR_OFF = EPI_OFF + 2 * 2 * EPI_FLOATS * 4;
-    static constexpr int TOTAL = BAR_OFF + 2 * kHopStages * 8 + 1024;  // + slack to align the images to 1024 bytes
+    static constexpr int TBAR_OFF = BAR_OFF + 2 * kHopStages * 8;  // tile ring: full / empty mbarriers
+    static constexpr int TILE_OFF = TBAR_OFF + 2 * kHopTileRing * 8;  // tile ring: tile indices
+    static constexpr int TOTAL = TILE_OFF + kHopTileRing * 4 + 1024;  // + slack to align the images to 1024 bytes
     static_assert(TOTAL < (1 << 18), "descriptor low words (hop_desc_step) assume shared addresses < 2^18");
 };
 
 struct HopWs {
     const int8_t* kimg; const float* kscale; const uint8_t* vimg; const float* vscale;
-    const float* kmean; const float* vmean; const int* kmflag; int nkb; int nqb; int ntiles;
+    const float* kmean; const float* vmean; const int* kmflag; int* tilectr; int nkb; int nqb; int ntiles;
 };
+
+#ifndef SAGE_HOP_TRACE
+#define SAGE_HOP_TRACE 0  // diagnostics: clock64 per phase of each CTA's first tiles (sage_hop_trace_read)
+#endif
+#if SAGE_HOP_TRACE
+constexpr int kTraceCtas = 132, kTraceTiles = 8, kTraceEv = 8;
+__device__ long long g_hop_trace[kTraceCtas * 2 * kTraceTiles * kTraceEv];
+#define HOP_TRACE(ev, val)                                                                                        \
+    if (ltid == 0 && blockIdx.x < kTraceCtas && ntrace < kTraceTiles)                                             \
+        g_hop_trace[((blockIdx.x * 2 + cw) * kTraceTiles + ntrace) * kTraceEv + (ev)] = (val)
+#else
+#define HOP_TRACE(ev, val)
+#endif
 
 // LSE: whether p.lse is written (a template parameter: its fp32 row sums cost registers the loop needs otherwise)
 template <int D, typename T, bool LSE>
@@ -388,11 +412,17 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     uint8_t* hsmem = hsmem_raw + spad;
     const uint32_t sbase = smem_u32(hsmem);
     const uint32_t bar_full = sbase + S::BAR_OFF, bar_empty = bar_full + 8 * kHopStages;
+    const uint32_t tbar_full = sbase + S::TBAR_OFF, tbar_empty = tbar_full + 8 * kHopTileRing;
+    volatile int* tring = reinterpret_cast<volatile int*>(hsmem + S::TILE_OFF);
     const int wg = threadIdx.x >> 7;
     if (threadIdx.x == 0) {
         for (int s = 0; s < kHopStages; ++s) {
             mbar_init(bar_full + 8 * s, 1);
             mbar_init(bar_empty + 8 * s, 8);  // one arrival per consumer warp
+        }
+        for (int r = 0; r < kHopTileRing; ++r) {
+            mbar_init(tbar_full + 8 * r, 1);
+            mbar_init(tbar_empty + 8 * r, 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -409,11 +439,24 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     if (wg == 0) {  // ---------------- producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
         if (threadIdx.x != 0) return;
-        int it = 0;
-        for (int t = blockIdx.x; t < w.ntiles; t += gridDim.x) {
+        int it = 0, ti = 0;
+        auto publish = [&](int t) {  // hand tile t (>= ntiles: no more) to the consumers
+            const int r = ti % kHopTileRing;
+            mbar_wait(tbar_empty + 8 * r, ((uint32_t)(ti / kHopTileRing) & 1u) ^ 1u);
+            tring[r] = t;
+            mbar_arrive(tbar_full + 8 * r);
+            ++ti;
+        };
+        for (int t = blockIdx.x; t < w.ntiles;) {
+#if SAGE_HOP_DYNAMIC
+            const int tn = (int)gridDim.x + atomicAdd(w.tilectr, 1);  // in flight while this tile's loads issue
+#else
+            const int tn = t + (int)gridDim.x;
+#endif
             const HopTile tl = hop_tile(t, p.B, p.Hq, w.nqb);
             const int sq = len_q(p, tl.b), skv = len_k(p, tl.b), q0 = tl.qb * kHopBM;
-            if (q0 >= sq) continue;
+            if (q0 >= sq) { t = tn; continue; }  // varlen: past this sequence's end
+            publish(t);
             const int nkb = hop_num_kv_blocks(p, q0, sq, skv);
             const int64_t blk0 = ((int64_t)tl.b * p.Hkv + tl.h / group) * w.nkb;
             for (int kb = 0; kb < nkb; ++kb, ++it) {
@@ -424,7 +467,9 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 bulk_g2s(sbase + S::K_OFF + s * S::KBYTES, w.kimg + (blk0 + kb) * S::KBYTES, S::KBYTES, bar_full + 8 * s);
                 bulk_g2s(sbase + S::V_OFF + s * S::VSTRIDE, w.vimg + (blk0 + kb) * S::VBYTES, S::VBYTES, bar_full + 8 * s);
             }
+            t = tn;
         }
+        publish(w.ntiles);
         return;
     }
 
@@ -446,11 +491,14 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     // so their latency hides under it (the prologue used to wait on them with the tensor cores idle).
     constexpr int QC = D / 4;  // Q channels per lane
     struct Pre { uint4 q0[QC / 8], q1[QC / 8]; float vsc, vmn, km; };  // km, vsc, vmn: channel ltid
-    auto next_tile = [&](int t) {  // varlen: skip tiles past their sequence's end (the producer skips the same)
-        for (; t < w.ntiles; t += gridDim.x) {
-            const HopTile x = hop_tile(t, p.B, p.Hq, w.nqb);
-            if (x.qb * kHopBM < len_q(p, x.b)) break;
-        }
+    int ci = 0;
+    auto take_tile = [&]() {  // the next tile from the producer (>= ntiles: no more)
+        const int r = ci % kHopTileRing;
+        mbar_wait(tbar_full + 8 * r, (uint32_t)(ci / kHopTileRing) & 1u);
+        const int t = tring[r];
+        __syncwarp();
+        if (lane == 0) mbar_arrive(tbar_empty + 8 * r);
+        ++ci;
         return t;
     };
     auto prefetch = [&](int t, Pre& pf) {
@@ -469,7 +517,10 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         pf.vmn = ltid < D && p.smooth_v ? w.vmean[hk * D + ltid] : 0.f;
     };
     Pre pf;
-    int tt = next_tile(blockIdx.x);
+    int tt = take_tile();
+#if SAGE_HOP_TRACE
+    int ntrace = 0;
+#endif
     if (tt < w.ntiles) prefetch(tt, pf);
     while (tt < w.ntiles) {
         const HopTile tl = hop_tile(tt, p.B, p.Hq, w.nqb);
@@ -478,6 +529,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         const int nkb = hop_num_kv_blocks(p, q0, sq, skv);
         const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + h / group;
         const int row0 = q0 + cw * 64 + lrow0, row1 = row0 + 8;
+        HOP_TRACE(0, clock64());
+        HOP_TRACE(6, nkb);
 
         // ---- Q prologue: rows row0/row1, this lane's quarter of the channels; scale per (row0, row1) pair
         float qshift0 = 0.f, qshift1 = 0.f, qs;
@@ -534,6 +587,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         }
         const float* sepi = se;
         tpar ^= 1;
+        HOP_TRACE(1, clock64());
 
         const int diag = skv - sq;
         const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
@@ -736,6 +790,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 softmax_block(acc, 0, kscale_cur, kmask_cur, sf, al0, al1);
                 pack_p(sf, pa);
             }
+            HOP_TRACE(2, clock64());
             for (int kb = 1; kb < nkb; ++kb) {
                 uint32_t phn;
                 const int sn = stage_of(it + 1, phn);
@@ -785,7 +840,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             ++it;
         }
 
-        const int tnext = next_tile(tt + gridDim.x);
+        HOP_TRACE(3, clock64());
+        const int tnext = take_tile();
         // in flight during the epilogue; unconditional (the current tile again after the last one) so that the
         // compiler sees pf redefined every iteration and does not keep it alive across the main loop
         prefetch(tnext < w.ntiles ? tnext : tt, pf);
@@ -821,6 +877,10 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             if (row0 < sq) L[row0] = ls0 > 0.f ? m0 * kLn2 + (logf(ls0) - kLnFp8Max) + qshift0 * ss : -INFINITY;
             if (row1 < sq) L[row1] = ls1 > 0.f ? m1 * kLn2 + (logf(ls1) - kLnFp8Max) + qshift1 * ss : -INFINITY;
         }
+        HOP_TRACE(4, clock64());
+#if SAGE_HOP_TRACE
+        ++ntrace;
+#endif
         tt = tnext;
     }
 #else
@@ -932,7 +992,8 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     float* vmean = reinterpret_cast<float*>(ws + L.vmean);
     const int bhk = p.B * p.Hkv, ns = L.nsplit, nkb = (int)L.nkb;
     stats_kernel<D, T><<<dim3(ns, bhk, 2), kThreads, 0, st>>>(p, kpart, vpart, ns);
-    finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, kpart, vpart, ns, kmean, vmax, vmean, 1);
+    finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, kpart, vpart, ns, kmean, vmax, vmean, 1,
+                                                reinterpret_cast<int*>(ws + L.tilectr));
     int* kmflag = reinterpret_cast<int*>(ws + L.kmflag);
     hopper_quant_kv_kernel<D, T><<<dim3(nkb, bhk), 256, 0, st>>>(p, kmean, vmax, vmean, kimg, kscale, vimg, vscale,
                                                                  kmflag, nkb);
@@ -954,6 +1015,7 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     HopWs w;
     w.kmflag = kmflag;
     w.kimg = kimg; w.kscale = kscale; w.vimg = vimg; w.vscale = vscale; w.kmean = kmean; w.vmean = vmean;
+    w.tilectr = reinterpret_cast<int*>(ws + L.tilectr);
     w.nkb = nkb;
     w.nqb = (p.Sq + kHopBM - 1) / kHopBM;
     w.ntiles = w.nqb * p.B * p.Hq;

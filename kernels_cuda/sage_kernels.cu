@@ -309,9 +309,10 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float
 template <int D>
 __global__ void __launch_bounds__(D) finalize_stats_kernel(SageAttnParams p, const float* kpart, const float* vpart,
                                                            int nsplit, float* kmean, float* vmax, float* vmean,
-                                                           int do_v) {
+                                                           int do_v, int* zero = nullptr) {
     const int64_t bh = blockIdx.x;
     const int d = threadIdx.x;
+    if (zero && bh == 0 && d == 0) *zero = 0;  // the Hopper kernel's tile counter, reset in stream order
     const int skv = len_k(p, (int)(bh / p.Hkv));
     float s = 0.f;
     for (int j = 0; j < nsplit; ++j) s += kpart[(bh * nsplit + j) * D + d];
@@ -1159,6 +1160,17 @@ const char* sage_error_string(int code) {
 }
 
 int sage_abi_version(void) { return SAGE_ABI_VERSION; }
+#if SAGE_HOP_TRACE
+// diagnostics builds only (-DSAGE_HOP_TRACE=1): copies the Hopper kernel's phase clocks of the last launch
+int sage_hop_trace_read(long long* dst, int n) {
+    const int cap = (int)(sizeof(g_hop_trace) / sizeof(long long));
+    cudaError_t e = cudaMemcpyFromSymbol(dst, g_hop_trace, sizeof(long long) * (n < cap ? n : cap));
+    void* sym = nullptr;  // cleared for the next launch
+    if (e == cudaSuccess) e = cudaGetSymbolAddress(&sym, g_hop_trace);
+    if (e == cudaSuccess) e = cudaMemset(sym, 0, sizeof(g_hop_trace));
+    return (int)e;
+}
+#endif
 
 const char* sage_compiled_archs(void) { return SAGE_ARCHS; }
 

@@ -30,5 +30,9 @@ for v in ${NCU:-}; do
   grep -E "Duration|Issue Slots Busy|Compute \(SM\) Throughput|Executed Ipc Active|Registers Per" $R/ncu_${v}_details.csv | head -8
   rm -f $R/ncu_$v.ncu-rep
 done
+if [ -n "${TRACE:-}" ]; then  # phase clocks per tile (a -DSAGE_HOP_TRACE=1 build in out/device/$TRACE)
+  SAGE_PATCH_KERNELS_LIB=$PWD/out/device/$TRACE/libsage_kernels.so timeout 120 python3 scripts/hop_trace.py \
+    ${TRACE_SHAPES:-} > $R/trace.txt 2>&1; echo "trace rc=$?"; cat $R/trace.txt
+fi
 tar czf $OUT/r.tgz -C /tmp r
 ls -la $OUT

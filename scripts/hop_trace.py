@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""Where a Hopper-kernel tile's time goes: needs a library built with -DSAGE_HOP_TRACE=1 (SAGE_PATCH_KERNELS_LIB).
+Per shape, one warm call, then one traced call; prints the median cycles per phase of the CTAs' first tiles:
+prologue (Q quantization), block 0 (first S + softmax), loop (the other blocks), epilogue (last merge, next tile,
+stores), and the cycles per block of the loop. Usage: hop_trace.py [B H N D causal] ..."""
+import ctypes
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import sage_patch.kernels as K  # noqa: E402
+from sage_patch.kernels import _lib  # noqa: E402
+
+CTAS, TILES, EV = 132, 8, 8
+shapes = [tuple(int(x) for x in a.split(",")) for a in sys.argv[1:]] or [
+    (4, 32, 1024, 128, 0), (4, 32, 1024, 128, 1), (4, 32, 4096, 128, 0), (4, 32, 16384, 128, 0)]
+h = _lib.get().handle
+h.sage_hop_trace_read.argtypes = [ctypes.c_void_p, ctypes.c_int]
+buf0 = (ctypes.c_longlong * (CTAS * 2 * TILES * EV))()
+for b, hh, n, d, causal in shapes:
+    q, k, v = (torch.randn(b, hh, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    for _ in range(2):
+        K.attention(q, k, v, is_causal=bool(causal), return_lse=False)
+        torch.cuda.synchronize()
+        if _ == 0:
+            h.sage_hop_trace_read(buf0, CTAS * 2 * TILES * EV)  # clears the previous shape's entries
+    buf = (ctypes.c_longlong * (CTAS * 2 * TILES * EV))()
+    assert h.sage_hop_trace_read(buf, CTAS * 2 * TILES * EV) == 0
+    ph = {"prologue": [], "block0": [], "loop": [], "epilogue": [], "tile": [], "per_block": [], "gap": []}
+    for c in range(CTAS):
+        for w in range(2):
+            prev_end = None
+            for t in range(TILES):
+                e = [buf[((c * 2 + w) * TILES + t) * EV + i] for i in range(EV)]
+                if e[0] == 0 or e[4] < e[0]:
+                    break
+                nkb = e[6]
+                ph["prologue"].append(e[1] - e[0])
+                ph["block0"].append(e[2] - e[1])
+                ph["loop"].append(e[3] - e[2])
+                ph["epilogue"].append(e[4] - e[3])
+                ph["tile"].append(e[4] - e[0])
+                if nkb > 1:
+                    ph["per_block"].append((e[3] - e[2]) / (nkb - 1))
+                if prev_end is not None:
+                    ph["gap"].append(e[0] - prev_end)
+                prev_end = e[4]
+    med = {k2: (statistics.median(x) if x else float("nan")) for k2, x in ph.items()}
+    print(f"B{b} H{hh} N{n} D{d} causal={causal}: tiles {len(ph['tile'])}, median cycles: " +
+          ", ".join(f"{k2} {v2:.0f}" for k2, v2 in med.items()), flush=True)
