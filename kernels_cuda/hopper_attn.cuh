@@ -27,6 +27,9 @@ constexpr int kHopStages = SAGE_HOP_STAGES;
 #ifndef SAGE_HOP_DIAG  // diagnostics for timing only: 1 = no softmax, 2 = no P~V GEMM (wrong results)
 #define SAGE_HOP_DIAG 0
 #endif
+#ifndef SAGE_HOP_STAGGER  // consumer warpgroup 1 starts a tile's first block after warpgroup 0's block STAGGER - 1
+#define SAGE_HOP_STAGGER 0   // (1 or 2; a named barrier per tile)
+#endif
 #ifndef SAGE_HOP_PINGPONG
 #define SAGE_HOP_PINGPONG 0  // off: 2-6% faster since the row sums moved to the tensor cores (measured, H200)
 #endif
@@ -58,6 +61,13 @@ __host__ __device__ constexpr int hop_img_off(int r, int c, int kbytes) {
 __host__ __device__ constexpr int hop_slot_of_key(int k) {
     return (k & 16) | (k & 1) | (((k >> 3) & 1) << 1) | (((k >> 1) & 3) << 2);
 }
+
+// V channel order in the P~V accumulator: column j (in the wgmma layout lane t4 holds columns 8i + 2 t4, +1) carries
+// channel hop_vcol(j), bit fields [1:2] and [3:4] swapped, so that lane t4's 32 values of a row are the channels
+// 8 (4c + t4) .. + 7 for c = 0..D/32-1: 16 contiguous bytes of output per c, stored with one 16-byte store (the
+// natural order needs four 4-byte stores, each touching 8 rows' lines: the epilogue was bound by them). An
+// involution: V^T row hop_vcol(d) holds channel d.
+__host__ __device__ constexpr int hop_vcol(int j) { return (j & ~0x1E) | ((j >> 2) & 6) | ((j << 2) & 0x18); }
 
 struct HopLayout {
     int64_t nkb;  // 128-key blocks per (b, kv-head)
@@ -154,8 +164,8 @@ __global__ void __launch_bounds__(256, SAGE_HOP_QKV_CTAS) hopper_quant_kv_kernel
             const float a = valid ? (y[e] - svmean[d]) * svinv[d] : 0.f;
             const float bb = valid ? (y[e + 1] - svmean[d + 1]) * svinv[d + 1] : 0.f;
             const uint32_t w = cvt_e4m3x2(a, bb);
-            vt[d * VROW + slot] = (uint8_t)(w & 0xff);
-            vt[(d + 1) * VROW + slot] = (uint8_t)(w >> 8);
+            vt[hop_vcol(d) * VROW + slot] = (uint8_t)(w & 0xff);
+            vt[hop_vcol(d + 1) * VROW + slot] = (uint8_t)(w >> 8);
         }
     }
     // key-padding mask: one flag per (batch, block), "some key of this block is masked", so the attention kernel
@@ -489,7 +499,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     constexpr int kBlk = hop_pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
     // The next tile's Q rows, K mean and V scale/mean are loaded into registers before the current tile's epilogue,
     // so their latency hides under it (the prologue used to wait on them with the tensor cores idle).
-    constexpr int QC = D / 4;  // Q channels per lane
+    constexpr int QC = D / 4;  // Q channels per lane: the 8-channel chunks 4c + t4 (a quad reads 64 contiguous bytes)
     struct Pre { uint4 q0[QC / 8], q1[QC / 8]; float vsc, vmn, km; };  // km, vsc, vmn: channel ltid
     int ci = 0;
     auto take_tile = [&]() {  // the next tile from the producer (>= ntiles: no more)
@@ -505,11 +515,11 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         const HopTile x = hop_tile(t, p.B, p.Hq, w.nqb);
         const int sqx = len_q(p, x.b), r0 = x.qb * kHopBM + cw * 64 + lrow0;
         const int64_t hk = (int64_t)x.b * p.Hkv + x.h / group;
-        const T* qb = static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + tok0_q(p, x.b) * p.q_ss + t4 * QC;
+        const T* qb = static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + tok0_q(p, x.b) * p.q_ss + 8 * t4;
 #pragma unroll
         for (int j = 0; j < QC / 8; ++j) {
-            pf.q0[j] = r0 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)r0 * p.q_ss + 8 * j) : make_uint4(0, 0, 0, 0);
-            pf.q1[j] = r0 + 8 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)(r0 + 8) * p.q_ss + 8 * j)
+            pf.q0[j] = r0 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)r0 * p.q_ss + 32 * j) : make_uint4(0, 0, 0, 0);
+            pf.q1[j] = r0 + 8 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)(r0 + 8) * p.q_ss + 32 * j)
                                     : make_uint4(0, 0, 0, 0);
         }
         pf.km = ltid < D ? w.kmean[hk * D + ltid] : 0.f;
@@ -553,7 +563,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             float am = 0.f;
 #pragma unroll
             for (int j = 0; j < QC; ++j) {
-                const float m = se[2 * D + t4 * QC + j];
+                const float m = se[2 * D + 32 * (j >> 3) + 8 * t4 + (j & 7)];
                 qshift0 = fmaf(x0[j], m, qshift0);
                 qshift1 = fmaf(x1[j], m, qshift1);
                 am = fmaxf(am, fmaxf(fabsf(x0[j]), fabsf(x1[j])));
@@ -568,10 +578,10 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             qs = sc * p.sm_scale * kLog2e;
             // the previous tile's Q reads (wgmma) are complete: every consumer waited on its last wgmma group
 #pragma unroll
-            for (int j = 0; j < QC; j += 16) {
-                uint32_t w0[4], w1[4];
+            for (int j = 0; j < QC; j += 8) {  // chunk 4 (j / 8) + t4: 8 channels, 8 bytes of the image
+                uint32_t w0[2], w1[2];
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
+                for (int q = 0; q < 2; ++q) {
                     const float* y0 = x0 + j + 4 * q;
                     const float* y1 = x1 + j + 4 * q;
                     w0[q] = pack_low_bytes(quant_i8_bits(y0[0], sc, inv), quant_i8_bits(y0[1], sc, inv),
@@ -579,8 +589,9 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                     w1[q] = pack_low_bytes(quant_i8_bits(y1[0], sc, inv), quant_i8_bits(y1[1], sc, inv),
                                            quant_i8_bits(y1[2], sc, inv), quant_i8_bits(y1[3], sc, inv));
                 }
-                *reinterpret_cast<uint4*>(sQp + hop_img_off(lrow0, t4 * QC + j, D)) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
-                *reinterpret_cast<uint4*>(sQp + hop_img_off(lrow0 + 8, t4 * QC + j, D)) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
+                const int col = 4 * j + 8 * t4;  // = 8 (4 (j / 8) + t4)
+                *reinterpret_cast<uint2*>(sQp + hop_img_off(lrow0, col, D)) = make_uint2(w0[0], w0[1]);
+                *reinterpret_cast<uint2*>(sQp + hop_img_off(lrow0 + 8, col, D)) = make_uint2(w1[0], w1[1]);
             }
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             named_sync(1 + cw, 128);
@@ -774,6 +785,9 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             float kscale_next = nkb > 1 ? ksc[4 + t4] : 0.f;
             int kmask_cur = kmf ? kmf[0] : 0;
             int kmask_next = kmf && nkb > 1 ? kmf[1] : 0;
+#if SAGE_HOP_STAGGER
+            if (cw == 1) named_sync(5, 256);
+#endif
             mbar_wait(bar_full + 8 * s, ph);
 #if SAGE_HOP_PINGPONG
             named_sync(3 + cw, 256);
@@ -791,6 +805,11 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 pack_p(sf, pa);
             }
             HOP_TRACE(2, clock64());
+#if SAGE_HOP_STAGGER == 1
+            if (cw == 0) named_arrive(5, 256);
+#elif SAGE_HOP_STAGGER == 2
+            if (cw == 0 && nkb == 1) named_arrive(5, 256);
+#endif
             for (int kb = 1; kb < nkb; ++kb) {
                 uint32_t phn;
                 const int sn = stage_of(it + 1, phn);
@@ -815,6 +834,9 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 float sf[64];
                 float bl0, bl1;
                 softmax_block(acc, kb, kscale_cur, kmask_cur, sf, bl0, bl1);
+#if SAGE_HOP_STAGGER == 2
+                if (cw == 0 && kb == 1) named_arrive(5, 256);
+#endif
                 wg_wait<0>();
                 reg_fence(blk);
                 reg_fence(pa);
@@ -850,20 +872,24 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
 
         const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
         T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh + tok0_q(p, b) * p.o_ss;
-        T* O0 = O + (int64_t)row0 * p.o_ss + 2 * t4;
-        T* O1 = O + (int64_t)row1 * p.o_ss + 2 * t4;
+        T* O0 = O + (int64_t)row0 * p.o_ss + 8 * t4;
+        T* O1 = O + (int64_t)row1 * p.o_ss + 8 * t4;
         const bool st0 = row0 < sq, st1 = row1 < sq;
         // smooth V: + mean(V) on rows that attended to something (the staged mean is 0 without smooth V)
         const float f0 = l0 > 0.f ? 1.f : 0.f, f1 = l1 > 0.f ? 1.f : 0.f;
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-            const int col = 8 * i + 2 * t4;
-            const float2 vv = *reinterpret_cast<const float2*>(sepi + col);
-            const float2 mv = *reinterpret_cast<const float2*>(sepi + D + col);
-            const uint32_t r0 = pack2<T>(fmaf(mv.x, f0, o[4 * i] * inv0 * vv.x), fmaf(mv.y, f0, o[4 * i + 1] * inv0 * vv.y));
-            const uint32_t r1 = pack2<T>(fmaf(mv.x, f1, o[4 * i + 2] * inv1 * vv.x), fmaf(mv.y, f1, o[4 * i + 3] * inv1 * vv.y));
-            if (st0) *reinterpret_cast<uint32_t*>(O0 + 8 * i) = r0;
-            if (st1) *reinterpret_cast<uint32_t*>(O1 + 8 * i) = r1;
+        for (int c = 0; c < D / 32; ++c) {  // o[4i ..] with i = 4c + q holds channels 32c + 8 t4 + 2q, + 1 (hop_vcol)
+            uint32_t r0[4], r1[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int i = 4 * c + q, ch = 32 * c + 8 * t4 + 2 * q;
+                const float2 vv = *reinterpret_cast<const float2*>(sepi + ch);
+                const float2 mv = *reinterpret_cast<const float2*>(sepi + D + ch);
+                r0[q] = pack2<T>(fmaf(mv.x, f0, o[4 * i] * inv0 * vv.x), fmaf(mv.y, f0, o[4 * i + 1] * inv0 * vv.y));
+                r1[q] = pack2<T>(fmaf(mv.x, f1, o[4 * i + 2] * inv1 * vv.x), fmaf(mv.y, f1, o[4 * i + 3] * inv1 * vv.y));
+            }
+            if (st0) *reinterpret_cast<uint4*>(O0 + 32 * c) = make_uint4(r0[0], r0[1], r0[2], r0[3]);
+            if (st1) *reinterpret_cast<uint4*>(O1 + 32 * c) = make_uint4(r1[0], r1[1], r1[2], r1[3]);
         }
         if constexpr (LSE) {
             ls0 += __shfl_xor_sync(0xffffffffu, ls0, 1);
@@ -878,6 +904,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             if (row1 < sq) L[row1] = ls1 > 0.f ? m1 * kLn2 + (logf(ls1) - kLnFp8Max) + qshift1 * ss : -INFINITY;
         }
         HOP_TRACE(4, clock64());
+
 #if SAGE_HOP_TRACE
         ++ntrace;
 #endif
@@ -965,7 +992,10 @@ inline bool hop_compiled() {
 
 // whether the Hopper kernel serves these parameters (else the portable kernel does)
 inline bool hop_supported(const SageAttnParams& p) {
-    return p.device_cc == 90 && hop_compiled() && (p.D == 64 || p.D == 128) && p.qk_bits != 4;
+    // the epilogue stores 16 bytes per lane: O rows 16-byte aligned (as the Python side allocates them)
+    const bool o16 = reinterpret_cast<uintptr_t>(p.o) % 16 == 0 && p.o_ss % 8 == 0 && p.o_sh % 8 == 0 &&
+                     p.o_sb % 8 == 0;
+    return p.device_cc == 90 && hop_compiled() && (p.D == 64 || p.D == 128) && p.qk_bits != 4 && o16;
 }
 
 inline int hop_num_sms(int dev) {
