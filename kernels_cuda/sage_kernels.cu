@@ -1171,6 +1171,12 @@ int sage_hop_trace_read(long long* dst, int n) {
     return (int)e;
 }
 #endif
+#if SAGE_HOP_TRACE >= 2
+int sage_hop_ltrace_read(long long* dst, int n) {
+    const int cap = (int)(sizeof(g_hop_ltrace) / sizeof(long long));
+    return (int)cudaMemcpyFromSymbol(dst, g_hop_ltrace, sizeof(long long) * (n < cap ? n : cap));
+}
+#endif
 
 const char* sage_compiled_archs(void) { return SAGE_ARCHS; }
 

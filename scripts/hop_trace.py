@@ -51,3 +51,35 @@ for b, hh, n, d, causal in shapes:
     med = {k2: (statistics.median(x) if x else float("nan")) for k2, x in ph.items()}
     print(f"B{b} H{hh} N{n} D{d} causal={causal}: tiles {len(ph['tile'])}, median cycles: " +
           ", ".join(f"{k2} {v2:.0f}" for k2, v2 in med.items()), flush=True)
+
+# -DSAGE_HOP_TRACE=2 builds: the loop of each CTA's first tile, per iteration (of the last shape run)
+if hasattr(h, "sage_hop_ltrace_read"):
+    IT, LEV = 16, 8
+    lb = (ctypes.c_longlong * (CTAS * 2 * IT * LEV))()
+    h.sage_hop_ltrace_read.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    assert h.sage_hop_ltrace_read(lb, CTAS * 2 * IT * LEV) == 0
+    names = ["wait_full", "issue", "wait_S", "softmax", "wait_PV", "merge_pack", "to_next"]
+    dur = {k2: [] for k2 in names}
+    lead = []
+    for c in range(CTAS):
+        rows = [[[lb[((c * 2 + w) * IT + i) * LEV + e] for e in range(7)] for i in range(IT)] for w in range(2)]
+        for w in range(2):
+            for i in range(2, IT - 1):
+                e, en = rows[w][i], rows[w][i + 1]
+                if e[0] == 0 or en[0] == 0:
+                    continue
+                for j in range(6):
+                    dur[names[j]].append(e[j + 1] - e[j])
+                dur["to_next"].append(en[0] - e[6])
+        for i in range(2, IT):
+            if rows[0][i][3] and rows[1][i][3]:
+                lead.append(rows[1][i][3] - rows[0][i][3])  # > 0: warpgroup 0's S(kb) ready first
+    print("loop (last shape, first tile, iterations 2..14), median cycles: " +
+          ", ".join(f"{k2} {statistics.median(x):.0f}" for k2, x in dur.items() if x) +
+          f"; S-ready lead of wg0 over wg1: median {statistics.median(lead):.0f}, "
+          f"|lead| median {statistics.median([abs(x) for x in lead]):.0f}")
+    for c in (0, 1):
+        for w in range(2):
+            base = lb[((c * 2) * IT + 1) * LEV]
+            print(f"cta {c} wg {w}: " + " | ".join(
+                ",".join(str(lb[((c * 2 + w) * IT + i) * LEV + e] - base) for e in range(7)) for i in range(1, 6)))
