@@ -58,21 +58,6 @@ __host__ __device__ constexpr int hop_img_off(int r, int c, int kbytes) {
 __host__ __device__ constexpr int hop_slot_of_key(int k) {
     return (k & 16) | (k & 1) | (((k >> 3) & 1) << 1) | (((k >> 1) & 3) << 2);
 }
-#ifndef SAGE_HOP_PV_SS
-#define SAGE_HOP_PV_SS 1
-#endif
-// SAGE_HOP_PV_SS: P~ goes through shared memory (both P~V operands from shared memory). With P~ as the register
-// operand the loop ran at ~2360 cycles per block and SM, with the same work from shared memory at ~1420 (H200,
-// scripts/hop_trace.py): a register-sourced wgmma in flight slows the warp's own softmax ~3x.
-// V^T slot of key k (0..127) of a block in that mode: the S accumulator gives lane t4 the keys 8j + 2 t4 + e
-// (j = 0..15, e = 0, 1); they go to slots 32 t4 + 2j + e, so each lane stores 32 contiguous bytes of P~ per row.
-__host__ __device__ constexpr int hop_vslot(int k) {
-#if SAGE_HOP_PV_SS
-    return (((k >> 1) & 3) << 5) | ((k >> 3) << 1) | (k & 1);
-#else
-    return (k & ~31) | hop_slot_of_key(k & 31);
-#endif
-}
 
 // V channel order in the P~V accumulator: column j (in the wgmma layout lane t4 holds columns 8i + 2 t4, +1) carries
 // channel hop_vcol(j), bit fields [1:2] and [3:4] swapped, so that lane t4's 32 values of a row are the channels
@@ -165,7 +150,7 @@ __global__ void __launch_bounds__(256, SAGE_HOP_QKV_CTAS) hopper_quant_kv_kernel
     am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
     if (hh == 0) rowmax[c] = am;
     // V: e4m3 bytes into the transposed staging tile at the key's slot
-    const int slot = hop_vslot(c);
+    const int slot = (c & ~31) | hop_slot_of_key(c & 31);
 #pragma unroll
     for (int j = 0; j < CH; ++j) {
         float y[8];
@@ -341,28 +326,6 @@ template <bool ACC> __device__ __forceinline__ void wgmma_s8_n128(int (&d)[64], 
                  : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24), C(d[32]), C(d[33]), C(d[34]), \
                    C(d[35]) \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
-// the same with P~ from shared memory (descriptor da)
-#define SAGE_WGMMA_E4_N136_SS(SCALE_D, C) \
-    asm volatile("wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {" SAGE_LIST64 ", %64, %65, %66, %67}, " \
-                 "%68, %69, " SCALE_D ", 1, 1;\n" \
-                 : SAGE_D64(C), C(d[64]), C(d[65]), C(d[66]), C(d[67]) \
-                 : "l"(da), "l"(db))
-#define SAGE_WGMMA_E4_N72_SS(SCALE_D, C) \
-    asm volatile("wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 {" SAGE_LIST32 ", %32, %33, %34, %35}, " \
-                 "%36, %37, " SCALE_D ", 1, 1;\n" \
-                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24), C(d[32]), C(d[33]), C(d[34]), \
-                   C(d[35]) \
-                 : "l"(da), "l"(db))
-template <int D, bool ACC>
-__device__ __forceinline__ void wgmma_pv_ss(float (&d)[hop_pv_n(D) / 2], uint64_t da, uint64_t db) {
-    if constexpr (D == 128) {
-        if constexpr (ACC) SAGE_WGMMA_E4_N136_SS("1", "+f");
-        else SAGE_WGMMA_E4_N136_SS("0", "=f");
-    } else {
-        if constexpr (ACC) SAGE_WGMMA_E4_N72_SS("1", "+f");
-        else SAGE_WGMMA_E4_N72_SS("0", "=f");
-    }
-}
 template <int D, bool ACC>
 __device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint32_t* a, uint64_t db) {
     if constexpr (D == 128) {
@@ -414,10 +377,8 @@ struct HopSmem {
     static constexpr int VBYTES = kHopBN * D;      // one V^T block image (what the producer copies)
     static constexpr int ONES = (hop_pv_n(D) - D) * kHopBN;  // + 8 rows of e4m3 ones below it (row sums), set once
     static constexpr int VSTRIDE = VBYTES + ONES;
-    static constexpr int PBYTES = 64 * kHopBN;     // P~ image per consumer warpgroup and block parity (SAGE_HOP_PV_SS)
     static constexpr int Q_OFF = 0;
-    static constexpr int P_OFF = 2 * QBYTES;       // images of warpgroup cw, parity j at P_OFF + (2 cw + j) PBYTES
-    static constexpr int K_OFF = P_OFF + (SAGE_HOP_PV_SS ? 4 * PBYTES : 0);
+    static constexpr int K_OFF = 2 * QBYTES;
     static constexpr int V_OFF = K_OFF + kHopStages * KBYTES;
     static constexpr int EPI_OFF = V_OFF + kHopStages * VSTRIDE;  // V scale, V mean, K mean per consumer x tile parity
     static constexpr int EPI_FLOATS = 3 * D;
@@ -537,11 +498,6 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     const uint32_t sQ = sbase + S::Q_OFF + cw * S::QBYTES;
     // descriptor low words of this warpgroup's Q image and of stage 0's K and V^T images (hop_desc_lo)
     const uint32_t dq = hop_desc_lo(sQ), dk0 = hop_desc_lo(sbase + S::K_OFF), dv0 = hop_desc_lo(sbase + S::V_OFF);
-#if SAGE_HOP_PV_SS
-    // P~ of block kb in image kb & 1: its writes never meet the wgmma of block kb - 1, whatever any warp's progress
-    const uint32_t dp = hop_desc_lo(sbase + S::P_OFF + 2 * cw * S::PBYTES);
-    uint8_t* sPp = hsmem + S::P_OFF + 2 * cw * S::PBYTES;
-#endif
     uint8_t* sQp = hsmem + S::Q_OFF + cw * S::QBYTES;
     int it = 0, tpar = 0;
 #if SAGE_HOP_PINGPONG
@@ -774,25 +730,6 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             ls1 = ls1 * al1 + rs1;
 #endif
         };
-#if SAGE_HOP_PV_SS
-        // P~ rows lrow0 / lrow0 + 8 into the shared image: 32 contiguous bytes each (hop_vslot), then the async-proxy
-        // fence (the wgmma reads it; the warpgroup barrier before the issue covers the other warps' rows)
-        auto pack_p = [&](const float (&sf)[64], int par) {
-            uint8_t* img = sPp + par * S::PBYTES;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                uint32_t w[8];
-#pragma unroll
-                for (int m = 0; m < 8; ++m)
-                    w[m] = cvt_e4m3x2(sf[8 * m + 2 * r], sf[8 * m + 2 * r + 1]) |
-                           (cvt_e4m3x2(sf[8 * m + 4 + 2 * r], sf[8 * m + 5 + 2 * r]) << 16);
-                const int row = lrow0 + 8 * r;
-                *reinterpret_cast<uint4*>(img + hop_img_off(row, 32 * t4, kHopBN)) = make_uint4(w[0], w[1], w[2], w[3]);
-                *reinterpret_cast<uint4*>(img + hop_img_off(row, 32 * t4 + 16, kHopBN)) = make_uint4(w[4], w[5], w[6], w[7]);
-            }
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        };
-#else
         auto pack_p = [&](const float (&sf)[64], uint32_t (&pa)[4][4]) {
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {  // slots follow V^T's permuted key order
@@ -803,7 +740,6 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 pa[kk][3] = cvt_e4m3x2(q[10], q[11]) | (cvt_e4m3x2(q[14], q[15]) << 16);
             }
         };
-#endif
         auto issue_qk = [&](int (&acc)[64], int s) {
             const uint32_t dk = dk0 + (uint32_t)s * (S::KBYTES >> 4);
             wgmma_s8_n128<false>(acc, hop_desc_make(dq, hop_desc_hi(D)), hop_desc_make(dk, hop_desc_hi(D)));
@@ -814,26 +750,6 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             wg_commit();
         };
         // two-level accumulation: each block's P~V lands in its own accumulator (blk), then O = O * alpha + blk
-#if SAGE_HOP_PV_SS
-        auto issue_pv = [&](float (&blk)[kBlk], int s, int par) {
-            const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
-            const uint32_t dpp = dp + (uint32_t)par * (S::PBYTES >> 4);
-#if SAGE_HOP_DIAG != 2
-            wgmma_pv_ss<D, false>(blk, hop_desc_make(dpp, hop_desc_hi(kHopBN)), hop_desc_make(dv, hop_desc_hi(kHopBN)));
-#pragma unroll
-            for (int kk = 1; kk < 4; ++kk)
-                wgmma_pv_ss<D, true>(blk, hop_desc_make(dpp + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)),
-                                     hop_desc_make(dv + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
-#else
-            (void)dv; (void)dpp;
-#endif
-            wg_commit();
-        };
-#define HOP_PACK(sf, par) pack_p(sf, par)
-#define HOP_ISSUE_PV(blk, s, par) issue_pv(blk, s, par)
-#define HOP_PA_FENCE()
-#define HOP_P_SYNC() named_sync(1 + cw, 128)  // every warp's P~ rows written (and fenced) before the wgmma
-#else
         auto issue_pv = [&](float (&blk)[kBlk], uint32_t (&pa)[4][4], int s) {
             const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
 #if SAGE_HOP_DIAG != 2
@@ -846,11 +762,6 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
 #endif
             wg_commit();
         };
-#define HOP_PACK(sf, par) pack_p(sf, pa)
-#define HOP_ISSUE_PV(blk, s, par) issue_pv(blk, pa, s)
-#define HOP_PA_FENCE() reg_fence(pa)
-#define HOP_P_SYNC()
-#endif
         auto merge = [&](const float (&blk)[kBlk], float al0, float al1) {
             l0 = l0 * al0 + blk[D / 2];  // the block's row sums: columns D.. (row0: blk[D/2], row1: blk[D/2 + 2])
             l1 = l1 * al1 + blk[D / 2 + 2];
@@ -869,9 +780,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         // warpgroups also take turns issuing (named barriers), so one's softmax overlaps the other's GEMMs.
         if (nkb > 0) {
             int acc[64];
-#if !SAGE_HOP_PV_SS
             uint32_t pa[4][4];
-#endif
             float blk[kBlk];
 #if SAGE_HOP_DIAG == 2
 #pragma unroll
@@ -898,7 +807,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             {
                 float sf[64];
                 softmax_block(acc, 0, kscale_cur, kmask_cur, sf, al0, al1);
-                HOP_PACK(sf, 0);
+                pack_p(sf, pa);
             }
             HOP_TRACE(2, clock64());
             for (int kb = 1; kb < nkb; ++kb) {
@@ -913,13 +822,12 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 HOP_LTRACE(kb, 0);
                 mbar_wait(bar_full + 8 * sn, phn);
                 HOP_LTRACE(kb, 1);
-                HOP_P_SYNC();
 #if SAGE_HOP_PINGPONG
                 named_sync(3 + cw, 256);
 #endif
                 wg_fence();
                 issue_qk(acc, sn);
-                HOP_ISSUE_PV(blk, s, (kb - 1) & 1);
+                issue_pv(blk, pa, s);
 #if SAGE_HOP_PINGPONG
                 named_arrive(3 + (cw ^ 1), 256);
 #endif
@@ -934,27 +842,26 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 HOP_LTRACE(kb, 4);
                 wg_wait<0>();
                 reg_fence(blk);
-                HOP_PA_FENCE();
+                reg_fence(pa);
                 HOP_LTRACE(kb, 5);
                 if (lane == 0) mbar_arrive(bar_empty + 8 * s);
                 merge(blk, al0, al1);
-                HOP_PACK(sf, kb & 1);
+                pack_p(sf, pa);  // P~(kb-1)'s registers are rewritten only once its wgmma is complete
                 HOP_LTRACE(kb, 6);
                 al0 = bl0; al1 = bl1;
                 s = sn; ++it;
             }
-            HOP_P_SYNC();
 #if SAGE_HOP_PINGPONG
             named_sync(3 + cw, 256);
 #endif
             wg_fence();
-            HOP_ISSUE_PV(blk, s, (nkb - 1) & 1);
+            issue_pv(blk, pa, s);
 #if SAGE_HOP_PINGPONG
             named_arrive(3 + (cw ^ 1), 256);
 #endif
             wg_wait<0>();
             reg_fence(blk);
-            HOP_PA_FENCE();
+            reg_fence(pa);
             if (lane == 0) mbar_arrive(bar_empty + 8 * s);
             merge(blk, al0, al1);
             ++it;
