@@ -1,7 +1,8 @@
 // sage_patch Hopper (sm_90a) "8b" attention: INT8 wgmma for Q K^T, FP8 wgmma for P~ V, warp-specialized.
 // Included by sage_kernels.cu inside its anonymous namespace (shares its helpers, stats pass and params).
 //
-// Structure (one CTA per SM, persistent over (batch, head, q-block) tiles, q-blocks of a head together; see hop_tile):
+// Structure (one CTA per SM, persistent over (batch, head, q-block) tiles, q-blocks of a head together (hop_tile),
+// taken from a global counter after the first (SAGE_HOP_DYNAMIC)):
 //   warpgroup 0  producer: one thread streams pre-quantized K and V^T blocks with cp.async.bulk into an NSTAGE ring
 //                of shared-memory stages (mbarriers: full = bytes landed, empty = both consumers done with it);
 //   warpgroups 1, 2  consumers, 64 query rows each (CTA tile 128 rows): quantize their Q rows in the prologue
