@@ -28,9 +28,6 @@ constexpr int kHopStages = SAGE_HOP_STAGES;
 #ifndef SAGE_HOP_DIAG  // diagnostics for timing only: 1 = no softmax, 2 = no P~V GEMM (wrong results)
 #define SAGE_HOP_DIAG 0
 #endif
-#ifndef SAGE_HOP_EARLY_FULL  // 1: test the next block's stage while S is computed, skip the wait if it is full
-#define SAGE_HOP_EARLY_FULL 0
-#endif
 #ifndef SAGE_HOP_PINGPONG
 #define SAGE_HOP_PINGPONG 0  // off: 2-6% faster since the row sums moved to the tensor cores (measured, H200)
 #endif
@@ -268,14 +265,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
             "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
             : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
     } while (!ok);
-}
-// non-blocking: whether the phase with this parity has completed (acquire, like a successful wait)
-__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
-    uint32_t ok;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-    return ok != 0;
 }
 __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
@@ -824,9 +813,6 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 pack_p(sf, pa);
             }
             HOP_TRACE(2, clock64());
-#if SAGE_HOP_EARLY_FULL
-            bool next_full = false;  // block kb's stage seen full during block kb-1 (its mbarrier phase completed)
-#endif
             for (int kb = 1; kb < nkb; ++kb) {
                 uint32_t phn;
                 const int sn = stage_of(it + 1, phn);
@@ -837,11 +823,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                     if (kmf) kmask_next = kmf[kb + 1];
                 }
                 HOP_LTRACE(kb, 0);
-#if SAGE_HOP_EARLY_FULL
-                if (!next_full) mbar_wait(bar_full + 8 * sn, phn);
-#else
                 mbar_wait(bar_full + 8 * sn, phn);
-#endif
                 HOP_LTRACE(kb, 1);
 #if SAGE_HOP_PINGPONG
                 named_sync(3 + cw, 256);
@@ -853,13 +835,6 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 named_arrive(3 + (cw ^ 1), 256);
 #endif
                 HOP_LTRACE(kb, 2);
-#if SAGE_HOP_EARLY_FULL
-                {  // under the S wait (the warpgroup idles there): is block kb+1's stage already full?
-                    uint32_t ph2;
-                    const int s2 = stage_of(it + 2, ph2);
-                    next_full = kb + 1 < nkb && mbar_test(bar_full + 8 * s2, ph2);
-                }
-#endif
                 wg_wait<1>();  // S(kb) is ready; P~V(kb-1) may still run
                 reg_fence(acc);
                 HOP_LTRACE(kb, 3);
