@@ -42,7 +42,8 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
 
     Order: explicit full; what no quantized path honours (dropout, autograd, float masks); the policy's
     fallback rules; then the compiled kernel if it can run this call (else the next safer precision it can
-    run); without loaded kernels (CPU, or no build), the reference simulation.
+    run) unless SDPA is faster at this length (kernels.SDPA_FASTER_BELOW); without loaded kernels (CPU, or no
+    build), the reference simulation.
     """
     if requested == "full":
         return _full(requested, None)
@@ -74,6 +75,9 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
         impl, why = kernels.can_run(precision, q, k, v, layout=layout, is_causal=is_causal, attn_mask=kmask,
                                     return_lse=return_lse, smooth_v=smooth_v)
         if impl is not None:
+            slow = kmask is None and kernels.sdpa_faster_reason(impl, q, k, layout=layout, is_causal=is_causal)
+            if slow:
+                return _full(requested, slow)
             reason = None if precision == requested else f"{requested} unavailable ({first_why}); using {precision}"
             return Decision(requested, precision, impl, reason)
         first_why = first_why or why

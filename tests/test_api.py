@@ -175,3 +175,31 @@ def test_torch_compile_fullgraph_reference_path():
     with torch.no_grad():
         compiled = torch.compile(f, fullgraph=True)(q, k, v)
         torch.testing.assert_close(compiled, f(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_speed_routing_rule(monkeypatch):
+    """Below the measured crossover the Hopper kernel's whole call is slower than SDPA: the rule says so (with the
+    threshold and this call's length), only for that kernel, on min(Sq, Skv), per layout; the switch turns it off."""
+    import sage_patch.kernels as K
+
+    monkeypatch.setattr(K, "SPEED_ROUTING", True)
+
+    def shapes(sq, skv, d, layout="bhsd"):
+        mk = (lambda s: torch.empty(1, 2, s, d)) if layout == "bhsd" else (lambda s: torch.empty(1, s, 2, d))
+        return mk(sq), mk(skv)
+
+    q, k = shapes(1024, 1024, 128)
+    why = K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=False)
+    assert why and "3584" in why and "1024" in why
+    q, k = shapes(4096, 4096, 128)
+    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=False) is None
+    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=True) is None
+    q, k = shapes(5120, 5120, 64)
+    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=True)  # D=64 causal: from 6144
+    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=False) is None
+    q, k = shapes(8192, 1024, 128, layout="bshd")  # the shorter side decides; BSHD reads dim 1
+    assert "1024" in K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bshd", is_causal=False)
+    q, k = shapes(1024, 1024, 128)
+    assert K.sdpa_faster_reason(K.IMPL_FP8PV, q, k, layout="bhsd", is_causal=False) is None  # not measured: kept
+    monkeypatch.setattr(K, "SPEED_ROUTING", False)
+    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=False) is None

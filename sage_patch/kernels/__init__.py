@@ -62,6 +62,29 @@ QK_BITS = {"8b": 8, "4b": 4}
 # "4b" QK^T MMA: "int4" (packed INT4, mma.sync m16n8k64 s4: sm_80/86/89) or "int8" (INT4 values in INT8 MMA: every
 # arch, the default on sm_90 whose tensor cores have no INT4). SAGE_PATCH_QK_MMA=int4|int8 forces one (tests).
 _FORCE_QK_MMA = os.environ.get("SAGE_PATCH_QK_MMA", "").lower() or None
+# Speed routing: the shortest sequence (min of Sq, Skv) at which a kernel's whole call (pre-passes included) beats
+# torch SDPA (cuDNN), per (head dim, causal), measured on the H200 (B=4 H=32 fp16, docs/benchmarks.md "Hopper kernel,
+# ninth session": 0.62x at 1K, 0.92x at 2K, 1.08x at 3.5K non-causal D=128). Shorter calls without a key-padding
+# mask run SDPA instead: faster there and exact. SAGE_PATCH_SPEED_ROUTING=0 (or SPEED_ROUTING = False) turns it off.
+SDPA_FASTER_BELOW: dict[str, dict[tuple[int, bool], int]] = {
+    IMPL_WGMMA: {(128, False): 3584, (128, True): 4096, (64, False): 3584, (64, True): 6144},
+}
+SPEED_ROUTING = os.environ.get("SAGE_PATCH_SPEED_ROUTING", "1") != "0"
+
+
+def sdpa_faster_reason(impl: str, q, k, *, layout: str, is_causal: bool) -> str | None:
+    """Why SDPA should run this call instead of kernel `impl` (it is faster at this length), or None."""
+    if not SPEED_ROUTING:
+        return None
+    below = SDPA_FASTER_BELOW.get(impl, {}).get((int(q.shape[-1]), bool(is_causal)))
+    sdim = 1 if str(layout).lower() == "bshd" else 2
+    n = min(int(q.shape[sdim]), int(k.shape[sdim]))
+    if below is None or n >= below:
+        return None
+    return (f"SDPA is faster than {impl} below {below} tokens (head dim {q.shape[-1]}, causal={bool(is_causal)}; "
+            f"this call {n}): running full precision (SAGE_PATCH_SPEED_ROUTING=0 keeps the kernel)")
+
+
 # Features switched off in this version with the reason (a mode the H200 tests did not pass is listed here, so the
 # resolver never routes to it): keys "4b", "smooth_v", "varlen"; "4b-int4" (the INT4 MMA: "4b" then uses INT8 MMA).
 DISABLED: dict[str, str] = {}

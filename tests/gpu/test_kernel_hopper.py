@@ -132,3 +132,28 @@ def test_hopper_rejects_4b():
     impl, _ = K.can_run("4b", q, k, v, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
                         smooth_v=False)
     assert impl == K.IMPL_FP8PV  # "4b" stays on the portable kernel on Hopper
+
+
+def test_speed_routing_short_calls_run_sdpa(monkeypatch):
+    """With speed routing on (the default), a short call runs torch SDPA (exactly its output) and is reported with
+    the reason; a long one, or one with a key-padding mask, runs the Hopper kernel."""
+    import sage_patch
+    from sage_patch.report import GLOBAL_STATS
+
+    monkeypatch.setattr(K, "SPEED_ROUTING", True)
+    GLOBAL_STATS.reset()
+    q, k, v = make_qkv(1, 4, 4, 1024, 1024, 128, torch.float16)
+    out = sage_patch.attention(q, k, v, precision="8b")
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    reasons = " ".join(GLOBAL_STATS.fallbacks)
+    assert "SDPA is faster" in reasons and "3584" in reasons
+    q, k, v = make_qkv(1, 4, 4, 4096, 4096, 128, torch.float16)
+    out = sage_patch.attention(q, k, v, precision="8b")
+    ref, _ = K.attention(q, k, v)
+    assert torch.equal(out, ref)
+    q, k, v = make_qkv(1, 4, 4, 1024, 1024, 128, torch.float16)
+    keep = torch.ones(1, 1024, dtype=torch.bool, device=DEV)
+    keep[:, 1000:] = False
+    out = sage_patch.attention(q, k, v, precision="8b", attn_mask=keep)
+    ref, _ = K.attention(q, k, v, attn_mask=keep)
+    assert torch.equal(out, ref)
