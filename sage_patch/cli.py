@@ -31,6 +31,12 @@ def _info(args) -> int:
         lines.append(f"kernels: loaded from {st['path']} (archs: {', '.join(st['archs']) or '?'})")
     else:
         lines.append(f"kernels: not loaded: {st['reason']}")
+    if kernels.SPEED_ROUTING:
+        for impl, table in kernels.SDPA_FASTER_BELOW.items():
+            rule = ", ".join(f"D={d}{' causal' if c else ''} < {n}" for (d, c), n in sorted(table.items()))
+            lines.append(f"speed routing: {impl} calls run SDPA below the measured crossover ({rule} tokens)")
+    else:
+        lines.append("speed routing: off (SAGE_PATCH_SPEED_ROUTING=0): the kernels run at every length")
     print("\n".join(lines))
     if args.json:
         print(json.dumps({"kernels": st, "integrations": STATUS}, indent=2, default=str))

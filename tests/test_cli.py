@@ -22,6 +22,18 @@ def test_info_says_why_kernels_are_missing(capsys):
     assert "not loaded:" in out or "loaded from" in out
 
 
+def test_info_shows_speed_routing(capsys, monkeypatch):
+    import sage_patch.kernels as K
+
+    monkeypatch.setattr(K, "SPEED_ROUTING", True)
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"speed routing: {K.IMPL_WGMMA}" in out and "D=128 < 3584" in out and "D=128 causal < 4096" in out
+    monkeypatch.setattr(K, "SPEED_ROUTING", False)
+    assert main(["info"]) == 0
+    assert "speed routing: off" in capsys.readouterr().out
+
+
 def test_demo_runs_every_precision():
     r = subprocess.run([sys.executable, "-m", "sage_patch.cli", "demo"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
