@@ -76,9 +76,9 @@ def sdpa_faster_reason(impl: str, q, k, *, layout: str, is_causal: bool) -> str 
     """Why SDPA should run this call instead of kernel `impl` (it is faster at this length), or None."""
     if not SPEED_ROUTING:
         return None
-    below = SDPA_FASTER_BELOW.get(impl, {}).get((int(q.shape[-1]), bool(is_causal)))
+    below = SDPA_FASTER_BELOW.get(impl, {}).get((q.shape[-1], bool(is_causal)))
     sdim = 1 if str(layout).lower() == "bshd" else 2
-    n = min(int(q.shape[sdim]), int(k.shape[sdim]))
+    n = min(q.shape[sdim], k.shape[sdim])  # compared, not int()-ed: a symbolic length under torch.compile stays one
     if below is None or n >= below:
         return None
     return (f"SDPA is faster than {impl} below {below} tokens (head dim {q.shape[-1]}, causal={bool(is_causal)}; "
