@@ -28,9 +28,6 @@ constexpr int kHopStages = SAGE_HOP_STAGES;
 #ifndef SAGE_HOP_DIAG  // diagnostics for timing only: 1 = no softmax, 2 = no P~V GEMM (wrong results)
 #define SAGE_HOP_DIAG 0
 #endif
-#ifndef SAGE_HOP_PINGPONG
-#define SAGE_HOP_PINGPONG 0  // off: 2-6% faster since the row sums moved to the tensor cores (measured, H200)
-#endif
 
 // P~V accumulator columns: D, plus 8 columns (V^T rows of e4m3 ones) that hold the row sums of P~: the tensor cores
 // sum exactly the quantized P~ the output is made of (one FADD per score less; the output normalised by the sum of
@@ -284,9 +281,6 @@ template <int N> __device__ __forceinline__ void reg_fence(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id, int n) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
 template <int N, int M> __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][M]) {
 #pragma unroll
     for (int i = 0; i < N; ++i)
@@ -503,9 +497,6 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     const uint32_t dq = hop_desc_lo(sQ), dk0 = hop_desc_lo(sbase + S::K_OFF), dv0 = hop_desc_lo(sbase + S::V_OFF);
     uint8_t* sQp = hsmem + S::Q_OFF + cw * S::QBYTES;
     int it = 0, tpar = 0;
-#if SAGE_HOP_PINGPONG
-    if (cw == 1) named_arrive(3, 256);  // warpgroup 0 issues first
-#endif
     const int lrow0 = warp * 16 + g;  // this lane's rows in the warpgroup's 64: lrow0, lrow0 + 8
     constexpr int kBlk = hop_pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
     // The next tile's Q rows, K mean and V scale/mean are loaded into registers before the current tile's epilogue,
@@ -779,8 +770,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         auto stage_of = [&](int i, uint32_t& ph) { ph = (uint32_t)(i / kHopStages) & 1u; return i % kHopStages; };
 
         // Software pipeline inside the warpgroup: S(kb) = Q K(kb)^T is issued together with P~(kb-1) V(kb-1), and the
-        // softmax of S(kb) runs while the tensor cores still work on P~V. With SAGE_HOP_PINGPONG the two consumer
-        // warpgroups also take turns issuing (named barriers), so one's softmax overlaps the other's GEMMs.
+        // softmax of S(kb) runs while the tensor cores still work on P~V. (Ping-pong turns between the two consumers,
+        // measured in sessions 5, 7 and 9 in several forms, were equal or slower: removed, see HOPPER.md.)
         if (nkb > 0) {
             int acc[64];
             uint32_t pa[4][4];
@@ -797,14 +788,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             int kmask_cur = kmf ? kmf[0] : 0;
             int kmask_next = kmf && nkb > 1 ? kmf[1] : 0;
             mbar_wait(bar_full + 8 * s, ph);
-#if SAGE_HOP_PINGPONG
-            named_sync(3 + cw, 256);
-#endif
             wg_fence();
             issue_qk(acc, s);
-#if SAGE_HOP_PINGPONG
-            named_arrive(3 + (cw ^ 1), 256);
-#endif
             wg_wait<0>();
             reg_fence(acc);
             {
@@ -825,15 +810,9 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 HOP_LTRACE(kb, 0);
                 mbar_wait(bar_full + 8 * sn, phn);
                 HOP_LTRACE(kb, 1);
-#if SAGE_HOP_PINGPONG
-                named_sync(3 + cw, 256);
-#endif
                 wg_fence();
                 issue_qk(acc, sn);
                 issue_pv(blk, pa, s);
-#if SAGE_HOP_PINGPONG
-                named_arrive(3 + (cw ^ 1), 256);
-#endif
                 HOP_LTRACE(kb, 2);
                 wg_wait<1>();  // S(kb) is ready; P~V(kb-1) may still run
                 reg_fence(acc);
@@ -854,14 +833,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 al0 = bl0; al1 = bl1;
                 s = sn; ++it;
             }
-#if SAGE_HOP_PINGPONG
-            named_sync(3 + cw, 256);
-#endif
             wg_fence();
             issue_pv(blk, pa, s);
-#if SAGE_HOP_PINGPONG
-            named_arrive(3 + (cw ^ 1), 256);
-#endif
             wg_wait<0>();
             reg_fence(blk);
             reg_fence(pa);
