@@ -644,6 +644,30 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             constexpr int kMagic = 0x4B400000;
             constexpr float kMagicF = 12582912.f;
             int im0 = INT_MIN, im1 = INT_MIN;
+            // masked blocks, for a per-row visibility test of the key k within the block (prefix or general):
+            // the row max over visible scores, and zeros for the hidden ones after the exponentials
+            auto masked_max = [&](auto vis0, auto vis1) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int k = 8 * j + 2 * t4 + e;
+                        if (vis0(k)) im0 = max(im0, acc[4 * j + e]);
+                        if (vis1(k)) im1 = max(im1, acc[4 * j + 2 + e]);
+                    }
+            };
+            auto zero_hidden = [&](auto vis0, auto vis1) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int k = 8 * j + 2 * t4 + e;
+                        if (!vis0(k)) sf[4 * j + e] = 0.f;
+                        if (!vis1(k)) sf[4 * j + 2 + e] = 0.f;
+                    }
+            };
+            auto general0 = [&](int k) { return key_ok(kbase + k, row0); };
+            auto general1 = [&](int k) { return key_ok(kbase + k, row1); };
             if (!need_mask) {
 #pragma unroll
                 for (int j = 0; j < 16; ++j) {
@@ -652,23 +676,9 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 }
             } else if (!kmasked) {  // sequence end / causal diagonal: a row's keys are a prefix of the block
                 const int lim0 = lim(row0), lim1 = lim(row1);
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int k = 8 * j + 2 * t4 + e;
-                        if (k < lim0) im0 = max(im0, acc[4 * j + e]);
-                        if (k < lim1) im1 = max(im1, acc[4 * j + 2 + e]);
-                    }
+                masked_max([&](int k) { return k < lim0; }, [&](int k) { return k < lim1; });
             } else {
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = kbase + 8 * j + 2 * t4 + e;
-                        if (key_ok(key, row0)) im0 = max(im0, acc[4 * j + e]);
-                        if (key_ok(key, row1)) im1 = max(im1, acc[4 * j + 2 + e]);
-                    }
+                masked_max(general0, general1);
             }
             // the 4 lanes of a row hold different K scale groups: compare them as scaled floats
             float mx0 = im0 == INT_MIN ? -INFINITY : (float)im0 * sc;
@@ -693,23 +703,9 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             }
             if (need_mask && !kmasked) {
                 const int lim0 = lim(row0), lim1 = lim(row1);
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int k = 8 * j + 2 * t4 + e;
-                        if (k >= lim0) sf[4 * j + e] = 0.f;
-                        if (k >= lim1) sf[4 * j + 2 + e] = 0.f;
-                    }
+                zero_hidden([&](int k) { return k < lim0; }, [&](int k) { return k < lim1; });
             } else if (need_mask) {
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = kbase + 8 * j + 2 * t4 + e;
-                        if (!key_ok(key, row0)) sf[4 * j + e] = 0.f;
-                        if (!key_ok(key, row1)) sf[4 * j + 2 + e] = 0.f;
-                    }
+                zero_hidden(general0, general1);
             }
             // the output is normalised by the tensor cores' row sums (merge); the LSE keeps fp32 sums of p (the FP8
             // accumulator keeps ~13 bits: its sums run up to ~1% low, which cancels in the output, not in the LSE)
