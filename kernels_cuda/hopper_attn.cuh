@@ -93,115 +93,161 @@ inline HopLayout make_hop_layout(const SageAttnParams& p) {
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// Pre-pass: one CTA per (128-key block, b * kv-head); 256 threads, 2 per key (half the channels each).
+// Pre-pass: one CTA per (128-key block, b * kv-head), 16 warps of 8 keys. A key row (D channels) is read by D/8
+// adjacent lanes, 16 bytes (8 channels) each, so every warp load covers whole rows: 512 contiguous bytes per load
+// (the former 2-lanes-per-key mapping read 16 bytes per 256-byte row and fetched each 32-byte sector twice).
+constexpr int kHopKvThreads = 512;  // 2 CTAs per SM, 64 registers: half of them the raw K and V rows in flight
 template <int D, typename T>
-#ifndef SAGE_HOP_QKV_CTAS
-#define SAGE_HOP_QKV_CTAS 4  // CTAs per SM: measured 2/3/4 on the H200, 4 fastest (64 registers, no spill)
-#endif
-__global__ void __launch_bounds__(256, SAGE_HOP_QKV_CTAS) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vmax,
+__global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vmax,
                                                               const float* vmean, int8_t* kimg, float* kscale,
                                                               uint8_t* vimg, float* vscale, int* kmflag, int nkb) {
-    constexpr int H = D / 2, CH = H / 8;
-    constexpr int VROW = kHopBN + 16;  // padded V^T staging row (bytes)
-    __shared__ float smean[D], svinv[D], svmean[D];
-    __shared__ float rowmax[kHopBN];
-    __shared__ __align__(16) uint8_t vt[D * VROW];
+    constexpr int LPK = D / 8;     // lanes per key row
+    constexpr int KPI = 32 / LPK;  // keys per warp load
+    constexpr int NW = kHopKvThreads / 32, KPW = kHopBN / NW;  // warps, keys per warp
+    constexpr int NI = KPW / KPI;  // loads per thread and tensor
+    // per-channel K mean, 1 / V scale, V mean as float4 [quantity][half][lane chunk]: a lane's 8 channels are two
+    // LDS.128 without bank conflicts (a plain [D] array put the 16 chunks' lanes on 4 banks: 4-way conflicts)
+    __shared__ float4 skc[3][2][LPK];
+    __shared__ float wmax[NW][4], gscale[8];
+    __shared__ __align__(16) uint8_t vt[D * kHopBN];  // the V^T block image, copied out linearly at the end
     const int kb = blockIdx.x, bh = blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
     const int skv = len_k(p, b);
     if (kb > 0 && kb * kHopBN >= skv) return;  // varlen: past this sequence's end (never read; block 0 writes vscale)
     if (threadIdx.x < D) {
         const int d = threadIdx.x;
-        smean[d] = kmean[(int64_t)bh * D + d];
+        float* kc = reinterpret_cast<float*>(skc) + ((d >> 2) & 1) * LPK * 4 + (d >> 3) * 4 + (d & 3);
+        kc[0] = kmean[(int64_t)bh * D + d];
         const float sc = vmax[(int64_t)bh * D + d] / kFp8Max;
-        svinv[d] = sc > 0.f ? 1.f / sc : 0.f;
-        svmean[d] = p.smooth_v ? vmean[(int64_t)bh * D + d] : 0.f;
+        kc[2 * LPK * 4] = sc > 0.f ? 1.f / sc : 0.f;
+        kc[4 * LPK * 4] = p.smooth_v ? vmean[(int64_t)bh * D + d] : 0.f;
         if (kb == 0) vscale[(int64_t)bh * D + d] = sc;
     }
-    __syncthreads();
-    const int c = threadIdx.x >> 1, hh = threadIdx.x & 1;
-    const int key = kb * kHopBN + c;
-    const bool valid = key < skv;
-    const int64_t tok = tok0_k(p, b) + key;
-    const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + hh * H;
-    const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + hh * H;
-    uint4 kraw[CH], vraw[CH];  // both tiles' loads in flight before any use (raw: half the registers of floats)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int cc = lane % LPK, d0 = 8 * cc;         // this lane's 8 channels
+    const int c0 = KPW * warp + lane / LPK;          // its block-local key of load i: c0 + KPI * i
+    const int kbase = kb * kHopBN;
+    const int64_t tok = tok0_k(p, b) + kbase + c0;
+    const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + d0;
+    const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + d0;
+    uint4 kraw[NI], vraw[NI];  // all loads in flight before any use (raw: half the registers of floats)
 #pragma unroll
-    for (int j = 0; j < CH; ++j) {
-        if (valid) {
-            kraw[j] = *reinterpret_cast<const uint4*>(ksrc + 8 * j);
-            vraw[j] = *reinterpret_cast<const uint4*>(vsrc + 8 * j);
+    for (int i = 0; i < NI; ++i) {
+        if (kbase + c0 + KPI * i < skv) {
+            kraw[i] = *reinterpret_cast<const uint4*>(ksrc + (int64_t)(KPI * i) * p.k_ss);
+            vraw[i] = *reinterpret_cast<const uint4*>(vsrc + (int64_t)(KPI * i) * p.v_ss);
         } else {
-            kraw[j] = make_uint4(0u, 0u, 0u, 0u);
-            vraw[j] = make_uint4(0u, 0u, 0u, 0u);
+            kraw[i] = make_uint4(0u, 0u, 0u, 0u);
+            vraw[i] = make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    // K - mean is recomputed from the raw registers where needed (a float copy would cost 64 registers and occupancy;
-    // invalid keys loaded as 0 give |0 - mean| here, so they are masked)
-    float am = 0.f;
+    __syncthreads();
+    auto valid = [&](int i) { return kbase + c0 + KPI * i < skv; };
+    auto chan = [&](int q, float (&x)[8]) {  // quantity q (0 K mean, 1 1 / V scale, 2 V mean) of the lane's channels
+        const float4 a = skc[q][0][cc], bq = skc[q][1][cc];
+        x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = bq.x; x[5] = bq.y; x[6] = bq.z; x[7] = bq.w;
+    };
+    // V first (its raw registers die early): e4m3 bytes into the V^T image: row hop_vcol(d), column = the key's slot. The lanes of a store write one
+    // byte column of 16 rows, whose 16-byte chunks (image swizzle) fall on 4 bank groups only: each lane starts at
+    // its own channel (rotation rot = cc / 4), which spreads them over 8 (4-way bank conflicts -> 2-way)
+    const int rot = (cc >> 2) & 3;
 #pragma unroll
-    for (int j = 0; j < CH; ++j) {
-        float x[8];
-        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[j]), x);
+    for (int i = 0; i < NI; ++i) {
+        float y[8], vm[8], vi[8];
+        Vec8<T>::load(reinterpret_cast<const T*>(&vraw[i]), y);
+        chan(1, vi);
+        chan(2, vm);
+        const int c = c0 + KPI * i, slot = (c & ~31) | hop_slot_of_key(c & 31);
+        const bool ok = valid(i);
+        uint32_t wv[2];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) am = fmaxf(am, valid ? fabsf(x[e] - smean[hh * H + 8 * j + e]) : 0.f);
-    }
-    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
-    if (hh == 0) rowmax[c] = am;
-    // V: e4m3 bytes into the transposed staging tile at the key's slot
-    const int slot = (c & ~31) | hop_slot_of_key(c & 31);
+        for (int q = 0; q < 2; ++q) {
+            uint32_t h2[2];
 #pragma unroll
-    for (int j = 0; j < CH; ++j) {
-        float y[8];
-        Vec8<T>::load(reinterpret_cast<const T*>(&vraw[j]), y);
-#pragma unroll
-        for (int e = 0; e < 8; e += 2) {
-            const int d = hh * H + 8 * j + e;
-            const float a = valid ? (y[e] - svmean[d]) * svinv[d] : 0.f;
-            const float bb = valid ? (y[e + 1] - svmean[d + 1]) * svinv[d + 1] : 0.f;
-            const uint32_t w = cvt_e4m3x2(a, bb);
-            vt[hop_vcol(d) * VROW + slot] = (uint8_t)(w & 0xff);
-            vt[hop_vcol(d + 1) * VROW + slot] = (uint8_t)(w >> 8);
+            for (int e = 0; e < 2; ++e) {
+                const int j = 4 * q + 2 * e;
+                h2[e] = cvt_e4m3x2(ok ? (y[j] - vm[j]) * vi[j] : 0.f, ok ? (y[j + 1] - vm[j + 1]) * vi[j + 1] : 0.f);
+            }
+            wv[q] = h2[0] | (h2[1] << 16);
         }
+        // bytes rotated by rot: byte j of (lo, hi) is channel d0 + (j + rot) % 8
+        const uint32_t lo = __funnelshift_r(wv[0], wv[1], 8 * rot), hi = __funnelshift_r(wv[1], wv[0], 8 * rot);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int row = hop_vcol(d0 + ((j + rot) & 7));
+            vt[hop_img_off(row, slot, kHopBN)] = (uint8_t)(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xff);
+        }
+    }
+    // K group of key c: Grouping(128, 8, 2), the 32 keys with equal (c % 8) / 2; a lane's own maxima per group
+    // (0 where it holds no key of the group), then the max over the warp and over the warps
+    float gm[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+        float x[8], m[8];
+        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[i]), x);
+        chan(0, m);
+        float am = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(x[e] - m[e]));
+        if (!valid(i)) am = 0.f;  // padded keys load as 0: |0 - mean| must not count
+        const int grp = ((c0 + KPI * i) & 7) >> 1;
+#pragma unroll
+        for (int g = 0; g < 4; ++g) gm[g] = grp == g ? fmaxf(gm[g], am) : gm[g];
+    }
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) gm[g] = fmaxf(gm[g], __shfl_xor_sync(0xffffffffu, gm[g], o));
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < 4; ++g) wmax[warp][g] = gm[g];
     }
     // key-padding mask: one flag per (batch, block), "some key of this block is masked", so the attention kernel
     // masks (reads the mask) only in those blocks
-    const int masked = p.kmask && valid && p.kmask[(int64_t)b * p.kmask_sb + key] == 0;
+    const int masked = p.kmask && threadIdx.x < kHopBN && kbase + (int)threadIdx.x < skv &&
+                       p.kmask[(int64_t)b * p.kmask_sb + kbase + threadIdx.x] == 0;
     const int any_masked = __syncthreads_or(masked);
     if (p.kmask && h == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
-    // K: group scale over the 32 keys with equal (key % 8) / 2, then the INT8 image
-    const int grp = (c & 7) >> 1;
-    float gm = 0.f;
-#pragma unroll
-    for (int a = 0; a < kHopBN / 8; ++a) gm = fmaxf(gm, fmaxf(rowmax[8 * a + 2 * grp], rowmax[8 * a + 2 * grp + 1]));
-    const float sc = gm / 127.f, inv = sc > 0.f ? 1.f / sc : 0.f;
     const int64_t blk = (int64_t)bh * nkb + kb;
-    if (hh == 0 && c < 8 && (c & 1) == 0) kscale[blk * 4 + grp] = sc;
+    if (threadIdx.x < 4) {  // group scales and their inverses, once (in registers they cost the K loop spills)
+        const int g = threadIdx.x;
+        float m = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) m = fmaxf(m, wmax[w][g]);
+        const float sc = m / 127.f;
+        gscale[g] = sc;
+        gscale[4 + g] = sc > 0.f ? 1.f / sc : 0.f;
+        kscale[blk * 4 + g] = sc;
+    }
+    __syncthreads();
+    // K: 8 channels of a key = 8 bytes of its image row
     int8_t* kdst = kimg + blk * kHopBN * D;
 #pragma unroll
-    for (int j = 0; j < CH; j += 2) {  // 16 channels = one 16-byte row chunk of the image
-        float x[16];
-        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[j]), x);
-        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[j + 1]), x + 8);
-        uint32_t w[4];
+    for (int i = 0; i < NI; ++i) {
+        float x[8], m[8];
+        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[i]), x);
+        chan(0, m);
+        const int c = c0 + KPI * i, grp = (c & 7) >> 1;
+        const float sc = gscale[grp], inv = gscale[4 + grp];
+        const bool ok = valid(i);
+        uint32_t w[2];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            uint32_t b[4];
+        for (int q = 0; q < 2; ++q) {
+            uint32_t bt[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int idx = 4 * q + e;
-                b[e] = quant_i8_bits(valid ? x[idx] - smean[hh * H + 8 * j + idx] : 0.f, sc, inv);
+                bt[e] = quant_i8_bits(ok ? x[idx] - m[idx] : 0.f, sc, inv);
             }
-            w[q] = pack_low_bytes(b[0], b[1], b[2], b[3]);
+            w[q] = pack_low_bytes(bt[0], bt[1], bt[2], bt[3]);
         }
-        *reinterpret_cast<uint4*>(kdst + hop_img_off(c, hh * H + 8 * j, D)) = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<uint2*>(kdst + hop_img_off(c, d0, D)) = make_uint2(w[0], w[1]);
     }
-    // V^T image: D rows x 128 slots, 16-byte chunks
+    // V^T image out: 16-byte chunks, linear (the staging is already in the image layout)
     uint8_t* vdst = vimg + blk * kHopBN * D;
-    for (int i = threadIdx.x; i < D * (kHopBN / 16); i += 256) {
-        const int d = i / (kHopBN / 16), ch = i % (kHopBN / 16);
-        *reinterpret_cast<uint4*>(vdst + hop_img_off(d, ch * 16, kHopBN)) =
-            *reinterpret_cast<const uint4*>(vt + d * VROW + ch * 16);
-    }
+#pragma unroll
+    for (int i = threadIdx.x; i < D * kHopBN / 16; i += kHopKvThreads)
+        reinterpret_cast<uint4*>(vdst)[i] = reinterpret_cast<const uint4*>(vt)[i];
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -1002,7 +1048,7 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, kpart, vpart, ns, kmean, vmax, vmean, 1,
                                                 reinterpret_cast<int*>(ws + L.tilectr));
     int* kmflag = reinterpret_cast<int*>(ws + L.kmflag);
-    hopper_quant_kv_kernel<D, T><<<dim3(nkb, bhk), 256, 0, st>>>(p, kmean, vmax, vmean, kimg, kscale, vimg, vscale,
+    hopper_quant_kv_kernel<D, T><<<dim3(nkb, bhk), kHopKvThreads, 0, st>>>(p, kmean, vmax, vmean, kimg, kscale, vimg, vscale,
                                                                  kmflag, nkb);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
