@@ -64,10 +64,10 @@ QK_BITS = {"8b": 8, "4b": 4}
 _FORCE_QK_MMA = os.environ.get("SAGE_PATCH_QK_MMA", "").lower() or None
 # Speed routing: the shortest sequence (min of Sq, Skv) at which a kernel's whole call (pre-passes included) beats
 # torch SDPA (cuDNN), per (head dim, causal), measured on the H200 (B=4 H=32 fp16, docs/benchmarks.md "Hopper kernel,
-# ninth session": 0.62x at 1K, 0.92x at 2K, 1.08x at 3.5K non-causal D=128). Shorter calls without a key-padding
+# tenth session": 0.98x at 2K, 1.02x at 2.5K, 1.10x at 3K non-causal D=128). Shorter calls without a key-padding
 # mask run SDPA instead: faster there and exact. SAGE_PATCH_SPEED_ROUTING=0 (or SPEED_ROUTING = False) turns it off.
 SDPA_FASTER_BELOW: dict[str, dict[tuple[int, bool], int]] = {
-    IMPL_WGMMA: {(128, False): 3584, (128, True): 4096, (64, False): 3584, (64, True): 6144},
+    IMPL_WGMMA: {(128, False): 2560, (128, True): 3584, (64, False): 3584, (64, True): 6144},
 }
 SPEED_ROUTING = os.environ.get("SAGE_PATCH_SPEED_ROUTING", "1") != "0"
 
