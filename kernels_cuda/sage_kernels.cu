@@ -252,10 +252,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float
     float acc[8], amx[8], amn[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) { acc[i] = 0.f; amx[i] = -INFINITY; amn[i] = INFINITY; }
-#ifndef SAGE_STATS_U
-#define SAGE_STATS_U 4
-#endif
-    constexpr int U = SAGE_STATS_U;  // rows loaded before any is used: 4 x 16 bytes in flight per thread (1 left it latency-bound)
+    constexpr int U = 4;  // rows loaded before any is used: 4 x 16 bytes in flight per thread (1 left it latency-bound)
     for (int s = s0 + rl; s < s1; s += U * NR) {
         uint4 raw[U];
 #pragma unroll
