@@ -78,18 +78,19 @@ def _validate(q, k, v, layout, scale, is_causal, dropout_p):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     hd = 1 if layout == "bhsd" else 2
     sd = 2 if layout == "bhsd" else 1
-    b, hq, sq, d = q.shape[0], q.shape[hd], q.shape[sd], q.shape[-1]
-    hkv, skv = k.shape[hd], k.shape[sd]
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
-    if v.shape[hd] != hkv or v.shape[sd] != skv:
-        raise ValueError(f"k and v must have the same heads and length, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    qs, ks, vs = q.shape, k.shape, v.shape  # read once: each .shape access builds a new torch.Size
+    b, hq, sq, d = qs[0], qs[hd], qs[sd], qs[-1]
+    hkv, skv = ks[hd], ks[sd]
+    if ks[0] != b or vs[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {ks[0]}, v {vs[0]}")
+    if vs[hd] != hkv or vs[sd] != skv:
+        raise ValueError(f"k and v must have the same heads and length, got k {tuple(ks)}, v {tuple(vs)}")
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA/MQA")
-    if k.shape[-1] != d:
-        raise ValueError(f"q and k head dims differ: {d} vs {k.shape[-1]}")
-    if not (1 <= d <= MAX_HEAD_DIM) or not (1 <= v.shape[-1] <= MAX_HEAD_DIM):
-        raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got q/k {d}, v {v.shape[-1]}")
+    if ks[-1] != d:
+        raise ValueError(f"q and k head dims differ: {d} vs {ks[-1]}")
+    if not (1 <= d <= MAX_HEAD_DIM) or not (1 <= vs[-1] <= MAX_HEAD_DIM):
+        raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got q/k {d}, v {vs[-1]}")
     if sq < 1 or skv < 1:
         raise ValueError(f"sequence lengths must be >= 1, got Sq={sq}, Skv={skv}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))

@@ -24,7 +24,7 @@ class Decision:
 # Kernel availability is fixed for the process: constants to torch.compile (no tracing into the loader).
 @torch.compiler.assume_constant_result
 def _kernels_loaded() -> bool:
-    return bool(kernels.status()["loaded"])
+    return bool(kernels._status()["loaded"])  # no copy: this runs at every eager call
 
 
 @torch.compiler.assume_constant_result

@@ -98,23 +98,44 @@ def _torch():
 
 def status() -> dict:
     """Whether the compiled kernels can run on the current CUDA device, and why not."""
+    return dict(_status())
+
+
+_CUDA_SEEN = False  # torch.cuda.is_available() was True once: it stays so (torch caches the device count)
+
+
+def _cuda_available() -> bool:
+    # is_available() reads os.environ (PYTORCH_NVML_BASED_CUDA_CHECK) at every call: ask until it says yes
+    global _CUDA_SEEN
+    if not _CUDA_SEEN:
+        _CUDA_SEEN = _torch().cuda.is_available()
+    return _CUDA_SEEN
+
+
+# torch.compile runs it at trace time as a constant (as it folds is_available) instead of guarding on _CUDA_SEEN,
+# which would recompile once when the first traced call sets it; the attribute assume_constant_result sets.
+_cuda_available._dynamo_marked_constant = True
+
+
+def _status() -> dict:
+    """status() without the defensive copy (the per-call checks read it): callers must not modify the result."""
     lib = _lib.get()
-    base = {"loaded": False, "reason": lib.reason, "path": lib.path, "archs": list(lib.archs)}
     if lib.handle is None:
-        return base
+        return {"loaded": False, "reason": lib.reason, "path": lib.path, "archs": list(lib.archs)}
     torch = _torch()
-    if not torch.cuda.is_available():
-        base["reason"] = (f"library loaded ({lib.path}, sm_{', sm_'.join(lib.archs)}) but no CUDA device is "
-                          f"visible to torch (torch {torch.__version__}, CUDA {torch.version.cuda})")
-        return base
+    if not _cuda_available():
+        return {"loaded": False,
+                "reason": (f"library loaded ({lib.path}, sm_{', sm_'.join(lib.archs)}) but no CUDA device is "
+                           f"visible to torch (torch {torch.__version__}, CUDA {torch.version.cuda})"),
+                "path": lib.path, "archs": list(lib.archs)}
     dev = torch.cuda.current_device()
     cached = _STATUS_CACHE.get(dev)
     if cached is not None:
-        return dict(cached)
+        return cached
     from ._ops import device_cc
 
     major, minor = device_cc(dev)
-    st = dict(base)
+    st = {"loaded": False, "reason": lib.reason, "path": lib.path, "archs": list(lib.archs)}
     if not arch_supported(lib.archs, major, minor):
         st["reason"] = (f"library built for sm_{', sm_'.join(lib.archs)} but device {dev} is sm_{major}{minor}: "
                         "rebuild with SAGE_PATCH_CUDA_ARCHS including it")
@@ -124,7 +145,7 @@ def status() -> dict:
         st["loaded"] = True
         st["reason"] = f"loaded for sm_{major}{minor} (impl {_pick_impl(lib.archs, major, minor)})"
     _STATUS_CACHE[dev] = st
-    return dict(st)
+    return st
 
 
 def hopper_available(archs, major, minor) -> bool:
@@ -150,12 +171,13 @@ def _layout_ok(layout) -> bool:
 def _check_tensor(name, x, torch):
     if x.dim() != 4:
         return f"{name} must be 4-D, got {x.dim()}-D"
-    if x.stride(-1) != 1:
-        return f"{name} head dim is not contiguous (stride {x.stride(-1)})"
+    st = x.stride()  # one call (a tuple), indexed below
+    if st[3] != 1:
+        return f"{name} head dim is not contiguous (stride {st[3]})"
     if x.data_ptr() % 16:
         return f"{name} data pointer is not 16-byte aligned"
-    if any(s % 8 for s in x.stride()[:-1]):
-        return f"{name} strides {tuple(x.stride())} are not multiples of 8 elements (16-byte loads)"
+    if st[0] % 8 or st[1] % 8 or st[2] % 8:
+        return f"{name} strides {st} are not multiples of 8 elements (16-byte loads)"
     if x.numel() >= 2**31 * 8:
         return f"{name} is too large"
     return None
@@ -179,15 +201,17 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
     if why:
         return None, why
     torch = _torch()
-    if not (q.is_cuda and k.is_cuda and v.is_cuda) or not (q.device == k.device == v.device):
+    dev = q.device  # read once: every .device / .shape access builds a new object
+    if not (q.is_cuda and k.is_cuda and v.is_cuda) or not (dev == k.device == v.device):
         return None, "q, k, v must be CUDA tensors on one device"
-    if q.device.index is not None and q.device.index != torch.cuda.current_device():
+    idx = dev.index
+    if idx is not None and idx != torch.cuda.current_device():
         # the status check above was for the current device; check this one too
         from ._ops import device_cc
 
-        major, minor = device_cc(q.device.index)
+        major, minor = device_cc(idx)
         if not arch_supported(_lib.get().archs, major, minor) or (major, minor) < (8, 0):
-            return None, f"device {q.device} (sm_{major}{minor}) not supported by this build"
+            return None, f"device {dev} (sm_{major}{minor}) not supported by this build"
     if not _layout_ok(layout):
         return None, f"layout {layout!r} not supported (bhsd, bshd)"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -195,26 +219,28 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
         if why:
             return None, why
     bshd = str(layout).lower() == "bshd"
-    d = q.shape[-1]
-    if k.shape[-1] != d or v.shape[-1] != d:
-        return None, f"head dims differ (q {d}, k {k.shape[-1]}, v {v.shape[-1]})"
+    qs, ks, vs = q.shape, k.shape, v.shape
+    d = qs[-1]
+    if ks[-1] != d or vs[-1] != d:
+        return None, f"head dims differ (q {d}, k {ks[-1]}, v {vs[-1]})"
     hdim = 2 if bshd else 1
     sdim = 1 if bshd else 2
-    if q.shape[0] != k.shape[0] or k.shape != v.shape:
-        return None, f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
+    if qs[0] != ks[0] or ks != vs:
+        return None, f"shapes q {tuple(qs)}, k {tuple(ks)}, v {tuple(vs)} do not match"
     why = _dtype_dim_gqa_reason(q, k, v, hdim, torch)
     if why:
         return None, why
-    if max(q.shape[sdim], k.shape[sdim]) >= 2**30:
+    if max(qs[sdim], ks[sdim]) >= 2**30:
         return None, "sequence too long"
-    if q.shape[0] * q.shape[hdim] > 65535:
-        return None, f"B*H = {q.shape[0] * q.shape[hdim]} > 65535 (grid limit of the pre-passes)"
+    if qs[0] * qs[hdim] > 65535:
+        return None, f"B*H = {qs[0] * qs[hdim]} > 65535 (grid limit of the pre-passes)"
     if attn_mask is not None:
-        if attn_mask.dtype != torch.bool or attn_mask.dim() != 2 or attn_mask.device != q.device:
+        if attn_mask.dtype != torch.bool or attn_mask.dim() != 2 or attn_mask.device != dev:
             return None, "key-padding mask must be a bool (B, Skv) tensor on q's device"
-        if attn_mask.shape[1] != k.shape[sdim] or attn_mask.shape[0] not in (1, q.shape[0]):
-            return None, f"key-padding mask shape {tuple(attn_mask.shape)} does not match (B, Skv)"
-    major, minor = _ops_cc(q)
+        ms = attn_mask.shape
+        if ms[1] != ks[sdim] or ms[0] not in (1, qs[0]):
+            return None, f"key-padding mask shape {tuple(ms)} does not match (B, Skv)"
+    major, minor = _ops.device_cc(idx if idx is not None else torch.cuda.current_device())  # = _ops_cc(q)
     return _pick_impl(_lib.get().archs, major, minor, precision), "ok"
 
 
@@ -232,7 +258,7 @@ def _unserved_reason(precision, smooth_v, varlen=False):
     why = _feature_reason(precision, smooth_v, varlen)
     if why:
         return why
-    st = status()
+    st = _status()
     return None if st["loaded"] else st["reason"]
 
 
@@ -265,29 +291,52 @@ def pv_mode(pv, major: int) -> int:
     return PV_MODES[pv]
 
 
-def impl_for(q, pv=None, precision="8b") -> str:
-    """The implementation a direct call with this `pv` runs (for reference_config)."""
-    major, minor = _ops_cc(q)
+def impl_for(q, pv=None, precision="8b", *, cc=None) -> str:
+    """The implementation a direct call with this `pv` runs (for reference_config). cc: q's device's compute
+    capability when the caller has it (saves a look-up)."""
+    major, minor = cc or _ops_cc(q)
     if pv is None or pv == "fp8":
         impl = _pick_impl(_lib.get().archs, major, minor, precision)
         return IMPL_FP8PV if (pv == "fp8" and impl == IMPL_FP16PV) else impl
     return {"fp16": IMPL_FP16PV, "wgmma": IMPL_WGMMA}.get(pv, IMPL_FP8PV)
 
 
-def _mode(q, pv, precision="8b"):
-    major, _ = _ops_cc(q)
-    return pv_mode(_IMPL_PV[impl_for(q, pv, precision)], major)
+def _mode(q, pv, precision="8b", *, cc=None):
+    cc = cc or _ops_cc(q)
+    return pv_mode(_IMPL_PV[impl_for(q, pv, precision, cc=cc)], cc[0])
 
 
-def qk_mma(q, qk=None) -> int:
+def qk_mma(q, qk=None, *, cc=None) -> int:
     """The C ABI's qk_mma for "4b": qk "int4" -> 1, "int8" -> 0; None: SAGE_PATCH_QK_MMA, else int4 below sm_90."""
     qk = qk or _FORCE_QK_MMA
     if qk is None:
-        major, _ = _ops_cc(q)
+        major, _ = cc or _ops_cc(q)
         qk = "int4" if major == 8 and "4b-int4" not in DISABLED else "int8"
     if qk not in ("int4", "int8"):
         raise ValueError(f"qk must be None, 'int4' or 'int8', got {qk!r}")
     return 1 if qk == "int4" else 0
+
+
+def _eager_direct(*tensors) -> bool:
+    """Whether calling a custom op's body directly runs exactly what torch.ops.sage_patch.* would (its CUDA kernel,
+    with nothing around it), skipping ~20 us of dispatch: eager (not traced by dynamo/export), grad mode off or no
+    input requiring grad (with one, the op records its autograd node, whose backward raises), plain CUDA tensors (no
+    subclass such as FakeTensor or Parameter, no CPU/meta input the dispatcher would route elsewhere), no torch
+    function or dispatch mode (make_fx, FakeTensorMode, torch.device(...) contexts), no functorch transform (vmap,
+    grad) and no profiler (which records the op by name). Anything else takes the op. The first three tensors are
+    q, k, v; a None (no mask) is skipped."""
+    torch = _torch()
+    if torch.compiler.is_compiling():
+        return False
+    for x in tensors:
+        if x is not None and not (type(x) is torch.Tensor and x.is_cuda):
+            return False
+    q, k, v = tensors[:3]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    C = torch._C
+    return not (C._len_torch_function_stack() or C._len_torch_dispatch_stack()
+                or C._are_functorch_transforms_active() or torch.autograd._profiler_enabled())
 
 
 def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, pv=None, precision="8b",
@@ -298,10 +347,12 @@ def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=
     precision: "8b" or "4b". pv: None (the variant can_run would pick), "fp8" (best FP8 P~V mode for this GPU),
     "fp16", "fp8-mma", "fp8-f16". qk ("4b" only): None (default for this GPU), "int4" or "int8" MMA."""
     torch = _torch()
-    mode = _mode(q, pv, precision)
+    cc = _ops_cc(q)  # once for _mode and qk_mma
+    mode = _mode(q, pv, precision, cc=cc)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = torch.ops.sage_patch.attn(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale,
-                                         mode, QK_BITS[precision], bool(smooth_v), qk_mma(q, qk), bool(return_lse))
+    op = _ops._attn_impl if _eager_direct(q, k, v, attn_mask) else torch.ops.sage_patch.attn
+    out, lse = op(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale, mode, QK_BITS[precision],
+                  bool(smooth_v), qk_mma(q, qk, cc=cc), bool(return_lse))
     return out, (lse if return_lse else None)
 
 
@@ -345,11 +396,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """Direct packed variable-length call: returns (out (total_q, Hq, D), lse (Hq, total_q) or None with
     return_lse=False). max_seqlen_* must be >= every sequence's length (longer sequences are cut there)."""
     torch = _torch()
-    mode = _mode(q, pv, precision)
+    cc = _ops_cc(q)
+    mode = _mode(q, pv, precision, cc=cc)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = torch.ops.sage_patch.attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                                int(max_seqlen_k), bool(is_causal), scale, mode, QK_BITS[precision],
-                                                bool(smooth_v), qk_mma(q, qk), bool(return_lse))
+    direct = _eager_direct(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    op = _ops._attn_varlen_impl if direct else torch.ops.sage_patch.attn_varlen
+    out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(is_causal), scale,
+                  mode, QK_BITS[precision], bool(smooth_v), qk_mma(q, qk, cc=cc), bool(return_lse))
     return out, (lse if return_lse else None)
 
 

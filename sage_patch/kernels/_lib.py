@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import threading
 
 LIB_NAME = "libsage_kernels.so"
@@ -29,6 +30,45 @@ class SageAttnParams(ctypes.Structure):
         ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p), ("qk_mma", ctypes.c_int32),
         ("lse_sh", ctypes.c_int64),
     ]
+
+
+# SageAttnParams field names in ABI order, and a struct.Struct writing them all in one call at the ctypes offsets
+# (explicit pad bytes, built from the Structure's own layout, so the bytes are those of field-by-field assignment).
+PARAM_FIELDS = tuple(name for name, _ in SageAttnParams._fields_)
+
+
+def _params_struct():
+    codes = {ctypes.c_void_p: "Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I", ctypes.c_int64: "q",
+             ctypes.c_int32: "i", ctypes.c_float: "f"}
+    fmt, pos = "=", 0
+    for name, ctype in SageAttnParams._fields_:
+        f = getattr(SageAttnParams, name)
+        fmt += "x" * (f.offset - pos) + codes[ctype]
+        pos = f.offset + f.size
+    st = struct.Struct(fmt)
+    assert st.size == pos <= ctypes.sizeof(SageAttnParams)
+    return st
+
+
+PARAMS_STRUCT = _params_struct()
+
+
+def fill_params(p: SageAttnParams, values) -> None:
+    """Set every field of `p` from `values` (PARAM_FIELDS order; pointers as ints, 0 = NULL) in one
+    struct.pack_into. A value struct cannot pack (None, out of int32 range, a float32 overflow, a wrong type) goes
+    through ctypes field assignment instead, which converts, wraps or raises as field-by-field code always did."""
+    try:
+        PARAMS_STRUCT.pack_into(p, 0, *values)
+    except (struct.error, OverflowError):
+        set_params_fields(p, values)
+
+
+def set_params_fields(p: SageAttnParams, values) -> None:
+    """Field-by-field assignment through ctypes (the reference for fill_params)."""
+    if len(values) != len(PARAM_FIELDS):  # zip would silently shift every later field
+        raise ValueError(f"SageAttnParams takes {len(PARAM_FIELDS)} values, got {len(values)}")
+    for name, x in zip(PARAM_FIELDS, values):
+        setattr(p, name, x)
 
 
 class Lib:

@@ -33,9 +33,11 @@ def _dims(x: torch.Tensor, bshd: bool):
     """(B, H, S, D) and element strides (batch, head, seq) of a BHSD or BSHD tensor."""
     if bshd:
         b, s, h, d = x.shape
-        return (b, h, s, d), (x.stride(0), x.stride(2), x.stride(1))
+        sb, ss, sh, _ = x.stride()  # one stride() call: each is a round trip into C++
+        return (b, h, s, d), (sb, sh, ss)
     b, h, s, d = x.shape
-    return (b, h, s, d), (x.stride(0), x.stride(1), x.stride(2))
+    sb, sh, ss, _ = x.stride()
+    return (b, h, s, d), (sb, sh, ss)
 
 
 def _lse_shape(q: torch.Tensor, bshd: bool):
@@ -43,42 +45,51 @@ def _lse_shape(q: torch.Tensor, bshd: bool):
     return (b, h, s)
 
 
+# The raw cudaStream_t of a device's current stream, what torch.cuda.current_stream(dev).cuda_stream gives without
+# building a Stream object (inductor's generated code uses the same call); builds without it take that slower call.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream_ptr(device: torch.device, index: int) -> int:
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def _launch(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_causal, scale, pv_mode, qk_bits,
             smooth_v, qk_mma) -> None:
     lib = _lib.get()
     if lib.handle is None:
         raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
-    B, Hq, Hkv, Sq, Skv, D = dims
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    device = q.device
+    dev = device.index if device.index is not None else torch.cuda.current_device()
     major, minor = device_cc(dev)
-    p = _lib.SageAttnParams()
-    p.q, (p.q_sb, p.q_sh, p.q_ss) = q.data_ptr(), qs
-    p.k, (p.k_sb, p.k_sh, p.k_ss) = k.data_ptr(), ks
-    p.v, (p.v_sb, p.v_sh, p.v_ss) = v.data_ptr(), vs
-    p.o, (p.o_sb, p.o_sh, p.o_ss) = out.data_ptr(), os_
-    p.lse = lse.data_ptr() if lse.numel() else None  # NULL: no LSE wanted
+    want_lse = lse.numel() != 0  # an empty lse: no LSE wanted (NULL)
+    kmask_ptr = kmask_sb = 0
     if kmask is not None:
         if kmask.stride(-1) != 1:
-            kmask = kmask.contiguous()
-        p.kmask = kmask.data_ptr()
-        p.kmask_sb = kmask.stride(0) if kmask.shape[0] > 1 else 0
+            kmask = kmask.contiguous()  # this local keeps the copy alive until the launch is enqueued
+        kmask_ptr = kmask.data_ptr()
+        kmask_sb = kmask.stride(0) if kmask.shape[0] > 1 else 0
+    cu_q_ptr = cu_k_ptr = lse_sh = 0
     if cu_q is not None:
-        p.cu_seqlens_q, p.cu_seqlens_k = cu_q.data_ptr(), cu_k.data_ptr()
-        p.lse_sh = lse.stride(0) if lse.numel() else 0  # (Hq, total_q)
-    p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = B, Hq, Hkv, Sq, Skv, D
-    p.causal = int(bool(is_causal))
-    p.dtype = _DTYPE_CODE[q.dtype]
-    p.pv_mode = int(pv_mode)
-    p.qk_bits = int(qk_bits)
-    p.smooth_v = int(bool(smooth_v))
-    p.qk_mma = int(qk_mma) if qk_bits == 4 else 0
-    p.device, p.device_cc = dev, major * 10 + minor
-    p.sm_scale = float(scale)
+        cu_q_ptr, cu_k_ptr = cu_q.data_ptr(), cu_k.data_ptr()
+        lse_sh = lse.stride(0) if want_lse else 0  # (Hq, total_q)
+    # A fresh block per call (about as cheap as a thread-local one, and safe under threads and re-entry), filled in
+    # one struct.pack_into instead of ~40 ctypes attribute writes; values in _lib.PARAM_FIELDS order, pointers as
+    # ints (0 = NULL), workspace 0 until its size is known. The C side reads the block during the two calls only.
+    p = _lib.SageAttnParams()
+    _lib.fill_params(p, (q.data_ptr(), *qs, k.data_ptr(), *ks, v.data_ptr(), *vs, out.data_ptr(), *os_,
+                         lse.data_ptr() if want_lse else 0, kmask_ptr, kmask_sb, 0, *dims,
+                         int(bool(is_causal)), _DTYPE_CODE[q.dtype], int(pv_mode), dev, major * 10 + minor,
+                         float(scale), int(qk_bits), int(bool(smooth_v)), cu_q_ptr, cu_k_ptr,
+                         int(qk_mma) if qk_bits == 4 else 0, lse_sh))
+    ref = ctypes.byref(p)
     h = lib.handle
-    nbytes = h.sage_attn_workspace_bytes(ctypes.byref(p))
-    ws = torch.empty(nbytes, device=q.device, dtype=torch.uint8)
+    nbytes = h.sage_attn_workspace_bytes(ref)
+    ws = torch.empty(nbytes, device=device, dtype=torch.uint8)
     p.workspace = ws.data_ptr()
-    rc = h.sage_attn_fwd(ctypes.byref(p), ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream))
+    rc = h.sage_attn_fwd(ref, ctypes.c_void_p(_stream_ptr(device, dev)))
     if rc != 0:
         raise RuntimeError(f"sage_patch kernel launch failed ({rc}): {h.sage_error_string(rc).decode()}")
 
@@ -143,6 +154,13 @@ def attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
                 want_lse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed variable-length batches: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens int32 (B+1) on q's
     device, max_seqlen_* >= every sequence's length. Returns (out like q, lse fp32 (Hq, total_q))."""
+    return _attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                             pv_mode, qk_bits, smooth_v, qk_mma, want_lse)
+
+
+def _attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, pv_mode,
+                      qk_bits, smooth_v, qk_mma, want_lse):
+    """The body of sage_patch::attn_varlen (kernels.attention_varlen calls it directly in eager mode)."""
     total_q, Hq, D = q.shape
     Hkv = k.shape[1]
     B = cu_seqlens_q.shape[0] - 1
