@@ -97,6 +97,20 @@ inline HopLayout make_hop_layout(const SageAttnParams& p) {
 // adjacent lanes, 16 bytes (8 channels) each, so every warp load covers whole rows: 512 contiguous bytes per load
 // (the former 2-lanes-per-key mapping read 16 bytes per 256-byte row and fetched each 32-byte sector twice).
 constexpr int kHopKvThreads = 512;  // 2 CTAs per SM, 64 registers: half of them the raw K and V rows in flight
+// 8 raw values (16 bytes) -> floats; bf16 by shifts (exact, as __bfloat1622float2, but without the temporaries that
+// made the bf16 pre-pass spill at 64 registers)
+template <typename T> __device__ __forceinline__ void raw8_to_float(const uint4& u, float (&x)[8]) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            x[2 * i] = __uint_as_float(w[i] << 16);
+            x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    } else {
+        Vec8<T>::load(reinterpret_cast<const T*>(&u), x);
+    }
+}
 template <int D, typename T>
 __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vmax,
                                                               const float* vmean, int8_t* kimg, float* kscale,
@@ -153,7 +167,7 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
         float y[8], vm[8], vi[8];
-        Vec8<T>::load(reinterpret_cast<const T*>(&vraw[i]), y);
+        raw8_to_float<T>(vraw[i], y);
         chan(1, vi);
         chan(2, vm);
         const int c = c0 + KPI * i, slot = (c & ~31) | hop_slot_of_key(c & 31);
@@ -183,7 +197,7 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
         float x[8], m[8];
-        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[i]), x);
+        raw8_to_float<T>(kraw[i], x);
         chan(0, m);
         float am = 0.f;
 #pragma unroll
@@ -225,7 +239,7 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
         float x[8], m[8];
-        Vec8<T>::load(reinterpret_cast<const T*>(&kraw[i]), x);
+        raw8_to_float<T>(kraw[i], x);
         chan(0, m);
         const int c = c0 + KPI * i, grp = (c & 7) >> 1;
         const float sc = gscale[grp], inv = gscale[4 + grp];
