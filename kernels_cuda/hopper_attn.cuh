@@ -124,6 +124,8 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
     __shared__ float4 skc[3][2][LPK];
     __shared__ float wmax[NW][4], gscale[8];
     __shared__ __align__(16) uint8_t vt[D * kHopBN];  // the V^T block image, copied out linearly at the end
+    pdl_wait();
+    pdl_launch_dependents();
     const int kb = blockIdx.x, bh = blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
     const int skv = len_k(p, b);
     if (kb > 0 && kb * kHopBN >= skv) return;  // varlen: past this sequence's end (never read; block 0 writes vscale)
@@ -507,6 +509,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma (async proxy)
     }
     __syncthreads();
+    pdl_wait();  // launched early (PDL): the pre-passes' outputs are complete and visible from here on
     const int group = p.Hq / p.Hkv;
 
     if (wg == 0) {  // ---------------- producer
@@ -1044,6 +1047,27 @@ inline int hop_num_sms(int dev) {
     return n;
 }
 
+#ifndef SAGE_HOP_PDL
+#define SAGE_HOP_PDL 1
+#endif
+// a launch that may overlap the end of the previous kernel in the stream (programmatic dependent launch: the
+// kernel's pdl_wait() holds it before any global memory access); SAGE_HOP_PDL=0: a plain stream-ordered launch
+template <typename... Params, typename... Args>
+cudaError_t hop_launch_pdl(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                           Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = SAGE_HOP_PDL;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kern, args...);
+}
+
 template <int D, typename T>
 int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     const HopLayout L = make_hop_layout(p);
@@ -1058,13 +1082,16 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     float* vmax = reinterpret_cast<float*>(ws + L.vmax);
     float* vmean = reinterpret_cast<float*>(ws + L.vmean);
     const int bhk = p.B * p.Hkv, ns = L.nsplit, nkb = (int)L.nkb;
+    // the first kernel follows whatever the caller ran before: a plain launch; the next three with PDL
     stats_kernel<D, T><<<dim3(ns, bhk, 2), kThreads, 0, st>>>(p, kpart, vpart, ns);
-    finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, kpart, vpart, ns, kmean, vmax, vmean, 1,
-                                                reinterpret_cast<int*>(ws + L.tilectr));
+    cudaError_t e = hop_launch_pdl(finalize_stats_kernel<D>, dim3(bhk), dim3(D), 0, st, p, (const float*)kpart,
+                                   (const float*)vpart, ns, kmean, vmax, vmean, 1,
+                                   reinterpret_cast<int*>(ws + L.tilectr));
+    if (e != cudaSuccess) return (int)e;
     int* kmflag = reinterpret_cast<int*>(ws + L.kmflag);
-    hopper_quant_kv_kernel<D, T><<<dim3(nkb, bhk), kHopKvThreads, 0, st>>>(p, kmean, vmax, vmean, kimg, kscale, vimg, vscale,
-                                                                 kmflag, nkb);
-    cudaError_t e = cudaGetLastError();
+    e = hop_launch_pdl(hopper_quant_kv_kernel<D, T>, dim3(nkb, bhk), dim3(kHopKvThreads), 0, st, p,
+                       (const float*)kmean, (const float*)vmax, (const float*)vmean, kimg, kscale, vimg, vscale,
+                       kmflag, nkb);
     if (e != cudaSuccess) return (int)e;
 
     using S = HopSmem<D>;
@@ -1087,8 +1114,7 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     w.nqb = (p.Sq + kHopBM - 1) / kHopBM;
     w.ntiles = w.nqb * p.B * p.Hq;
     const int nsm = hop_num_sms(dev), grid = w.ntiles < nsm ? w.ntiles : nsm;
-    kern<<<grid, kHopThreads, S::TOTAL, st>>>(p, w);
-    return (int)cudaGetLastError();
+    return (int)hop_launch_pdl(kern, dim3(grid), dim3(kHopThreads), S::TOTAL, st, p, w);
 }
 
 template <typename T>

@@ -232,11 +232,27 @@ __device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute (hop_launch) may start while its
+// predecessor in the stream finishes; it must call pdl_wait() before its first global memory access (read or
+// write: the caching allocator reuses memory in stream order). pdl_launch_dependents() lets the next kernel start.
+// Both are no-ops for kernels launched without the attribute and compile to nothing below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ----------------------------------------------------------------------------------------------
 // 1. stats: partial sums of K (z = 0) and, for V (z = 1), partial max |V| per (b, kv-head, split, channel), or with
 // smooth_v partial sum, max and min of V (max|V - mean| = max(max - mean, mean - min) exactly: rounding is monotone).
 template <int D, typename T>
 __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float* kpart, float* vpart, int nsplit) {
+    pdl_launch_dependents();
     constexpr int NC = D / 8, NR = kThreads / NC;
     __shared__ float red[3][NR][D];
     const int z = blockIdx.z, bh = blockIdx.y, split = blockIdx.x;
@@ -311,6 +327,8 @@ template <int D>
 __global__ void __launch_bounds__(D) finalize_stats_kernel(SageAttnParams p, const float* kpart, const float* vpart,
                                                            int nsplit, float* kmean, float* vmax, float* vmean,
                                                            int do_v, int* zero = nullptr) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int64_t bh = blockIdx.x;
     const int d = threadIdx.x;
     if (zero && bh == 0 && d == 0) *zero = 0;  // the Hopper kernel's tile counter, reset in stream order
