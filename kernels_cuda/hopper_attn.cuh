@@ -14,6 +14,9 @@
 // scales and V -> FP8 per channel, both written in the exact shared-memory image of one 128-key block (no-swizzle
 // "core matrix" layout of wgmma), so the producer copies each block with one bulk copy, no tensor maps.
 //
+// Launches (hop_launch): stats pass, then finalize, K/V pre-pass and attention kernel with programmatic dependent launch
+// (each waits in pdl_wait() before touching global memory; their launch and set-up overlap the previous kernel's end).
+//
 // Operand image (K-major, no swizzle): a (rows x kbytes) tile is a grid of 8-row x 16-byte core matrices stored
 // contiguously (128 B each), core (r/8, c/16) at ((r/8) * (kbytes/16) + c/16) * 128. wgmma descriptor: leading
 // byte offset (next core matrix along K) = 128, stride byte offset (next 8 rows) = kbytes / 16 * 128.
