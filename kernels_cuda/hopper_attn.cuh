@@ -710,16 +710,18 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             constexpr int kMagic = 0x4B400000;
             constexpr float kMagicF = 12582912.f;
             int im0 = INT_MIN, im1 = INT_MIN;
-            // masked blocks, for a per-row visibility test of the key k within the block (prefix or general):
-            // the row max over visible scores, and zeros for the hidden ones after the exponentials
+            // masked blocks, for a per-row visibility test of the key 2 t4 + c within the block (prefix or general),
+            // c = 8 j + e a compile-time constant (the lane's offset 2 t4 is folded into the prefix limits, so the
+            // test is one compare with an immediate): the row max over visible scores (hidden ones as INT_MIN, the
+            // chain runs through the max only), and zeros for the hidden ones after the exponentials
             auto masked_max = [&](auto vis0, auto vis1) {
 #pragma unroll
                 for (int j = 0; j < 16; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int k = 8 * j + 2 * t4 + e;
-                        if (vis0(k)) im0 = max(im0, acc[4 * j + e]);
-                        if (vis1(k)) im1 = max(im1, acc[4 * j + 2 + e]);
+                        const int c = 8 * j + e;
+                        im0 = max(im0, vis0(c) ? acc[4 * j + e] : INT_MIN);
+                        im1 = max(im1, vis1(c) ? acc[4 * j + 2 + e] : INT_MIN);
                     }
             };
             auto zero_hidden = [&](auto vis0, auto vis1) {
@@ -727,13 +729,13 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 for (int j = 0; j < 16; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int k = 8 * j + 2 * t4 + e;
-                        if (!vis0(k)) sf[4 * j + e] = 0.f;
-                        if (!vis1(k)) sf[4 * j + 2 + e] = 0.f;
+                        const int c = 8 * j + e;
+                        if (!vis0(c)) sf[4 * j + e] = 0.f;
+                        if (!vis1(c)) sf[4 * j + 2 + e] = 0.f;
                     }
             };
-            auto general0 = [&](int k) { return key_ok(kbase + k, row0); };
-            auto general1 = [&](int k) { return key_ok(kbase + k, row1); };
+            auto general0 = [&](int c) { return key_ok(kbase + 2 * t4 + c, row0); };
+            auto general1 = [&](int c) { return key_ok(kbase + 2 * t4 + c, row1); };
             if (!need_mask) {
 #pragma unroll
                 for (int j = 0; j < 16; ++j) {
@@ -741,8 +743,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                     im1 = max(im1, max(acc[4 * j + 2], acc[4 * j + 3]));
                 }
             } else if (!kmasked) {  // sequence end / causal diagonal: a row's keys are a prefix of the block
-                const int lim0 = lim(row0), lim1 = lim(row1);
-                masked_max([&](int k) { return k < lim0; }, [&](int k) { return k < lim1; });
+                const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
+                masked_max([&](int c) { return c < l0; }, [&](int c) { return c < l1; });
             } else {
                 masked_max(general0, general1);
             }
@@ -768,8 +770,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
                 sf[4 * j + 3] = fast_exp2(arg(4 * j + 3, c1));
             }
             if (need_mask && !kmasked) {
-                const int lim0 = lim(row0), lim1 = lim(row1);
-                zero_hidden([&](int k) { return k < lim0; }, [&](int k) { return k < lim1; });
+                const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
+                zero_hidden([&](int c) { return c < l0; }, [&](int c) { return c < l1; });
             } else if (need_mask) {
                 zero_hidden(general0, general1);
             }
