@@ -240,7 +240,7 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
         ms = attn_mask.shape
         if ms[1] != ks[sdim] or ms[0] not in (1, qs[0]):
             return None, f"key-padding mask shape {tuple(ms)} does not match (B, Skv)"
-    major, minor = _ops.device_cc(idx if idx is not None else torch.cuda.current_device())  # = _ops_cc(q)
+    major, minor = _ops_cc(q)
     return _pick_impl(_lib.get().archs, major, minor, precision), "ok"
 
 
