@@ -5,7 +5,8 @@
 // taken from a global counter after the first (SAGE_HOP_DYNAMIC)):
 //   warpgroup 0  producer: one thread streams pre-quantized K and V^T blocks with cp.async.bulk into an NSTAGE ring
 //                of shared-memory stages (mbarriers: full = bytes landed, empty = both consumers done with it);
-//   warpgroups 1, 2  consumers, 64 query rows each (CTA tile 128 rows): quantize their Q rows in the prologue
+//   warpgroups 1..NWG  consumers (hop_nwg: 3 at D = 128, 4 at D = 64), 64 query rows each (CTA tile 64 NWG rows),
+//                each runs its blocks serially while the others keep the tensor cores busy; quantize their Q rows in the prologue
 //                (per-thread groups Grouping(16, 8, 1), written straight into the wgmma operand layout), then per
 //                128-key block: S = wgmma s8 (Q from smem, K from smem), online softmax in fp32, P~ = e4m3(448 p)
 //                in registers, block = wgmma e4m3 (P~ from registers, V^T from smem) in its own accumulator,
@@ -22,8 +23,24 @@
 // byte offset (next core matrix along K) = 128, stride byte offset (next 8 rows) = kbytes / 16 * 128.
 
 constexpr int kHopBN = 128;        // keys per block (one wgmma N for S; four k32 steps for P~V)
-constexpr int kHopBM = 128;        // query rows per CTA tile (2 consumer warpgroups x 64)
-constexpr int kHopThreads = 384;   // producer warpgroup + 2 consumer warpgroups
+// consumer warpgroups per CTA (64 query rows each; CTA tile 64 NWG rows, 128 (NWG + 1) threads) per head dim.
+// NWG >= 3 runs each warpgroup's blocks serially (S, softmax, P~V, merge: S and the P~V block never live together,
+// so 160 registers (3 consumers) or 112 (4, D = 64) hold it; at D = 128 P~V in two column halves) and relies on the
+// other warpgroups to keep the tensor cores busy; NWG = 2 overlaps S(kb) with P~V(kb-1) inside the warpgroup (~230
+// registers). H200, same-run A/B (device run 15): D = 128 3 vs 2: +4% at 1K, +7% at 2K, +5% at 16K; D = 64 4 vs 2:
+// +13-14% (3: +7-11%); bitwise identical outputs.
+#ifndef SAGE_HOP_PVPAR  // 3 consumers at D = 128: both halves of P~V in flight together (more registers)
+#define SAGE_HOP_PVPAR 0
+#endif
+#ifndef SAGE_HOP_NWG64
+#define SAGE_HOP_NWG64 4
+#endif
+#ifndef SAGE_HOP_NWG128
+#define SAGE_HOP_NWG128 3
+#endif
+__host__ __device__ constexpr int hop_nwg(int D) { return D == 64 ? SAGE_HOP_NWG64 : SAGE_HOP_NWG128; }
+__host__ __device__ constexpr int hop_bm(int nwg) { return 64 * nwg; }          // query rows per CTA tile
+__host__ __device__ constexpr int hop_threads(int nwg) { return 128 * (nwg + 1); }  // + the producer warpgroup
 #ifndef SAGE_HOP_STAGES
 #define SAGE_HOP_STAGES 3
 #endif
@@ -386,6 +403,21 @@ template <bool ACC> __device__ __forceinline__ void wgmma_s8_n128(int (&d)[64], 
                  : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24), C(d[32]), C(d[33]), C(d[34]), \
                    C(d[35]) \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+#define SAGE_WGMMA_E4_N64(SCALE_D, C) \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" SAGE_LIST32 "}, " \
+                 "{%32, %33, %34, %35}, %36, " SCALE_D ", 1, 1;\n" \
+                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+// P~V over the first 64 V^T rows only (channels hop_vcol(0..63)): the first half of a column-split P~V at D = 128
+template <bool ACC> __device__ __forceinline__ void wgmma_pv64(float (&d)[32], const uint32_t* a, uint64_t db) {
+    if constexpr (ACC) SAGE_WGMMA_E4_N64("1", "+f");
+    else SAGE_WGMMA_E4_N64("0", "=f");
+}
+// P~V over V^T rows 64..135 (the second half of a split P~V at D = 128, with the row sums), or all rows at D = 64
+template <bool ACC> __device__ __forceinline__ void wgmma_pv72(float (&d)[36], const uint32_t* a, uint64_t db) {
+    if constexpr (ACC) SAGE_WGMMA_E4_N72("1", "+f");
+    else SAGE_WGMMA_E4_N72("0", "=f");
+}
 template <int D, bool ACC>
 __device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint32_t* a, uint64_t db) {
     if constexpr (D == 128) {
@@ -424,13 +456,13 @@ __device__ __forceinline__ HopTile hop_tile(int t, int B, int Hq, int nqb) {
     return HopTile{bh / Hq, bh % Hq, nqb - 1 - t / (B * Hq)};
 #endif
 }
-__device__ __forceinline__ int hop_num_kv_blocks(const SageAttnParams& p, int q0, int sq, int skv) {
+__device__ __forceinline__ int hop_num_kv_blocks(const SageAttnParams& p, int q0, int bm, int sq, int skv) {
     int kv_end = skv;
-    if (p.causal) kv_end = min(kv_end, q0 + kHopBM + (skv - sq));
+    if (p.causal) kv_end = min(kv_end, q0 + bm + (skv - sq));
     return kv_end > 0 ? (kv_end + kHopBN - 1) / kHopBN : 0;
 }
 
-template <int D>
+template <int D, int NWG>
 struct HopSmem {
     static constexpr int QBYTES = 64 * D;          // per consumer warpgroup
     static constexpr int KBYTES = kHopBN * D;      // one K block image
@@ -438,11 +470,11 @@ struct HopSmem {
     static constexpr int ONES = (hop_pv_n(D) - D) * kHopBN;  // + 8 rows of e4m3 ones below it (row sums), set once
     static constexpr int VSTRIDE = VBYTES + ONES;
     static constexpr int Q_OFF = 0;
-    static constexpr int K_OFF = 2 * QBYTES;
+    static constexpr int K_OFF = NWG * QBYTES;
     static constexpr int V_OFF = K_OFF + kHopStages * KBYTES;
     static constexpr int EPI_OFF = V_OFF + kHopStages * VSTRIDE;  // V scale, V mean, K mean per consumer x tile parity
     static constexpr int EPI_FLOATS = 3 * D;
-    static constexpr int BAR_OFF = EPI_OFF + 2 * 2 * EPI_FLOATS * 4;
+    static constexpr int BAR_OFF = EPI_OFF + NWG * 2 * EPI_FLOATS * 4;
     static constexpr int TBAR_OFF = BAR_OFF + 2 * kHopStages * 8;  // tile ring: full / empty mbarriers
     static constexpr int TILE_OFF = TBAR_OFF + 2 * kHopTileRing * 8;  // tile ring: tile indices
     static constexpr int TOTAL = TILE_OFF + kHopTileRing * 4 + 1024;  // + slack to align the images to 1024 bytes
@@ -461,7 +493,7 @@ struct HopWs {
 constexpr int kTraceCtas = 132, kTraceTiles = 8, kTraceEv = 8;
 __device__ long long g_hop_trace[kTraceCtas * 2 * kTraceTiles * kTraceEv];
 #define HOP_TRACE(ev, val)                                                                                        \
-    if (ltid == 0 && blockIdx.x < kTraceCtas && ntrace < kTraceTiles)                                             \
+    if (ltid == 0 && cw < 2 && blockIdx.x < kTraceCtas && ntrace < kTraceTiles)                                             \
         g_hop_trace[((blockIdx.x * 2 + cw) * kTraceTiles + ntrace) * kTraceEv + (ev)] = (val)
 #else
 #define HOP_TRACE(ev, val)
@@ -470,7 +502,7 @@ __device__ long long g_hop_trace[kTraceCtas * 2 * kTraceTiles * kTraceEv];
 constexpr int kLtIters = 16, kLtEv = 8;
 __device__ long long g_hop_ltrace[kTraceCtas * 2 * kLtIters * kLtEv];
 #define HOP_LTRACE(kb, ev)                                                                                        \
-    if (ltid == 0 && ntrace == 0 && blockIdx.x < kTraceCtas && (kb) < kLtIters)                                   \
+    if (ltid == 0 && cw < 2 && ntrace == 0 && blockIdx.x < kTraceCtas && (kb) < kLtIters)                                   \
         g_hop_ltrace[((blockIdx.x * 2 + cw) * kLtIters + (kb)) * kLtEv + (ev)] = clock64()
 #define HOP_LFENCE(x) reg_fence(x)
 #else
@@ -479,11 +511,12 @@ __device__ long long g_hop_ltrace[kTraceCtas * 2 * kLtIters * kLtEv];
 #endif
 
 // LSE: whether p.lse is written (a template parameter: its fp32 row sums cost registers the loop needs otherwise)
-template <int D, typename T, bool LSE>
-__global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __grid_constant__ SageAttnParams p,
-                                                                      const HopWs w) {
+template <int D, typename T, bool LSE, int NWG>
+__global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const __grid_constant__ SageAttnParams p,
+                                                                           const HopWs w) {
 #if SAGE_HOP_DEVICE
-    using S = HopSmem<D>;
+    using S = HopSmem<D, NWG>;
+    constexpr int BM = hop_bm(NWG);
     extern __shared__ __align__(1024) uint8_t hsmem_raw[];
     // swizzled operand images need 1024-byte aligned atoms: align the base ourselves
     const uint32_t spad = (1024u - (smem_u32(hsmem_raw) & 1023u)) & 1023u;
@@ -496,16 +529,16 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     if (threadIdx.x == 0) {
         for (int s = 0; s < kHopStages; ++s) {
             mbar_init(bar_full + 8 * s, 1);
-            mbar_init(bar_empty + 8 * s, 8);  // one arrival per consumer warp
+            mbar_init(bar_empty + 8 * s, 4 * NWG);  // one arrival per consumer warp
         }
         for (int r = 0; r < kHopTileRing; ++r) {
             mbar_init(tbar_full + 8 * r, 1);
-            mbar_init(tbar_empty + 8 * r, 8);
+            mbar_init(tbar_empty + 8 * r, 4 * NWG);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     {  // e4m3 1.0 = 0x38 in the rows below every V^T stage (the bulk copies never touch them)
-        for (int i = threadIdx.x; i < kHopStages * S::ONES / 4; i += kHopThreads) {
+        for (int i = threadIdx.x; i < kHopStages * S::ONES / 4; i += hop_threads(NWG)) {
             const int st = i / (S::ONES / 4), wd = i % (S::ONES / 4);
             *reinterpret_cast<uint32_t*>(hsmem + S::V_OFF + st * S::VSTRIDE + S::VBYTES + 4 * wd) = 0x38383838u;
         }
@@ -533,10 +566,10 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
             const int tn = t + (int)gridDim.x;
 #endif
             const HopTile tl = hop_tile(t, p.B, p.Hq, w.nqb);
-            const int sq = len_q(p, tl.b), skv = len_k(p, tl.b), q0 = tl.qb * kHopBM;
+            const int sq = len_q(p, tl.b), skv = len_k(p, tl.b), q0 = tl.qb * BM;
             if (q0 >= sq) { t = tn; continue; }  // varlen: past this sequence's end
             publish(t);
-            const int nkb = hop_num_kv_blocks(p, q0, sq, skv);
+            const int nkb = hop_num_kv_blocks(p, q0, BM, sq, skv);
             const int64_t blk0 = ((int64_t)tl.b * p.Hkv + tl.h / group) * w.nkb;
             for (int kb = 0; kb < nkb; ++kb, ++it) {
                 const int s = it % kHopStages;
@@ -553,8 +586,14 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     }
 
     // ---------------- consumers
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-    // consumer warpgroup 0/1: rows 64cw..64cw+63 of the tile. Through __shfl_sync ptxas knows it is warp-uniform and
+    // 240 for 2 consumers; 3 consumers: (65536 - 128 x 24) / 384 = 162, rounded down to a multiple of 8
+    // what the producer's setmaxnreg.dec released from the CTA's launch allocation (launch bound: 65536 / threads,
+    // a multiple of 8), shared by the consumers; 240 for 2 consumers, 160 for 3, 112 for 4
+    constexpr int kLaunchRegs = (65536 / hop_threads(NWG)) & ~7;
+    constexpr int kRegs = (((kLaunchRegs * hop_threads(NWG) - 128 * 24) / (128 * NWG)) & ~7) > 240
+                              ? 240 : (((kLaunchRegs * hop_threads(NWG) - 128 * 24) / (128 * NWG)) & ~7);
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory");
+    // consumer warpgroup cw (0..NWG-1): rows 64cw..64cw+63 of the tile. Through __shfl_sync ptxas knows it is warp-uniform and
     // keeps the Q descriptor in uniform registers (no per-block rebuild + R2UR before the S group: +1-3% on the H200)
     const int cw = __shfl_sync(0xffffffffu, wg, 0) - 1;
     const int ltid = threadIdx.x & 127, warp = ltid >> 5, lane = ltid & 31, g = lane >> 2, t4 = lane & 3;
@@ -581,7 +620,7 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     };
     auto prefetch = [&](int t, Pre& pf) {
         const HopTile x = hop_tile(t, p.B, p.Hq, w.nqb);
-        const int sqx = len_q(p, x.b), r0 = x.qb * kHopBM + cw * 64 + lrow0;
+        const int sqx = len_q(p, x.b), r0 = x.qb * BM + cw * 64 + lrow0;
         const int64_t hk = (int64_t)x.b * p.Hkv + x.h / group;
         const T* qb = static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + tok0_q(p, x.b) * p.q_ss + 8 * t4;
 #pragma unroll
@@ -603,8 +642,8 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
     while (tt < w.ntiles) {
         const HopTile tl = hop_tile(tt, p.B, p.Hq, w.nqb);
         const int b = tl.b, h = tl.h;
-        const int sq = len_q(p, b), skv = len_k(p, b), q0 = tl.qb * kHopBM;
-        const int nkb = hop_num_kv_blocks(p, q0, sq, skv);
+        const int sq = len_q(p, b), skv = len_k(p, b), q0 = tl.qb * BM;
+        const int nkb = hop_num_kv_blocks(p, q0, BM, sq, skv);
         const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + h / group;
         const int row0 = q0 + cw * 64 + lrow0, row1 = row0 + 8;
         HOP_TRACE(0, clock64());
@@ -836,7 +875,120 @@ __global__ void __launch_bounds__(kHopThreads, 1) hopper_attn_kernel(const __gri
         // Software pipeline inside the warpgroup: S(kb) = Q K(kb)^T is issued together with P~(kb-1) V(kb-1), and the
         // softmax of S(kb) runs while the tensor cores still work on P~V. (Ping-pong turns between the two consumers,
         // measured in sessions 5, 7 and 9 in several forms, were equal or slower: removed, see HOPPER.md.)
-        if (nkb > 0) {
+#ifndef SAGE_HOP_PIPE64
+#define SAGE_HOP_PIPE64 0
+#endif
+        if constexpr (NWG != 2 && !(D == 64 && SAGE_HOP_PIPE64)) {
+            // serial blocks: S(kb), softmax, P~V(kb), merge. While one warpgroup runs its softmax the other two
+            // keep the tensor cores busy; no wgmma of its own is in flight during its ALU work (which would slow it)
+            float kscale_next = nkb > 0 ? ksc[t4] : 0.f;
+            int kmask_next = kmf && nkb > 0 ? kmf[0] : 0;
+            // causal: the tile's last blocks may lie wholly past this warpgroup's diagonal (nkb_own <= kb < nkb)
+            const int nkb_own = hop_num_kv_blocks(p, wrow_min, 64, sq, skv);
+            int kb = 0;
+            for (; kb < nkb_own; ++kb, ++it) {
+                uint32_t ph;
+                const int s = stage_of(it, ph);
+                const float kscale_cur = kscale_next;
+                const int kmask_cur = kmask_next;
+                if (kb + 1 < nkb) {  // in flight during this block
+                    kscale_next = ksc[(kb + 1) * 4 + t4];
+                    if (kmf) kmask_next = kmf[kb + 1];
+                }
+                int acc[64];
+                uint32_t pa[4][4];
+                float al0, al1;
+                mbar_wait(bar_full + 8 * s, ph);
+                wg_fence();
+                issue_qk(acc, s);
+                wg_wait<0>();
+                reg_fence(acc);
+                {
+                    float sf[64];
+                    softmax_block(acc, kb, kscale_cur, kmask_cur, sf, al0, al1);
+                    pack_p(sf, pa);
+                }
+                const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
+                if constexpr (D == 128) {
+                    // P~V in two column halves: 32 + 36 accumulator registers (all 68 live at once do not fit)
+                    float ba[32], bb[36];
+                    const uint32_t dvb = dv + ((64 * kHopBN) >> 4);  // V^T rows 64.. (rows of kHopBN bytes)
+                    auto issue_a = [&]() {
+                        wg_fence();
+                        wgmma_pv64<false>(ba, pa[0], hop_desc_make(dv, hop_desc_hi(kHopBN)));
+#pragma unroll
+                        for (int kk = 1; kk < 4; ++kk)
+                            wgmma_pv64<true>(ba, pa[kk], hop_desc_make(dv + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
+                        wg_commit();
+                    };
+                    auto issue_b = [&]() {
+                        wg_fence();
+                        wgmma_pv72<false>(bb, pa[0], hop_desc_make(dvb, hop_desc_hi(kHopBN)));
+#pragma unroll
+                        for (int kk = 1; kk < 4; ++kk)
+                            wgmma_pv72<true>(bb, pa[kk], hop_desc_make(dvb + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
+                        wg_commit();
+                    };
+                    auto merge_a = [&]() {
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) {
+                            o[4 * i] = o[4 * i] * al0 + ba[4 * i];
+                            o[4 * i + 1] = o[4 * i + 1] * al0 + ba[4 * i + 1];
+                            o[4 * i + 2] = o[4 * i + 2] * al1 + ba[4 * i + 2];
+                            o[4 * i + 3] = o[4 * i + 3] * al1 + ba[4 * i + 3];
+                        }
+                    };
+                    auto merge_b = [&]() {
+                        l0 = l0 * al0 + bb[32];
+                        l1 = l1 * al1 + bb[34];
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) {
+                            o[32 + 4 * i] = o[32 + 4 * i] * al0 + bb[4 * i];
+                            o[32 + 4 * i + 1] = o[32 + 4 * i + 1] * al0 + bb[4 * i + 1];
+                            o[32 + 4 * i + 2] = o[32 + 4 * i + 2] * al1 + bb[4 * i + 2];
+                            o[32 + 4 * i + 3] = o[32 + 4 * i + 3] * al1 + bb[4 * i + 3];
+                        }
+                    };
+#if SAGE_HOP_PVPAR  // both halves in flight, merged as they complete
+                    issue_a();
+                    issue_b();
+                    wg_wait<1>();
+                    reg_fence(ba);
+                    merge_a();
+                    wg_wait<0>();
+#else  // one after the other
+                    issue_a();
+                    wg_wait<0>();
+                    reg_fence(ba);
+                    merge_a();
+                    issue_b();
+                    wg_wait<0>();
+#endif
+                    reg_fence(bb);
+                    reg_fence(pa);
+                    if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+                    merge_b();
+                } else {
+                    float blk[kBlk];
+                    wg_fence();
+                    issue_pv(blk, pa, s);
+                    wg_wait<0>();
+                    reg_fence(blk);
+                    reg_fence(pa);
+                    if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+                    merge(blk, al0, al1);
+                }
+            }
+            // blocks past the diagonal: only released, after they landed (an early arrival would count towards the
+            // stage's previous use). A separate loop keeps the main loop's code as it is without causal masks.
+            for (; kb < nkb; ++kb, ++it) {
+                uint32_t ph;
+                const int s = stage_of(it, ph);
+                mbar_wait(bar_full + 8 * s, ph);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+            }
+        } else if (nkb > 0) {
             int acc[64];
             uint32_t pa[4][4];
             float blk[kBlk];
@@ -1099,9 +1251,10 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
                        kmflag, nkb);
     if (e != cudaSuccess) return (int)e;
 
-    using S = HopSmem<D>;
+    constexpr int NWG = hop_nwg(D);
+    using S = HopSmem<D, NWG>;
     const bool lse = p.lse != nullptr;
-    auto kern = lse ? hopper_attn_kernel<D, T, true> : hopper_attn_kernel<D, T, false>;
+    auto kern = lse ? hopper_attn_kernel<D, T, true, NWG> : hopper_attn_kernel<D, T, false, NWG>;
     const int dev = p.device;
     {
         static bool done[2][64] = {};
@@ -1116,10 +1269,10 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     w.kimg = kimg; w.kscale = kscale; w.vimg = vimg; w.vscale = vscale; w.kmean = kmean; w.vmean = vmean;
     w.tilectr = reinterpret_cast<int*>(ws + L.tilectr);
     w.nkb = nkb;
-    w.nqb = (p.Sq + kHopBM - 1) / kHopBM;
+    w.nqb = (p.Sq + hop_bm(NWG) - 1) / hop_bm(NWG);
     w.ntiles = w.nqb * p.B * p.Hq;
     const int nsm = hop_num_sms(dev), grid = w.ntiles < nsm ? w.ntiles : nsm;
-    return (int)hop_launch_pdl(kern, dim3(grid), dim3(kHopThreads), S::TOTAL, st, p, w);
+    return (int)hop_launch_pdl(kern, dim3(grid), dim3(hop_threads(NWG)), S::TOTAL, st, p, w);
 }
 
 template <typename T>
