@@ -29,9 +29,6 @@ constexpr int kHopBN = 128;        // keys per block (one wgmma N for S; four k3
 // other warpgroups to keep the tensor cores busy; NWG = 2 overlaps S(kb) with P~V(kb-1) inside the warpgroup (~230
 // registers). H200, same-run A/B (device run 15): D = 128 3 vs 2: +4% at 1K, +7% at 2K, +5% at 16K; D = 64 4 vs 2:
 // +13-14% (3: +7-11%); bitwise identical outputs.
-#ifndef SAGE_HOP_PVPAR  // 3 consumers at D = 128: both halves of P~V in flight together (more registers)
-#define SAGE_HOP_PVPAR 0
-#endif
 #ifndef SAGE_HOP_NWG64
 #define SAGE_HOP_NWG64 4
 #endif
@@ -875,10 +872,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         // Software pipeline inside the warpgroup: S(kb) = Q K(kb)^T is issued together with P~(kb-1) V(kb-1), and the
         // softmax of S(kb) runs while the tensor cores still work on P~V. (Ping-pong turns between the two consumers,
         // measured in sessions 5, 7 and 9 in several forms, were equal or slower: removed, see HOPPER.md.)
-#ifndef SAGE_HOP_PIPE64
-#define SAGE_HOP_PIPE64 0
-#endif
-        if constexpr (NWG != 2 && !(D == 64 && SAGE_HOP_PIPE64)) {
+        if constexpr (NWG != 2) {
             // serial blocks: S(kb), softmax, P~V(kb), merge. While one warpgroup runs its softmax the other two
             // keep the tensor cores busy; no wgmma of its own is in flight during its ALU work (which would slow it)
             float kscale_next = nkb > 0 ? ksc[t4] : 0.f;
@@ -949,21 +943,14 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                             o[32 + 4 * i + 3] = o[32 + 4 * i + 3] * al1 + bb[4 * i + 3];
                         }
                     };
-#if SAGE_HOP_PVPAR  // both halves in flight, merged as they complete
-                    issue_a();
-                    issue_b();
-                    wg_wait<1>();
-                    reg_fence(ba);
-                    merge_a();
-                    wg_wait<0>();
-#else  // one after the other
+                    // one half after the other (both in flight, or the second issued before the first merge:
+                    // 1-2% slower, they spill)
                     issue_a();
                     wg_wait<0>();
                     reg_fence(ba);
                     merge_a();
                     issue_b();
                     wg_wait<0>();
-#endif
                     reg_fence(bb);
                     reg_fence(pa);
                     if (lane == 0) mbar_arrive(bar_empty + 8 * s);

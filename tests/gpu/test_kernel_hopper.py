@@ -146,7 +146,7 @@ def test_speed_routing_short_calls_run_sdpa(monkeypatch):
     out = sage_patch.attention(q, k, v, precision="8b")
     assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
     reasons = " ".join(GLOBAL_STATS.fallbacks)
-    assert "SDPA is faster" in reasons and "2560" in reasons
+    assert "SDPA is faster" in reasons and "2048" in reasons
     q, k, v = make_qkv(1, 4, 4, 4096, 4096, 128, torch.float16)
     out = sage_patch.attention(q, k, v, precision="8b")
     ref, _ = K.attention(q, k, v)
