@@ -877,8 +877,9 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             // keep the tensor cores busy; no wgmma of its own is in flight during its ALU work (which would slow it)
             float kscale_next = nkb > 0 ? ksc[t4] : 0.f;
             int kmask_next = kmf && nkb > 0 ? kmf[0] : 0;
-            // causal: the tile's last blocks may lie wholly past this warpgroup's diagonal (nkb_own <= kb < nkb)
-            const int nkb_own = hop_num_kv_blocks(p, wrow_min, 64, sq, skv);
+            // causal: the tile's last blocks may lie wholly past this warpgroup's diagonal (nkb_own <= kb < nkb);
+            // a warpgroup whose rows all lie past the sequence's end (the last tile) computes nothing
+            const int nkb_own = wrow_min < sq ? hop_num_kv_blocks(p, wrow_min, 64, sq, skv) : 0;
             int kb = 0;
             for (; kb < nkb_own; ++kb, ++it) {
                 uint32_t ph;
