@@ -583,12 +583,12 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     }
 
     // ---------------- consumers
-    // 240 for 2 consumers; 3 consumers: (65536 - 128 x 24) / 384 = 162, rounded down to a multiple of 8
-    // what the producer's setmaxnreg.dec released from the CTA's launch allocation (launch bound: 65536 / threads,
-    // a multiple of 8), shared by the consumers; 240 for 2 consumers, 160 for 3, 112 for 4
+    // setmaxnreg.inc takes only what the producer's .dec released from the CTA's launch allocation (the launch
+    // bound's 65536 / threads, a multiple of 8; asking for more hangs): 240 for 2 consumers (capped), 160 for 3, 112 for 4
     constexpr int kLaunchRegs = (65536 / hop_threads(NWG)) & ~7;
-    constexpr int kRegs = (((kLaunchRegs * hop_threads(NWG) - 128 * 24) / (128 * NWG)) & ~7) > 240
-                              ? 240 : (((kLaunchRegs * hop_threads(NWG) - 128 * 24) / (128 * NWG)) & ~7);
+    constexpr int kPool = ((kLaunchRegs * hop_threads(NWG) - 128 * 24) / (128 * NWG)) & ~7;
+    constexpr int kRegs = kPool > 240 ? 240 : kPool;
+    static_assert(NWG != 4 || kRegs == 112, "4 consumers: 640 threads launch with 96 registers each");
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory");
     // consumer warpgroup cw (0..NWG-1): rows 64cw..64cw+63 of the tile. Through __shfl_sync ptxas knows it is warp-uniform and
     // keeps the Q descriptor in uniform registers (no per-block rebuild + R2UR before the S group: +1-3% on the H200)
