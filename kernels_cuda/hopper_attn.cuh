@@ -856,16 +856,20 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
 #endif
             wg_commit();
         };
+        // o's n8 column chunks off.. off + nch - 1 = o * alpha + the block accumulator's chunks 0.. (rows row0 / row1)
+        auto fold = [&](const float* b, int off, int nch, float al0, float al1) {
+#pragma unroll
+            for (int i = 0; i < nch; ++i) {
+                o[4 * (off + i)] = o[4 * (off + i)] * al0 + b[4 * i];
+                o[4 * (off + i) + 1] = o[4 * (off + i) + 1] * al0 + b[4 * i + 1];
+                o[4 * (off + i) + 2] = o[4 * (off + i) + 2] * al1 + b[4 * i + 2];
+                o[4 * (off + i) + 3] = o[4 * (off + i) + 3] * al1 + b[4 * i + 3];
+            }
+        };
         auto merge = [&](const float (&blk)[kBlk], float al0, float al1) {
             l0 = l0 * al0 + blk[D / 2];  // the block's row sums: columns D.. (row0: blk[D/2], row1: blk[D/2 + 2])
             l1 = l1 * al1 + blk[D / 2 + 2];
-#pragma unroll
-            for (int i = 0; i < D / 8; ++i) {
-                o[4 * i] = o[4 * i] * al0 + blk[4 * i];
-                o[4 * i + 1] = o[4 * i + 1] * al0 + blk[4 * i + 1];
-                o[4 * i + 2] = o[4 * i + 2] * al1 + blk[4 * i + 2];
-                o[4 * i + 3] = o[4 * i + 3] * al1 + blk[4 * i + 3];
-            }
+            fold(blk, 0, D / 8, al0, al1);
         };
         auto stage_of = [&](int i, uint32_t& ph) { ph = (uint32_t)(i / kHopStages) & 1u; return i % kHopStages; };
 
@@ -924,25 +928,11 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                             wgmma_pv72<true>(bb, pa[kk], hop_desc_make(dvb + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
                         wg_commit();
                     };
-                    auto merge_a = [&]() {
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) {
-                            o[4 * i] = o[4 * i] * al0 + ba[4 * i];
-                            o[4 * i + 1] = o[4 * i + 1] * al0 + ba[4 * i + 1];
-                            o[4 * i + 2] = o[4 * i + 2] * al1 + ba[4 * i + 2];
-                            o[4 * i + 3] = o[4 * i + 3] * al1 + ba[4 * i + 3];
-                        }
-                    };
+                    auto merge_a = [&]() { fold(ba, 0, 8, al0, al1); };
                     auto merge_b = [&]() {
                         l0 = l0 * al0 + bb[32];
                         l1 = l1 * al1 + bb[34];
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) {
-                            o[32 + 4 * i] = o[32 + 4 * i] * al0 + bb[4 * i];
-                            o[32 + 4 * i + 1] = o[32 + 4 * i + 1] * al0 + bb[4 * i + 1];
-                            o[32 + 4 * i + 2] = o[32 + 4 * i + 2] * al1 + bb[4 * i + 2];
-                            o[32 + 4 * i + 3] = o[32 + 4 * i + 3] * al1 + bb[4 * i + 3];
-                        }
+                        fold(bb, 8, 8, al0, al1);
                     };
                     // one half after the other (both in flight, or the second issued before the first merge:
                     // 1-2% slower, they spill)
