@@ -52,34 +52,56 @@ for b, hh, n, d, causal in shapes:
     print(f"B{b} H{hh} N{n} D{d} causal={causal}: tiles {len(ph['tile'])}, median cycles: " +
           ", ".join(f"{k2} {v2:.0f}" for k2, v2 in med.items()), flush=True)
 
-# -DSAGE_HOP_TRACE=2 builds: the loop of each CTA's first tile, per iteration (of the last shape run)
+# -DSAGE_HOP_TRACE=2 builds: the loop of each CTA's first tile, per iteration (of the last shape run); 4 warpgroup slots
+NWG = int(os.environ.get("HOP_NWG", "2"))  # consumer warpgroups of the traced kernel (>= 3: serial blocks)
 if hasattr(h, "sage_hop_ltrace_read"):
-    IT, LEV = 16, 8
-    lb = (ctypes.c_longlong * (CTAS * 2 * IT * LEV))()
+    IT, LEV, WS = 16, 8, 4
+    lb = (ctypes.c_longlong * (CTAS * WS * IT * LEV))()
     h.sage_hop_ltrace_read.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    assert h.sage_hop_ltrace_read(lb, CTAS * 2 * IT * LEV) == 0
-    names = ["wait_full", "issue", "wait_S", "softmax", "wait_PV", "merge_pack", "to_next"]
+    assert h.sage_hop_ltrace_read(lb, CTAS * WS * IT * LEV) == 0
+    ev = lambda c, w, i, e: lb[((c * WS + w) * IT + i) * LEV + e]  # noqa: E731
+    if NWG == 2:
+        names = ["wait_full", "issue", "wait_S", "softmax", "wait_PV", "merge_pack", "to_next"]
+    else:  # serial loop: stage wait, S (issue + wait), softmax + pack, P~V half a, merge a + half b, merge b, loop top
+        names = ["wait_full", "S", "softmax_pack", "PVa", "merge_a_PVb", "merge_b", "to_next"]
     dur = {k2: [] for k2 in names}
-    lead = []
+    busy = {k: [0.0] * (NWG + 1) for k in ("softmax", "S", "PV")}
     for c in range(CTAS):
-        rows = [[[lb[((c * 2 + w) * IT + i) * LEV + e] for e in range(7)] for i in range(IT)] for w in range(2)]
-        for w in range(2):
+        for w in range(NWG):
             for i in range(2, IT - 1):
-                e, en = rows[w][i], rows[w][i + 1]
-                if e[0] == 0 or en[0] == 0:
+                if ev(c, w, i, 0) == 0 or ev(c, w, i + 1, 0) == 0:
                     continue
                 for j in range(6):
-                    dur[names[j]].append(e[j + 1] - e[j])
-                dur["to_next"].append(en[0] - e[6])
-        for i in range(2, IT):
-            if rows[0][i][3] and rows[1][i][3]:
-                lead.append(rows[1][i][3] - rows[0][i][3])  # > 0: warpgroup 0's S(kb) ready first
-    print("loop (last shape, first tile, iterations 2..14), median cycles: " +
-          ", ".join(f"{k2} {statistics.median(x):.0f}" for k2, x in dur.items() if x) +
-          f"; S-ready lead of wg0 over wg1: median {statistics.median(lead):.0f}, "
-          f"|lead| median {statistics.median([abs(x) for x in lead]):.0f}")
+                    dur[names[j]].append(ev(c, w, i, j + 1) - ev(c, w, i, j))
+                dur["to_next"].append(ev(c, w, i + 1, 0) - ev(c, w, i, 6))
+        if NWG >= 3 and all(ev(c, w, IT - 1, 6) for w in range(NWG)):
+            # how many warpgroups are in each phase at once, over the window all of them are in iterations 2..15
+            t0 = max(ev(c, w, 2, 0) for w in range(NWG))
+            t1 = min(ev(c, w, IT - 1, 6) for w in range(NWG))
+            spans = {"S": (1, 2), "softmax": (2, 3), "PV": (3, 5)}
+            for ph, (a, bnd) in spans.items():
+                pts = []
+                for w in range(NWG):
+                    for i in range(IT):
+                        x0, x1 = ev(c, w, i, a), ev(c, w, i, bnd)
+                        if x0 and x1 > x0:
+                            pts += [(max(x0, t0), 1), (min(x1, t1), -1)] if x1 > t0 and x0 < t1 else []
+                pts.sort()
+                cur, last = 0, t0
+                for t, d in pts:
+                    busy[ph][cur] += t - last
+                    cur += d
+                    last = t
+                busy[ph][cur] += t1 - last
+    print("loop (last shape, first tile, iterations 2..14), median cycles per warpgroup: " +
+          ", ".join(f"{k2} {statistics.median(x):.0f}" for k2, x in dur.items() if x), flush=True)
+    if NWG >= 3:
+        for ph, v in busy.items():
+            tot = sum(v) or 1.0
+            print(f"  share of time with k warpgroups in {ph}: " +
+                  ", ".join(f"{k}: {x / tot:.2f}" for k, x in enumerate(v)))
     for c in (0, 1):
-        for w in range(2):
-            base = lb[((c * 2) * IT + 1) * LEV]
+        for w in range(NWG):
+            base = ev(c, 0, 1, 0)
             print(f"cta {c} wg {w}: " + " | ".join(
-                ",".join(str(lb[((c * 2 + w) * IT + i) * LEV + e] - base) for e in range(7)) for i in range(1, 6)))
+                ",".join(str(ev(c, w, i, e) - base) for e in range(7)) for i in range(1, 5)))
