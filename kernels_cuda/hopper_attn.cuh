@@ -42,31 +42,6 @@ __host__ __device__ constexpr int hop_threads(int nwg) { return 128 * (nwg + 1);
 #define SAGE_HOP_STAGES 3
 #endif
 constexpr int kHopStages = SAGE_HOP_STAGES;
-// Softmax turns: with NWG >= 3 serial consumers, their exponentials run one warpgroup after the other in a ring
-// (named barriers 1 + NWG + cw), so that one warpgroup's MUFU burst overlaps the others' GEMMs instead of all bursts
-// running together while the tensor cores idle (the consumers share the K/V stages and drift into step).
-// 0: off; 1: the turn spans the exponentials of a block; 2: it spans the whole softmax and the P~ packing.
-#ifndef SAGE_HOP_TURNS
-#define SAGE_HOP_TURNS 0
-#endif
-// SAGE_HOP_MAGIC_ACC: the S accumulator starts at kHopMagic instead of 0 (see issue_qk)
-#ifndef SAGE_HOP_MAGIC_ACC
-#define SAGE_HOP_MAGIC_ACC 0
-#endif
-constexpr int kHopMagic = 0x4B400000;  // float bits of 1.5 * 2^23: bits + x (|x| < 2^22) are the float 1.5 * 2^23 + x
-// SAGE_HOP_PSMEM (D = 128, >= 3 consumers): P~ goes through a shared-memory image per warpgroup, and P~V is one
-// m64n136 wgmma chain (both operands from shared memory) instead of two register-A column halves (n64 + n72: the
-// register budget of 3 consumers has no room for P~ and a 68-register accumulator together). Small-N wgmmas use the
-// tensor cores poorly (scripts/wgmma_interference.cu busy: ~67 cycles per m64n64k32 vs ~80 per m64n128k32).
-#ifndef SAGE_HOP_PSMEM
-#define SAGE_HOP_PSMEM 0
-#endif
-#ifndef SAGE_HOP_STAGGER
-#define SAGE_HOP_STAGGER 0
-#endif
-#ifndef SAGE_HOP_KV_REVERSE
-#define SAGE_HOP_KV_REVERSE 0
-#endif
 #ifndef SAGE_HOP_DIAG  // diagnostics for timing only: 1 = no softmax, 2 = no P~V GEMM (wrong results)
 #define SAGE_HOP_DIAG 0
 #endif
@@ -168,13 +143,7 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
     __shared__ __align__(16) uint8_t vt[D * kHopBN];  // the V^T block image, copied out linearly at the end
     pdl_wait();
     pdl_launch_dependents();
-#if SAGE_HOP_KV_REVERSE
-    // heads in the reverse order of the stats pass: the first ones read here are the last it read (still in L2), and
-    // the last images written are head 0's, which the attention kernel reads first
-    const int kb = blockIdx.x, bh = (int)gridDim.y - 1 - (int)blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
-#else
     const int kb = blockIdx.x, bh = blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
-#endif
     const int skv = len_k(p, b);
     if (kb > 0 && kb * kHopBN >= skv) return;  // varlen: past this sequence's end (never read; block 0 writes vscale)
     if (threadIdx.x < D) {
@@ -391,16 +360,6 @@ template <int N> __device__ __forceinline__ void reg_fence(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-// softmax turns (SAGE_HOP_TURNS): wait for this warpgroup's turn; x and y (the values the exponentials start from) are
-// redefined after the barrier so that no exponential is scheduled before it
-__device__ __forceinline__ void turn_wait(int id, float& x, float& y) {
-    asm volatile("bar.sync %2, 256;\n" : "+f"(x), "+f"(y) : "r"(id) : "memory");
-}
-// hand the turn to the next warpgroup once the 4 values (the last results of the turn) are computed
-__device__ __forceinline__ void turn_pass(int id, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-    asm volatile("bar.arrive %0, 256;\n" ::"r"(id), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
 template <int N, int M> __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][M]) {
 #pragma unroll
     for (int i = 0; i < N; ++i)
@@ -456,16 +415,6 @@ template <bool ACC> __device__ __forceinline__ void wgmma_pv72(float (&d)[36], c
     if constexpr (ACC) SAGE_WGMMA_E4_N72("1", "+f");
     else SAGE_WGMMA_E4_N72("0", "=f");
 }
-// the same with P~ from shared memory (SAGE_HOP_PSMEM): D = 128, all 136 columns at once
-#define SAGE_WGMMA_E4_N136_SS(SCALE_D, C) \
-    asm volatile("wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {" SAGE_LIST64 ", %64, %65, %66, %67}, " \
-                 "%68, %69, " SCALE_D ", 1, 1;\n" \
-                 : SAGE_D64(C), C(d[64]), C(d[65]), C(d[66]), C(d[67]) \
-                 : "l"(da), "l"(db))
-template <bool ACC> __device__ __forceinline__ void wgmma_pv136_ss(float (&d)[68], uint64_t da, uint64_t db) {
-    if constexpr (ACC) SAGE_WGMMA_E4_N136_SS("1", "+f");
-    else SAGE_WGMMA_E4_N136_SS("0", "=f");
-}
 template <int D, bool ACC>
 __device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint32_t* a, uint64_t db) {
     if constexpr (D == 128) {
@@ -517,11 +466,8 @@ struct HopSmem {
     static constexpr int VBYTES = kHopBN * D;      // one V^T block image (what the producer copies)
     static constexpr int ONES = (hop_pv_n(D) - D) * kHopBN;  // + 8 rows of e4m3 ones below it (row sums), set once
     static constexpr int VSTRIDE = VBYTES + ONES;
-    static constexpr bool PSMEM = SAGE_HOP_PSMEM && D == 128 && NWG >= 3;
-    static constexpr int PBYTES = 64 * kHopBN;   // P~ image per consumer warpgroup (SAGE_HOP_PSMEM)
     static constexpr int Q_OFF = 0;
-    static constexpr int P_OFF = NWG * QBYTES;
-    static constexpr int K_OFF = P_OFF + (PSMEM ? NWG * PBYTES : 0);
+    static constexpr int K_OFF = NWG * QBYTES;
     static constexpr int V_OFF = K_OFF + kHopStages * KBYTES;
     static constexpr int EPI_OFF = V_OFF + kHopStages * VSTRIDE;  // V scale, V mean, K mean per consumer x tile parity
     static constexpr int EPI_FLOATS = 3 * D;
@@ -549,7 +495,9 @@ __device__ long long g_hop_trace[kTraceCtas * 2 * kTraceTiles * kTraceEv];
 #else
 #define HOP_TRACE(ev, val)
 #endif
-#if SAGE_HOP_TRACE >= 2  // and clock64 at 7 points of the first tile's first loop iterations (sage_hop_ltrace_read)
+// and clock64 at 7 points of the first tile's first loop iterations of every consumer (sage_hop_ltrace_read; in the
+// serial loop: loop top, stage landed, S ready, P~ packed, P~V half a ready, half b ready, merged)
+#if SAGE_HOP_TRACE >= 2
 constexpr int kLtIters = 16, kLtEv = 8;
 __device__ long long g_hop_ltrace[kTraceCtas * 4 * kLtIters * kLtEv];  // up to 4 consumer warpgroups
 #define HOP_LTRACE(kb, ev)                                                                                        \
@@ -652,11 +600,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     // descriptor low words of this warpgroup's Q image and of stage 0's K and V^T images (hop_desc_lo)
     const uint32_t dq = hop_desc_lo(sQ), dk0 = hop_desc_lo(sbase + S::K_OFF), dv0 = hop_desc_lo(sbase + S::V_OFF);
     uint8_t* sQp = hsmem + S::Q_OFF + cw * S::QBYTES;
-    constexpr int kTurns = NWG != 2 ? SAGE_HOP_TURNS : 0;
-    const int turn_bar = 1 + NWG + cw, turn_next = 1 + NWG + (cw + 1) % NWG;
-    // the ring starts with consumer 0's turn; every consumer takes one turn per block of a tile (computed or only
-    // released), so all take the same number and consumer 0's last wait below takes the ring's final hand-over
-    if (kTurns && cw == NWG - 1) turn_pass(1 + NWG, 0u, 0u, 0u, 0u);
     int it = 0, tpar = 0;
     const int lrow0 = warp * 16 + g;  // this lane's rows in the warpgroup's 64: lrow0, lrow0 + 8
     constexpr int kBlk = hop_pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
@@ -802,8 +745,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             // (int -> float bits: 1.5 * 2^23 + x, exact for |x| < 2^22), one FFMA (scale, subtract the max and the
             // 1.5 * 2^23 offset, add log2 448) and EX2. The offset folded into c costs one rounding of c, the same for
             // every score of the row in this block: a uniform factor of at most 1 + 2^-20 relative.
-            constexpr int kMagic = kHopMagic;
-            constexpr int kAccOff = SAGE_HOP_MAGIC_ACC ? kHopMagic : 0;  // what the S accumulator started from
+            constexpr int kMagic = 0x4B400000;
             constexpr float kMagicF = 12582912.f;
             int im0 = INT_MIN, im1 = INT_MIN;
             // masked blocks, for a per-row visibility test of the key 2 t4 + c within the block (prefix or general),
@@ -845,20 +787,19 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 masked_max(general0, general1);
             }
             // the 4 lanes of a row hold different K scale groups: compare them as scaled floats
-            float mx0 = im0 == INT_MIN ? -INFINITY : (float)(im0 - kAccOff) * sc;
-            float mx1 = im1 == INT_MIN ? -INFINITY : (float)(im1 - kAccOff) * sc;
+            float mx0 = im0 == INT_MIN ? -INFINITY : (float)im0 * sc;
+            float mx1 = im1 == INT_MIN ? -INFINITY : (float)im1 * sc;
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
             mx0 = fmaxf(m0, fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2)));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
             mx1 = fmaxf(m1, fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2)));
-            float mu0 = mx0 == -INFINITY ? 0.f : mx0;
-            float mu1 = mx1 == -INFINITY ? 0.f : mx1;
-            if constexpr (kTurns == 1) turn_wait(turn_bar, mu0, mu1);
+            const float mu0 = mx0 == -INFINITY ? 0.f : mx0;
+            const float mu1 = mx1 == -INFINITY ? 0.f : mx1;
             al0 = fast_exp2(m0 - mu0);
             al1 = fast_exp2(m1 - mu1);
             m0 = mx0; m1 = mx1;
             const float c0 = fmaf(kMagicF, sc, mu0 - kLog2Fp8Max), c1 = fmaf(kMagicF, sc, mu1 - kLog2Fp8Max);
-            auto arg = [&](int i, float c) { return fmaf(__int_as_float(acc[i] + (kMagic - kAccOff)), sc, -c); };
+            auto arg = [&](int i, float c) { return fmaf(__int_as_float(acc[i] + kMagic), sc, -c); };
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 sf[4 * j] = fast_exp2(arg(4 * j, c0));
@@ -866,9 +807,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 sf[4 * j + 2] = fast_exp2(arg(4 * j + 2, c1));
                 sf[4 * j + 3] = fast_exp2(arg(4 * j + 3, c1));
             }
-            if constexpr (kTurns == 1)
-                turn_pass(turn_next, __float_as_uint(sf[60]), __float_as_uint(sf[61]), __float_as_uint(sf[62]),
-                          __float_as_uint(sf[63]));
             if (need_mask && !kmasked) {
                 const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
                 zero_hidden([&](int c) { return c < l0; }, [&](int c) { return c < l1; });
@@ -900,15 +838,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         };
         auto issue_qk = [&](int (&acc)[64], int s) {
             const uint32_t dk = dk0 + (uint32_t)s * (S::KBYTES >> 4);
-#if SAGE_HOP_MAGIC_ACC
-            // the accumulator starts at the float bits of 1.5 * 2^23 (kHopMagic): S comes out as those bits + x,
-            // so the softmax needs no int -> float add per score (these moves run before the S wait, not after)
-#pragma unroll
-            for (int i = 0; i < 64; ++i) acc[i] = kHopMagic;
-            wgmma_s8_n128<true>(acc, hop_desc_make(dq, hop_desc_hi(D)), hop_desc_make(dk, hop_desc_hi(D)));
-#else
             wgmma_s8_n128<false>(acc, hop_desc_make(dq, hop_desc_hi(D)), hop_desc_make(dk, hop_desc_hi(D)));
-#endif
 #pragma unroll
             for (int k = 1; k < D / 32; ++k)
                 wgmma_s8_n128<true>(acc, hop_desc_make(dq + hop_desc_step(32 * k), hop_desc_hi(D)),
@@ -956,16 +886,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             // causal: the tile's last blocks may lie wholly past this warpgroup's diagonal (nkb_own <= kb < nkb);
             // a warpgroup whose rows all lie past the sequence's end (the last tile) computes nothing
             const int nkb_own = wrow_min < sq ? hop_num_kv_blocks(p, wrow_min, 64, sq, skv) : 0;
-#if SAGE_HOP_STAGGER
-            // consumer cw starts a tile's first block only after consumer cw - 1 finished its softmax of it, so the
-            // consumers reach the tile's end (epilogue, next prologue) one after the other while the others still
-            // compute. Only tiles of >= kHopStages blocks (then an arrival is always taken before the next one) and
-            // not causal (there the last consumer has the most blocks). Named barriers 1 + NWG + cw, 256 threads.
-            const bool stag = nkb >= kHopStages && !p.causal;
-            if (stag && cw > 0) named_sync(1 + NWG + cw, 256);
-            const bool stag_arrive = stag && cw < NWG - 1;
-            if (stag_arrive && nkb_own == 0) named_arrive(2 + NWG + cw, 256);
-#endif
             int kb = 0;
             for (; kb < nkb_own; ++kb, ++it) {
                 uint32_t ph;
@@ -986,55 +906,16 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 issue_qk(acc, s);
                 wg_wait<0>();
                 HOP_LTRACE(kb, 2);
-                if constexpr (kTurns == 2) {
-                    float x = 0.f, y = 0.f;
-                    turn_wait(turn_bar, x, y);
-                }
                 reg_fence(acc);
                 {
                     float sf[64];
                     softmax_block(acc, kb, kscale_cur, kmask_cur, sf, al0, al1);
                     pack_p(sf, pa);
                 }
-                if constexpr (kTurns == 2) turn_pass(turn_next, pa[3][0], pa[3][1], pa[3][2], pa[3][3]);
-#if SAGE_HOP_STAGGER
-                if (stag_arrive && kb == 0) named_arrive(2 + NWG + cw, 256);
-#endif
                 HOP_LFENCE(pa);
                 HOP_LTRACE(kb, 3);
                 const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
-                if constexpr (S::PSMEM) {
-                    // this warp's P~ fragments into the image (the A-operand register layout of wgmma: rows
-                    // lrow0 (+ 8), key slots 4 t4 (+ 16) of each k32 step), then fence + warpgroup barrier; the
-                    // previous block's P~V, which read the image, is complete (waited below)
-                    uint8_t* sPp = hsmem + S::P_OFF + cw * S::PBYTES;
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-                        for (int q = 0; q < 4; ++q)
-                            *reinterpret_cast<uint32_t*>(sPp + hop_img_off(lrow0 + 8 * (q & 1),
-                                                                           32 * kk + 16 * (q >> 1) + 4 * t4, kHopBN)) =
-                                pa[kk][q];
-                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                    named_sync(1 + cw, 128);
-                    const uint32_t dp = hop_desc_lo(sbase + S::P_OFF + cw * S::PBYTES);
-                    float blk[kBlk];
-                    wg_fence();
-                    wgmma_pv136_ss<false>(blk, hop_desc_make(dp, hop_desc_hi(kHopBN)), hop_desc_make(dv, hop_desc_hi(kHopBN)));
-#pragma unroll
-                    for (int kk = 1; kk < 4; ++kk)
-                        wgmma_pv136_ss<true>(blk, hop_desc_make(dp + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)),
-                                             hop_desc_make(dv + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
-                    wg_commit();
-                    wg_wait<0>();
-                    HOP_LTRACE(kb, 4);
-                    HOP_LTRACE(kb, 5);
-                    reg_fence(blk);
-                    if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-                    merge(blk, al0, al1);
-                    HOP_LFENCE(o);
-                    HOP_LTRACE(kb, 6);
-                } else if constexpr (D == 128) {
+                if constexpr (D == 128) {
                     // P~V in two column halves: 32 + 36 accumulator registers (all 68 live at once do not fit)
                     float ba[32], bb[36];
                     const uint32_t dvb = dv + ((64 * kHopBN) >> 4);  // V^T rows 64.. (rows of kHopBN bytes)
@@ -1103,11 +984,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 mbar_wait(bar_full + 8 * s, ph);
                 __syncwarp();
                 if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-                if constexpr (kTurns != 0) {  // keep the ring going
-                    float x = 0.f, y = 0.f;
-                    turn_wait(turn_bar, x, y);
-                    turn_pass(turn_next, 0u, 0u, 0u, 0u);
-                }
             }
         } else if (nkb > 0) {
             int acc[64];
@@ -1227,10 +1103,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         ++ntrace;
 #endif
         tt = tnext;
-    }
-    if (kTurns && cw == 0) {
-        float x = 0.f, y = 0.f;
-        turn_wait(turn_bar, x, y);
     }
 #else
     (void)p; (void)w;

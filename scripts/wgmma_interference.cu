@@ -8,6 +8,10 @@
 // across the clock reads); the iteration time (barrier to barrier, includes the chain's wait) is the measure.
 // Build: nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o wgmma_interference scripts/wgmma_interference.cu
 // Run:   ./wgmma_interference   (one line per stream x chain x mode: cycles of the stream, cycles per iteration)
+//        ./wgmma_interference busy   (warpgroups 1 and 2 keep the tensor cores busy the whole time, as the other
+//        consumers of the 3-consumer kernel do; H200, session 13: the softmax stream takes 650 cycles alone and
+//        1050-1100 under any chain type, s8 or e4m3, SS or RS, n64 or n128: GEMMs of other warpgroups DO slow ALU
+//        work, the "other" mode above overlaps only the first few hundred cycles of the stream)
 #include <cstdint>
 #include <cstdio>
 #include <cuda_runtime.h>
