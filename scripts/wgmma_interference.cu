@@ -108,11 +108,8 @@ template <int S> __device__ __forceinline__ float run_stream(float (&v)[64], uin
     return sum;
 }
 
-// one warpgroup's loop; the roles are template constants so that no wgmma sits in a divergent path (ptxas would
-// serialize the chain)
-template <int S, int C, bool CHAIN, bool STREAM>
-__device__ __forceinline__ void role_loop(int iters, uint32_t sa, uint32_t sb, long long* cycles, float* sink) {
-    uint32_t a[4][4];
+// operands of a chain (P~-like register A fragments, a zero accumulator) and of a stream
+template <int C> __device__ __forceinline__ void init_chain(uint32_t (&a)[4][4], ChainAcc<C>& acc) {
 #pragma unroll
     for (int k = 0; k < 4; ++k)
 #pragma unroll
@@ -120,16 +117,27 @@ __device__ __forceinline__ void role_loop(int iters, uint32_t sa, uint32_t sb, l
             a[k][j] = 0x30303030u + (threadIdx.x & 7) + k + j;
             asm volatile("" : "+r"(a[k][j]));  // opaque: rematerialising them would serialize the wgmmas
         }
-    ChainAcc<C> acc;
-    constexpr int NA = (int)(sizeof(acc.d) / 4);
 #pragma unroll
-    for (int i = 0; i < NA; ++i) acc.d[i] = 0.f;
-    float v[64];
-    uint32_t pk[32];
+    for (int i = 0; i < (int)(sizeof(acc.d) / 4); ++i) acc.d[i] = 0.f;
+}
+__device__ __forceinline__ void init_stream(float (&v)[64], uint32_t (&pk)[32]) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) v[i] = 1e-3f * (float)((threadIdx.x * 7 + i) & 63);
 #pragma unroll
     for (int i = 0; i < 32; ++i) pk[i] = 0u;
+}
+
+// one warpgroup's loop; the roles are template constants so that no wgmma sits in a divergent path (ptxas would
+// serialize the chain)
+template <int S, int C, bool CHAIN, bool STREAM>
+__device__ __forceinline__ void role_loop(int iters, uint32_t sa, uint32_t sb, long long* cycles, float* sink) {
+    uint32_t a[4][4];
+    ChainAcc<C> acc;
+    constexpr int NA = (int)(sizeof(acc.d) / 4);
+    init_chain<C>(a, acc);
+    float v[64];
+    uint32_t pk[32];
+    init_stream(v, pk);
     long long t_stream = 0;
     float res = 0.f;
     const long long t0 = clock64();
@@ -209,10 +217,7 @@ __global__ void __launch_bounds__(384, 1) busy_kernel(int iters, long long* cycl
     if (wg == 0) {
         float v[64];
         uint32_t pk[32];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) v[i] = 1e-3f * (float)((threadIdx.x * 7 + i) & 63);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) pk[i] = 0u;
+        init_stream(v, pk);
         float res = 0.f;
         const long long t0 = clock64();
         for (int it = 0; it < iters; ++it) {
@@ -227,17 +232,9 @@ __global__ void __launch_bounds__(384, 1) busy_kernel(int iters, long long* cycl
         if (res == 12345.f) sink[threadIdx.x] = res;
     } else if constexpr (C != NONE) {
         uint32_t a[4][4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                a[k][j] = 0x30303030u + (threadIdx.x & 7) + k + j;
-                asm volatile("" : "+r"(a[k][j]));
-            }
         ChainAcc<C> acc;
         constexpr int NA = (int)(sizeof(acc.d) / 4);
-#pragma unroll
-        for (int i = 0; i < NA; ++i) acc.d[i] = 0.f;
+        init_chain<C>(a, acc);
         long long n = 0;
         const long long t0 = clock64();
         uint32_t stop = 0;
