@@ -919,30 +919,26 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                     // P~V in two column halves: 32 + 36 accumulator registers (all 68 live at once do not fit)
                     float ba[32], bb[36];
                     const uint32_t dvb = dv + ((64 * kHopBN) >> 4);  // V^T rows 64.. (rows of kHopBN bytes)
-                    auto issue_a = [&]() {
+                    // one half: m64n64 into ba (V^T rows from dv) or m64n72 into bb (rows from dvb)
+                    auto issue_half = [&](auto& acc, uint32_t dvh) {
+                        constexpr bool kA = sizeof(acc) == sizeof(ba);
+                        auto mma = [&](auto first, int kk) {
+                            const uint64_t db = hop_desc_make(dvh + hop_desc_step(32 * kk), hop_desc_hi(kHopBN));
+                            if constexpr (kA) wgmma_pv64<!decltype(first)::value>(acc, pa[kk], db);
+                            else wgmma_pv72<!decltype(first)::value>(acc, pa[kk], db);
+                        };
                         wg_fence();
 #if SAGE_HOP_DIAG == 2
-                        for (int i = 0; i < 32; ++i) ba[i] = 0.f;
+                        for (auto& x : acc) x = 0.f;
                         return;
 #endif
-                        wgmma_pv64<false>(ba, pa[0], hop_desc_make(dv, hop_desc_hi(kHopBN)));
+                        mma(std::true_type{}, 0);
 #pragma unroll
-                        for (int kk = 1; kk < 4; ++kk)
-                            wgmma_pv64<true>(ba, pa[kk], hop_desc_make(dv + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
+                        for (int kk = 1; kk < 4; ++kk) mma(std::false_type{}, kk);
                         wg_commit();
                     };
-                    auto issue_b = [&]() {
-                        wg_fence();
-#if SAGE_HOP_DIAG == 2
-                        for (int i = 0; i < 36; ++i) bb[i] = 0.f;
-                        return;
-#endif
-                        wgmma_pv72<false>(bb, pa[0], hop_desc_make(dvb, hop_desc_hi(kHopBN)));
-#pragma unroll
-                        for (int kk = 1; kk < 4; ++kk)
-                            wgmma_pv72<true>(bb, pa[kk], hop_desc_make(dvb + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
-                        wg_commit();
-                    };
+                    auto issue_a = [&]() { issue_half(ba, dv); };
+                    auto issue_b = [&]() { issue_half(bb, dvb); };
                     auto merge_a = [&]() { fold(ba, 0, 8, al0, al1); };
                     auto merge_b = [&]() {
                         l0 = l0 * al0 + bb[32];
