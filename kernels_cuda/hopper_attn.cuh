@@ -11,12 +11,14 @@
 //                128-key block: S = wgmma s8 (Q from smem, K from smem), online softmax in fp32, P~ = e4m3(448 p)
 //                in registers, block = wgmma e4m3 (P~ from registers, V^T from smem) in its own accumulator,
 //                O = O * alpha + block (two-level accumulation), then the stage is released.
-// Pre-pass (hopper_quant_kv_kernel, after the shared stats pass): K - mean(K) -> INT8 with Grouping(128, 8, 2)
-// scales and V -> FP8 per channel, both written in the exact shared-memory image of one 128-key block (no-swizzle
+// Pre-pass (hopper_quant_kv_kernel, after hopper_sample_stats_kernel: means and V's base scale from 128 sampled
+// tokens): K - mean(K) -> INT8 with Grouping(128, 8, 2) scales and V - mean -> FP8 with the per-channel base scale
+// times a power of two per block, both written in the exact shared-memory image of one 128-key block (no-swizzle
 // "core matrix" layout of wgmma), so the producer copies each block with one bulk copy, no tensor maps.
 //
-// Launches (hop_launch): stats pass, then finalize, K/V pre-pass and attention kernel with programmatic dependent launch
-// (each waits in pdl_wait() before touching global memory; their launch and set-up overlap the previous kernel's end).
+// Launches (hop_launch): sample statistics, then the K/V pre-pass and the attention kernel with programmatic
+// dependent launch (each waits in pdl_wait() before touching global memory; their launch and set-up overlap the
+// previous kernel's end).
 //
 // Operand image (K-major, no swizzle): a (rows x kbytes) tile is a grid of 8-row x 16-byte core matrices stored
 // contiguously (128 B each), core (r/8, c/16) at ((r/8) * (kbytes/16) + c/16) * 128. wgmma descriptor: leading
@@ -83,28 +85,23 @@ __host__ __device__ constexpr int hop_vcol(int j) { return (j & ~0x1E) | ((j >> 
 
 struct HopLayout {
     int64_t nkb;  // 128-key blocks per (b, kv-head)
-    int64_t kimg, kscale, vimg, vscale, kpart, vpart, kmean, vmax, vmean, kmflag, tilectr, total;
-    int nsplit;
+    int64_t kimg, kscale, vimg, vscale, vfac, kmean, vmean, kmflag, tilectr, total;
 };
 
 inline HopLayout make_hop_layout(const SageAttnParams& p) {
     HopLayout L;
     L.nkb = (p.Skv + kHopBN - 1) / kHopBN;
-    int64_t ns = (p.Skv + 255) / 256;
-    L.nsplit = (int)(ns < 1 ? 1 : (ns > kMaxSplit ? kMaxSplit : ns));
     const int64_t bhk = (int64_t)p.B * p.Hkv, D = p.D;
     int64_t off = 0;
     L.kimg = off;   off = align256(off + bhk * L.nkb * kHopBN * D);
     L.kscale = off; off = align256(off + bhk * L.nkb * 4 * 4);
     L.vimg = off;   off = align256(off + bhk * L.nkb * kHopBN * D);
     L.vscale = off; off = align256(off + bhk * D * 4);
-    L.kpart = off;  off = align256(off + bhk * L.nsplit * D * 4);
-    L.vpart = off;  off = align256(off + bhk * L.nsplit * 3 * D * 4);
+    L.vfac = off;   off = align256(off + bhk * L.nkb * 4);
     L.kmean = off;  off = align256(off + bhk * D * 4);
-    L.vmax = off;   off = align256(off + bhk * D * 4);
     L.vmean = off;  off = align256(off + bhk * D * 4);
     L.kmflag = off; off = align256(off + (p.kmask ? (int64_t)p.B * L.nkb * 4 : 0));
-    L.tilectr = off; off = align256(off + 4);  // dynamic tile scheduler's counter (zeroed by the stats finalize)
+    L.tilectr = off; off = align256(off + 4);  // dynamic tile scheduler's counter (zeroed by the sample statistics kernel)
     L.total = off;
     return L;
 }
@@ -128,10 +125,91 @@ template <typename T> __device__ __forceinline__ void raw8_to_float(const uint4&
         Vec8<T>::load(reinterpret_cast<const T*>(&u), x);
     }
 }
+// ------------------------------------------------------------------------------------------------------------------
+// Statistics from a sample, the Hopper path's only reduction over a whole head (it replaced a full stats pass that
+// read K and V once more: 15% of a 1K call). Exact means are not needed: any per-channel shift of K leaves the
+// softmax unchanged (q . mu is constant along a row; the LSE adds it back) and any mean subtracted from V is added
+// back exactly, so sampled means cost accuracy only through weaker smoothing. The V scale is a per-channel base
+// (kHopVHeadroom x the sample's max |V - mean|, floored) times a power of two per 128-key block (vfac, chosen by the
+// K/V pass from the block's own values), so no value saturates whatever the sample missed.
+// Sample: ns = min(kHopSample, skv) tokens t_i = floor(i skv / ns). One CTA per (b, kv-head); the reference
+// simulates it (SimConfig.stats_sample).
+constexpr int kHopSample = 128;
+constexpr float kHopVHeadroom = 8.f;        // base = headroom x sample max: blocks beyond it get vfac > 1
+constexpr float kHopVRelFloor = 1.f / 1024.f;  // a channel's base >= this x the largest channel's (bounds vfac)
+constexpr float kHopVAbsFloor = 1e-20f;
+constexpr int kHopVMaxExp = 64;             // vfac <= 2^64 (larger values saturate: |V| > ~1e3 x 2^64 x base)
+constexpr int kHopStatThreads = 256;
 template <int D, typename T>
-__global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vmax,
+__global__ void __launch_bounds__(kHopStatThreads) hopper_sample_stats_kernel(SageAttnParams p, float* kmean,
+                                                                              float* vscale, float* vmean, int* zero) {
+    pdl_launch_dependents();
+    constexpr int LPK = D / 8, RPP = kHopStatThreads / LPK;  // lanes per row (8 channels each), rows per pass
+    __shared__ float red[4][RPP][D];  // per row slot: K sum, V sum, V max, V min
+    __shared__ float wmx[D / 32];
+    const int bh = blockIdx.x, b = bh / p.Hkv, h = bh % p.Hkv;
+    if (zero && bh == 0 && threadIdx.x == 0) *zero = 0;  // the attention kernel's tile counter, reset in stream order
+    const int skv = len_k(p, b), ns = min(skv, kHopSample);
+    const int cc = threadIdx.x % LPK, rr = threadIdx.x / LPK;
+    const T* kb = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok0_k(p, b) * p.k_ss + 8 * cc;
+    const T* vb = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok0_k(p, b) * p.v_ss + 8 * cc;
+    float ks[8], vs[8], vmx[8], vmn[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { ks[e] = 0.f; vs[e] = 0.f; vmx[e] = -INFINITY; vmn[e] = INFINITY; }
+    constexpr int NI = kHopSample / RPP;
+    uint4 kr[NI], vr[NI];
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {  // all loads in flight first
+        const int j = rr + RPP * i;
+        const int64_t t = j < ns ? (int64_t)j * skv / ns : 0;
+        kr[i] = j < ns ? *reinterpret_cast<const uint4*>(kb + t * p.k_ss) : make_uint4(0u, 0u, 0u, 0u);
+        vr[i] = j < ns ? *reinterpret_cast<const uint4*>(vb + t * p.v_ss) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+        if (rr + RPP * i >= ns) break;
+        float x[8], y[8];
+        raw8_to_float<T>(kr[i], x);
+        raw8_to_float<T>(vr[i], y);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            ks[e] += x[e]; vs[e] += y[e]; vmx[e] = fmaxf(vmx[e], y[e]); vmn[e] = fminf(vmn[e], y[e]);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        red[0][rr][8 * cc + e] = ks[e]; red[1][rr][8 * cc + e] = vs[e];
+        red[2][rr][8 * cc + e] = vmx[e]; red[3][rr][8 * cc + e] = vmn[e];
+    }
+    __syncthreads();
+    if (threadIdx.x >= D) return;
+    const int d = threadIdx.x;
+    float sk = 0.f, sv = 0.f, mx = -INFINITY, mn = INFINITY;
+    for (int j = 0; j < RPP; ++j) {
+        sk += red[0][j][d]; sv += red[1][j][d]; mx = fmaxf(mx, red[2][j][d]); mn = fminf(mn, red[3][j][d]);
+    }
+    const float km = ns > 0 ? sk / (float)ns : 0.f;
+    const float vm = ns > 0 && p.smooth_v ? sv / (float)ns : 0.f;
+    // max |V - vm| over the sample, exactly (rounding is monotone); 0 for an empty sequence
+    const float a = ns > 0 ? fmaxf(0.f, fmaxf(mx - vm, vm - mn)) : 0.f;
+    float am = a;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+    if ((d & 31) == 0) wmx[d >> 5] = am;
+    asm volatile("bar.sync 1, %0;\n" ::"n"(D) : "memory");  // the D threads still running
+    am = wmx[0];
+#pragma unroll
+    for (int w = 1; w < D / 32; ++w) am = fmaxf(am, wmx[w]);
+    const float base = fmaxf(fmaxf(kHopVHeadroom * a, kHopVHeadroom * am * kHopVRelFloor), kHopVAbsFloor) / kFp8Max;
+    kmean[(int64_t)bh * D + d] = km;
+    vmean[(int64_t)bh * D + d] = vm;
+    vscale[(int64_t)bh * D + d] = base;
+}
+
+template <int D, typename T>
+__global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vscale,
                                                               const float* vmean, int8_t* kimg, float* kscale,
-                                                              uint8_t* vimg, float* vscale, int* kmflag, int nkb) {
+                                                              uint8_t* vimg, float* vfac, int* kmflag, int nkb) {
     constexpr int LPK = D / 8;     // lanes per key row
     constexpr int KPI = 32 / LPK;  // keys per warp load
     constexpr int NW = kHopKvThreads / 32, KPW = kHopBN / NW;  // warps, keys per warp
@@ -139,21 +217,19 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
     // per-channel K mean, 1 / V scale, V mean as float4 [quantity][half][lane chunk]: a lane's 8 channels are two
     // LDS.128 without bank conflicts (a plain [D] array put the 16 chunks' lanes on 4 banks: 4-way conflicts)
     __shared__ float4 skc[3][2][LPK];
-    __shared__ float wmax[NW][4], gscale[8];
+    __shared__ float wmax[NW][5], gscale[9];
     __shared__ __align__(16) uint8_t vt[D * kHopBN];  // the V^T block image, copied out linearly at the end
     pdl_wait();
     pdl_launch_dependents();
     const int kb = blockIdx.x, bh = blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
     const int skv = len_k(p, b);
-    if (kb > 0 && kb * kHopBN >= skv) return;  // varlen: past this sequence's end (never read; block 0 writes vscale)
+    if (kb > 0 && kb * kHopBN >= skv) return;  // varlen: past this sequence's end (never read)
     if (threadIdx.x < D) {
         const int d = threadIdx.x;
         float* kc = reinterpret_cast<float*>(skc) + ((d >> 2) & 1) * LPK * 4 + (d >> 3) * 4 + (d & 3);
         kc[0] = kmean[(int64_t)bh * D + d];
-        const float sc = vmax[(int64_t)bh * D + d] / kFp8Max;
-        kc[2 * LPK * 4] = sc > 0.f ? 1.f / sc : 0.f;
-        kc[4 * LPK * 4] = p.smooth_v ? vmean[(int64_t)bh * D + d] : 0.f;
-        if (kb == 0) vscale[(int64_t)bh * D + d] = sc;
+        kc[2 * LPK * 4] = 1.f / vscale[(int64_t)bh * D + d];  // the sampled base scale (> 0: floored)
+        kc[4 * LPK * 4] = vmean[(int64_t)bh * D + d];         // 0 without smooth V
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int cc = lane % LPK, d0 = 8 * cc;         // this lane's 8 channels
@@ -179,37 +255,48 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
         const float4 a = skc[q][0][cc], bq = skc[q][1][cc];
         x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = bq.x; x[5] = bq.y; x[6] = bq.z; x[7] = bq.w;
     };
-    // V first (its raw registers die early): e4m3 bytes into the V^T image: row hop_vcol(d), column = the key's slot. The lanes of a store write one
-    // byte column of 16 rows, whose 16-byte chunks (image swizzle) fall on 4 bank groups only: each lane starts at
-    // its own channel (rotation rot = cc / 4), which spreads them over 8 (4-way bank conflicts -> 2-way)
+    // V: e4m3 bytes of (V - mean) / (base vfac) into the V^T image, first with vfac = 1 (returning nonzero if a byte is
+    // +-448 or NaN: possibly saturated), again with the block's vfac if one is: row hop_vcol(d), column = the key's slot. The
+    // lanes of a store write one byte column of 16 rows, whose 16-byte chunks (image swizzle) fall on 4 bank groups
+    // only: each lane starts at its own channel (rotation rot = cc / 4), which spreads them over 8 (4-way bank
+    // conflicts -> 2-way)
     const int rot = (cc >> 2) & 3;
+    auto quant_v = [&](auto raw, float vinv) {  // raw(i): the lane's 16 bytes of load i
+        uint32_t sat = 0u;
 #pragma unroll
-    for (int i = 0; i < NI; ++i) {
-        float y[8], vm[8], vi[8];
-        raw8_to_float<T>(vraw[i], y);
-        chan(1, vi);
-        chan(2, vm);
-        const int c = c0 + KPI * i, slot = (c & ~31) | hop_slot_of_key(c & 31);
-        const bool ok = valid(i);
-        uint32_t wv[2];
+        for (int i = 0; i < NI; ++i) {
+            float y[8], vm[8], vi[8];
+            raw8_to_float<T>(raw(i), y);
+            chan(1, vi);
+            chan(2, vm);
+            const int c = c0 + KPI * i, slot = (c & ~31) | hop_slot_of_key(c & 31);
+            const bool ok = valid(i);
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            uint32_t h2[2];
+            for (int e = 0; e < 8; ++e) vi[e] *= vinv;  // exact: vinv is a power of two
+            uint32_t wv[2];
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int j = 4 * q + 2 * e;
-                h2[e] = cvt_e4m3x2(ok ? (y[j] - vm[j]) * vi[j] : 0.f, ok ? (y[j + 1] - vm[j + 1]) * vi[j + 1] : 0.f);
+            for (int q = 0; q < 2; ++q) {
+                uint32_t h2[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = 4 * q + 2 * e;
+                    h2[e] = cvt_e4m3x2(ok ? (y[j] - vm[j]) * vi[j] : 0.f, ok ? (y[j + 1] - vm[j + 1]) * vi[j + 1] : 0.f);
+                }
+                wv[q] = h2[0] | (h2[1] << 16);
+                // a byte's magnitude bits >= 0x7e (448, or NaN): + 2 sets its bit 7 (no carry into the next byte)
+                sat |= ((wv[q] & 0x7f7f7f7fu) + 0x02020202u) & 0x80808080u;
             }
-            wv[q] = h2[0] | (h2[1] << 16);
-        }
-        // bytes rotated by rot: byte j of (lo, hi) is channel d0 + (j + rot) % 8
-        const uint32_t lo = __funnelshift_r(wv[0], wv[1], 8 * rot), hi = __funnelshift_r(wv[1], wv[0], 8 * rot);
+            // bytes rotated by rot: byte j of (lo, hi) is channel d0 + (j + rot) % 8
+            const uint32_t lo = __funnelshift_r(wv[0], wv[1], 8 * rot), hi = __funnelshift_r(wv[1], wv[0], 8 * rot);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int row = hop_vcol(d0 + ((j + rot) & 7));
-            vt[hop_img_off(row, slot, kHopBN)] = (uint8_t)(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xff);
+            for (int j = 0; j < 8; ++j) {
+                const int row = hop_vcol(d0 + ((j + rot) & 7));
+                vt[hop_img_off(row, slot, kHopBN)] = (uint8_t)(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xff);
+            }
         }
-    }
+        return sat;
+    };
+    const bool vsat = __any_sync(0xffffffffu, quant_v([&](int i) { return vraw[i]; }, 1.f) != 0u);
     // K group of key c: Grouping(128, 8, 2), the 32 keys with equal (c % 8) / 2; a lane's own maxima per group
     // (0 where it holds no key of the group), then the max over the warp and over the warps
     float gm[4] = {0.f, 0.f, 0.f, 0.f};
@@ -234,6 +321,7 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
     if (lane == 0) {
 #pragma unroll
         for (int g = 0; g < 4; ++g) wmax[warp][g] = gm[g];
+        wmax[warp][4] = vsat ? 1.f : 0.f;
     }
     // key-padding mask: one flag per (batch, block), "some key of this block is masked", so the attention kernel
     // masks (reads the mask) only in those blocks
@@ -251,6 +339,13 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
         gscale[g] = sc;
         gscale[4 + g] = sc > 0.f ? 1.f / sc : 0.f;
         kscale[blk * 4 + g] = sc;
+    }
+    if (threadIdx.x == 4) {  // vfac: 1 unless some value may have saturated (then set below)
+        float any = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) any = fmaxf(any, wmax[w][4]);
+        gscale[8] = any;
+        if (any == 0.f) vfac[blk] = 1.f;
     }
     __syncthreads();
     // K: 8 channels of a key = 8 bytes of its image row
@@ -276,6 +371,43 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
         }
         *reinterpret_cast<uint2*>(kdst + hop_img_off(c, d0, D)) = make_uint2(w[0], w[1]);
     }
+    if (gscale[8] != 0.f) {  // rare (a value beyond the sampled range): V reloaded (from L2) here, where K's
+        // registers are free; vfac = 2^e, the least e >= 0 with max |V - mean| / base <= 448 vfac (e <= kHopVMaxExp)
+        const T* vs = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + (tok0_k(p, b) + kbase + c0) * p.v_ss + d0;
+        auto reload = [&](int i) {
+            return valid(i) ? *reinterpret_cast<const uint4*>(vs + (int64_t)(KPI * i) * p.v_ss) : make_uint4(0u, 0u, 0u, 0u);
+        };
+        float r = 0.f;
+#pragma unroll
+        for (int i = 0; i < NI; ++i) {
+            float y[8], vm[8], vi[8];
+            raw8_to_float<T>(reload(i), y);
+            chan(1, vi);
+            chan(2, vm);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) r = valid(i) ? fmaxf(r, fabsf((y[e] - vm[e]) * vi[e])) : r;
+        }
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) r = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, o));
+        __syncthreads();  // every lane's first image bytes are written, wmax read
+        if (lane == 0) wmax[warp][4] = r;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            r = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) r = fmaxf(r, wmax[w][4]);
+            int e = 0;
+            if (r > kFp8Max) {
+                const uint32_t u = __float_as_uint(r / kFp8Max);  // >= 1 (inf: e = 128, clamped)
+                e = min((int)(u >> 23) - 127 + ((u & 0x7fffffu) != 0u), kHopVMaxExp);
+            }
+            vfac[blk] = __uint_as_float((uint32_t)(127 + e) << 23);
+            gscale[8] = __uint_as_float((uint32_t)(127 - e) << 23);
+        }
+        __syncthreads();
+        quant_v(reload, gscale[8]);
+    }
+    __syncthreads();  // the V^T image complete
     // V^T image out: 16-byte chunks, linear (the staging is already in the image layout)
     uint8_t* vdst = vimg + blk * kHopBN * D;
 #pragma unroll
@@ -479,7 +611,7 @@ struct HopSmem {
 };
 
 struct HopWs {
-    const int8_t* kimg; const float* kscale; const uint8_t* vimg; const float* vscale;
+    const int8_t* kimg; const float* kscale; const uint8_t* vimg; const float* vscale; const float* vfac;
     const float* kmean; const float* vmean; const int* kmflag; int* tilectr; int nkb; int nqb; int ntiles;
 };
 
@@ -709,6 +841,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         const int diag = skv - sq;
         const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
         const float* ksc = w.kscale + bhk * w.nkb * 4;
+        const float* vfc = w.vfac + bhk * w.nkb;  // per block: V's power-of-two factor over the base scale
         const int* kmf = mrow ? w.kmflag + (int64_t)b * w.nkb : nullptr;
         float o[D / 2];
 #pragma unroll
@@ -845,7 +978,10 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                                     hop_desc_make(dk + hop_desc_step(32 * k), hop_desc_hi(D)));
             wg_commit();
         };
-        // two-level accumulation: each block's P~V lands in its own accumulator (blk), then O = O * alpha + blk
+        // two-level accumulation: each block's P~V lands in its own accumulator (blk), then O = O * alpha + blk.
+        // V~ of block kb is V / (base vfac_kb): O and l are kept divided by the current block's vfac (the softmax's
+        // alpha times vfac_prev / vfac_kb, exact powers of two, and the block's row sums times 1 / vfac_kb), so O / l
+        // needs no factor at the end.
         auto issue_pv = [&](float (&blk)[kBlk], uint32_t (&pa)[4][4], int s) {
             const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
 #if SAGE_HOP_DIAG != 2
@@ -868,12 +1004,16 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 o[4 * (off + i) + 3] = o[4 * (off + i) + 3] * al1 + b[4 * i + 3];
             }
         };
-        auto merge = [&](const float (&blk)[kBlk], float al0, float al1) {
-            l0 = l0 * al0 + blk[D / 2];  // the block's row sums: columns D.. (row0: blk[D/2], row1: blk[D/2 + 2])
-            l1 = l1 * al1 + blk[D / 2 + 2];
+        auto merge = [&](const float (&blk)[kBlk], float al0, float al1, float vinv) {
+            l0 = l0 * al0 + blk[D / 2] * vinv;  // the block's row sums: columns D.. (row0: blk[D/2], row1: blk[D/2 + 2])
+            l1 = l1 * al1 + blk[D / 2 + 2] * vinv;
             fold(blk, 0, D / 8, al0, al1);
         };
         auto stage_of = [&](int i, uint32_t& ph) { ph = (uint32_t)(i / kHopStages) & 1u; return i % kHopStages; };
+        // powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
+        auto pow2_div = [](float a, float b) { return __int_as_float(__float_as_int(a) - __float_as_int(b) + 0x3f800000); };
+        auto pow2_inv = [](float b) { return __int_as_float(0x7f000000 - __float_as_int(b)); };
+        float vfac_prev = 1.f;
 
         // Software pipeline inside the warpgroup: S(kb) = Q K(kb)^T is issued together with P~(kb-1) V(kb-1), and the
         // softmax of S(kb) runs while the tensor cores still work on P~V. (Ping-pong turns between the two consumers,
@@ -882,6 +1022,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             // serial blocks: S(kb), softmax, P~V(kb), merge. While one warpgroup runs its softmax the other two
             // keep the tensor cores busy; no wgmma of its own is in flight during its ALU work (which would slow it)
             float kscale_next = nkb > 0 ? ksc[t4] : 0.f;
+            float vfac_next = nkb > 0 ? vfc[0] : 1.f;
             int kmask_next = kmf && nkb > 0 ? kmf[0] : 0;
             // causal: the tile's last blocks may lie wholly past this warpgroup's diagonal (nkb_own <= kb < nkb);
             // a warpgroup whose rows all lie past the sequence's end (the last tile) computes nothing
@@ -890,10 +1031,11 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             for (; kb < nkb_own; ++kb, ++it) {
                 uint32_t ph;
                 const int s = stage_of(it, ph);
-                const float kscale_cur = kscale_next;
+                const float kscale_cur = kscale_next, vfac_cur = vfac_next;
                 const int kmask_cur = kmask_next;
                 if (kb + 1 < nkb) {  // in flight during this block
                     kscale_next = ksc[(kb + 1) * 4 + t4];
+                    vfac_next = vfc[kb + 1];
                     if (kmf) kmask_next = kmf[kb + 1];
                 }
                 int acc[64];
@@ -911,6 +1053,12 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                     float sf[64];
                     softmax_block(acc, kb, kscale_cur, kmask_cur, sf, al0, al1);
                     pack_p(sf, pa);
+                }
+                {
+                    const float r = pow2_div(vfac_prev, vfac_cur);
+                    al0 *= r;
+                    al1 *= r;
+                    vfac_prev = vfac_cur;
                 }
                 HOP_LFENCE(pa);
                 HOP_LTRACE(kb, 3);
@@ -941,8 +1089,9 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                     auto issue_b = [&]() { issue_half(bb, dvb); };
                     auto merge_a = [&]() { fold(ba, 0, 8, al0, al1); };
                     auto merge_b = [&]() {
-                        l0 = l0 * al0 + bb[32];
-                        l1 = l1 * al1 + bb[34];
+                        const float vinv = pow2_inv(vfac_prev);
+                        l0 = l0 * al0 + bb[32] * vinv;
+                        l1 = l1 * al1 + bb[34] * vinv;
                         fold(bb, 8, 8, al0, al1);
                     };
                     // one half after the other (both in flight, or the second issued before the first merge:
@@ -969,7 +1118,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                     reg_fence(blk);
                     reg_fence(pa);
                     if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-                    merge(blk, al0, al1);
+                    merge(blk, al0, al1, pow2_inv(vfac_prev));
                 }
             }
             // blocks past the diagonal: only released, after they landed (an early arrival would count towards the
@@ -994,6 +1143,8 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             int s = stage_of(it, ph);
             float kscale_cur = ksc[t4];
             float kscale_next = nkb > 1 ? ksc[4 + t4] : 0.f;
+            float vfac_next = nkb > 1 ? vfc[1] : 1.f;
+            vfac_prev = vfc[0];  // O is 0 before block 0: no rescale
             int kmask_cur = kmf ? kmf[0] : 0;
             int kmask_next = kmf && nkb > 1 ? kmf[1] : 0;
             mbar_wait(bar_full + 8 * s, ph);
@@ -1012,8 +1163,10 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 const int sn = stage_of(it + 1, phn);
                 kscale_cur = kscale_next;
                 kmask_cur = kmask_next;
+                const float vfac_cur = vfac_next;
                 if (kb + 1 < nkb) {  // in flight during this block
                     kscale_next = ksc[(kb + 1) * 4 + t4];
+                    vfac_next = vfc[kb + 1];
                     if (kmf) kmask_next = kmf[kb + 1];
                 }
                 HOP_LTRACE(kb, 0);
@@ -1036,10 +1189,12 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 reg_fence(pa);
                 HOP_LTRACE(kb, 5);
                 if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-                merge(blk, al0, al1);
+                merge(blk, al0, al1, pow2_inv(vfac_prev));
                 pack_p(sf, pa);  // P~(kb-1)'s registers are rewritten only once its wgmma is complete
                 HOP_LTRACE(kb, 6);
-                al0 = bl0; al1 = bl1;
+                const float r = pow2_div(vfac_prev, vfac_cur);
+                vfac_prev = vfac_cur;
+                al0 = bl0 * r; al1 = bl1 * r;
                 s = sn; ++it;
             }
             wg_fence();
@@ -1048,7 +1203,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             reg_fence(blk);
             reg_fence(pa);
             if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-            merge(blk, al0, al1);
+            merge(blk, al0, al1, pow2_inv(vfac_prev));
             ++it;
         }
 
@@ -1226,21 +1381,18 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     float* kscale = reinterpret_cast<float*>(ws + L.kscale);
     uint8_t* vimg = ws + L.vimg;
     float* vscale = reinterpret_cast<float*>(ws + L.vscale);
-    float* kpart = reinterpret_cast<float*>(ws + L.kpart);
-    float* vpart = reinterpret_cast<float*>(ws + L.vpart);
+    float* vfac = reinterpret_cast<float*>(ws + L.vfac);
     float* kmean = reinterpret_cast<float*>(ws + L.kmean);
-    float* vmax = reinterpret_cast<float*>(ws + L.vmax);
     float* vmean = reinterpret_cast<float*>(ws + L.vmean);
-    const int bhk = p.B * p.Hkv, ns = L.nsplit, nkb = (int)L.nkb;
-    // the first kernel follows whatever the caller ran before: a plain launch; the next three with PDL
-    stats_kernel<D, T><<<dim3(ns, bhk, 2), kThreads, 0, st>>>(p, kpart, vpart, ns);
-    cudaError_t e = hop_launch_pdl(finalize_stats_kernel<D>, dim3(bhk), dim3(D), 0, st, p, (const float*)kpart,
-                                   (const float*)vpart, ns, kmean, vmax, vmean, 1,
-                                   reinterpret_cast<int*>(ws + L.tilectr));
+    const int bhk = p.B * p.Hkv, nkb = (int)L.nkb;
+    // the first kernel follows whatever the caller ran before: a plain launch; the next two with PDL
+    hopper_sample_stats_kernel<D, T><<<bhk, kHopStatThreads, 0, st>>>(p, kmean, vscale, vmean,
+                                                                       reinterpret_cast<int*>(ws + L.tilectr));
+    cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     int* kmflag = reinterpret_cast<int*>(ws + L.kmflag);
     e = hop_launch_pdl(hopper_quant_kv_kernel<D, T>, dim3(nkb, bhk), dim3(kHopKvThreads), 0, st, p,
-                       (const float*)kmean, (const float*)vmax, (const float*)vmean, kimg, kscale, vimg, vscale,
+                       (const float*)kmean, (const float*)vscale, (const float*)vmean, kimg, kscale, vimg, vfac,
                        kmflag, nkb);
     if (e != cudaSuccess) return (int)e;
 
@@ -1259,7 +1411,7 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     }
     HopWs w;
     w.kmflag = kmflag;
-    w.kimg = kimg; w.kscale = kscale; w.vimg = vimg; w.vscale = vscale; w.kmean = kmean; w.vmean = vmean;
+    w.kimg = kimg; w.kscale = kscale; w.vimg = vimg; w.vscale = vscale; w.vfac = vfac; w.kmean = kmean; w.vmean = vmean;
     w.tilectr = reinterpret_cast<int*>(ws + L.tilectr);
     w.nkb = nkb;
     w.nqb = (p.Sq + hop_bm(NWG) - 1) / hop_bm(NWG);

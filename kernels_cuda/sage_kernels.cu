@@ -326,12 +326,9 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float
 template <int D>
 __global__ void __launch_bounds__(D) finalize_stats_kernel(SageAttnParams p, const float* kpart, const float* vpart,
                                                            int nsplit, float* kmean, float* vmax, float* vmean,
-                                                           int do_v, int* zero = nullptr) {
-    pdl_wait();
-    pdl_launch_dependents();
+                                                           int do_v) {
     const int64_t bh = blockIdx.x;
     const int d = threadIdx.x;
-    if (zero && bh == 0 && d == 0) *zero = 0;  // the Hopper kernel's tile counter, reset in stream order
     const int skv = len_k(p, (int)(bh / p.Hkv));
     float s = 0.f;
     for (int j = 0; j < nsplit; ++j) s += kpart[(bh * nsplit + j) * D + d];

@@ -239,3 +239,75 @@ def test_operand_row_sums_make_the_output_a_true_weighted_average():
     assert torch.allclose(want, v[0, 0, 0], rtol=0.07, atol=0)  # V's own e4m3 rounding only
     plain = simulate(q, k, v, "8b", config=SimConfig(row_sum="p"))
     assert (plain - want).abs().max() > 1e-4
+
+
+# Sampled statistics (SimConfig.stats_sample: the Hopper kernel's pre-pass) ------------------------------------------
+
+_SAMPLED = dict(block_k=128, stats_sample=128)
+
+
+def test_sample_tokens_spread_over_the_sequence():
+    from sage_patch.reference.quant import sample_tokens
+
+    assert sample_tokens(1000, 128).tolist() == [i * 1000 // 128 for i in range(128)]
+    assert sample_tokens(50, 128).tolist() == list(range(50))  # short: every token
+    assert sample_tokens(0, 128).numel() == 0
+
+
+def test_sampled_v_blocks_never_saturate_and_factor_is_power_of_two():
+    from sage_patch.reference import quantize_fp8_sampled_blocks
+    from sage_patch.reference.quant import sample_tokens
+
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(1, 2, 1000, 64, generator=g) + 2.0 * torch.randn(64, generator=g)
+    v[0, 1, 77, 5] = 5000.0   # not a sampled token (multiples of 1000/128 are 0, 7, 15, ...: 77 is not one)
+    assert 77 not in sample_tokens(1000, 128).tolist()
+    q8, base = quantize_fp8_sampled_blocks(v, v.index_select(-2, sample_tokens(1000, 128)), 128)
+    deq = q8 * base
+    # the outlier's block got a factor (its values are no longer e4m3 multiples of base alone) and nothing clamped
+    assert abs(float(deq[0, 1, 77, 5]) - 5000.0) / 5000.0 <= 2.0 ** -4
+    rel = ((deq - v).abs() / v.abs().clamp(min=1e-3)).flatten()
+    assert float(rel.median()) < 0.04
+    # per block, q8 / c is representable in e4m3: c is a power of two >= 1
+    blk = q8[0, 1, 0:128]  # the outlier's block
+    c = torch.exp2(torch.ceil(torch.log2(blk.abs().amax() / 448.0)).clamp(min=0))
+    assert float(c) >= 2.0 and torch.equal(round_fp8_e4m3(blk / c), blk / c)
+    other = q8[0, 0, 0:128]  # a block without outliers: factor 1, values e4m3 as they are
+    assert torch.equal(round_fp8_e4m3(other), other) and float(other.abs().amax()) <= 448.0
+
+
+def test_sampled_statistics_accurate_with_outliers_outside_the_sample():
+    """Channel bias in K and V, plus one key the sample misses with a V row of 300 (the sampled base covers ~56)
+    that every query attends to (~6%): the block factor keeps it unsaturated (clamped to the base range the rows
+    would be off by ~15), so the error stays within 1.5x of exact per-channel statistics (whose scale maps this
+    row, each channel's max, exactly to 448; fp8 rounds it here)."""
+    q, k, v = structured_qkv(b=1, h=2, sq=256, skv=1000, d=64, seed=11)
+    k = k.clone()
+    v = v.clone()
+    k[:, :, 77] = 4.0 * q.mean(dim=2)  # every query attends to key 77
+    v[:, :, 77] = 300.0
+    ref = exact_attention(q, k, v)
+    sampled = compare(simulate(q, k, v, "8b", config=SimConfig(**_SAMPLED)), ref)
+    exact_stats = compare(simulate(q, k, v, "8b", config=SimConfig(block_k=128)), ref)
+    assert sampled["cos"] >= 0.999 and sampled["rel_l1"] <= 1.5 * exact_stats["rel_l1"], (sampled, exact_stats)
+    v_clamped = v.clone()
+    v_clamped[:, :, 77] = 56.0
+    assert compare(exact_attention(q, k, v_clamped), ref)["rel_l1"] > 0.5  # what saturation would cost
+
+
+@pytest.mark.parametrize("smooth_v", [False, True])
+def test_sampled_statistics_lse_and_smooth_v(smooth_v):
+    q, k, v = structured_qkv(b=1, h=2, sq=128, skv=777, d=64, seed=12)
+    ref, ref_lse = exact_attention(q, k, v, return_lse=True)
+    out, lse = simulate(q, k, v, "8b", smooth_v=smooth_v, return_lse=True, config=SimConfig(**_SAMPLED))
+    m = compare(out, ref)
+    assert m["cos"] >= 0.9995 and m["rel_l1"] <= 0.03, m
+    assert float((lse - ref_lse).abs().max()) <= 0.05  # the sampled K mean's q.mean is added back to the LSE
+
+
+def test_sampled_statistics_short_sequence_uses_every_token():
+    """skv <= 128: the sample is the whole sequence, so the K mean is the exact one (the LSE shift agrees)."""
+    q, k, v = structured_qkv(b=1, h=1, sq=64, skv=100, d=64, seed=13)
+    _, lse_s = simulate(q, k, v, "8b", return_lse=True, config=SimConfig(**_SAMPLED))
+    _, lse_e = simulate(q, k, v, "8b", return_lse=True, config=SimConfig(block_k=128))
+    assert float((lse_s - lse_e).abs().max()) <= 1e-3

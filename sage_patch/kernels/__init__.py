@@ -21,8 +21,9 @@ Implementations (see docs/kernels.md):
 - ``"cuda-wgmma-fp8pv"``: the sm_90a Hopper kernel (kernels_cuda/hopper_attn.cuh; "8b" only, the default on sm_90
   when the build has sm_90a): INT8 + FP8 wgmma, warp-specialized, 128-key blocks. Reference:
   ``reference_config(IMPL_WGMMA)`` = ``SimConfig(block_k=128, q_group=Grouping(16, 8, 1),
-  k_group=Grouping(128, 8, 2), pv="fp8", row_sum="operand")`` (the output is normalised by the tensor cores' sums
-  of the quantized P~). "4b" stays on the portable kernel there.
+  k_group=Grouping(128, 8, 2), pv="fp8", row_sum="operand", stats_sample=128)`` (the output is normalised by the
+  tensor cores' sums of the quantized P~; K/V means and V's base scale come from 128 evenly spaced tokens, V's
+  scale times a power of two per 128-key block). "4b" stays on the portable kernel there.
 
 Both implementations also run "4b" (SageAttention2-4b numerics: INT4 values in [-7, 7] with the same per-thread
 groups, Q smoothing per 128-row block with its fp32 Delta S correction; carried in INT8 mma.sync on every arch, see
@@ -54,6 +55,7 @@ IMPL_WGMMA = "cuda-wgmma-fp8pv"  # sm_90a Hopper kernel ("8b"): INT8 + FP8 wgmma
 HOPPER_Q_GROUPING_ARGS = (16, 8, 1)
 HOPPER_K_GROUPING_ARGS = (128, 8, 2)
 HOPPER_BLOCK_K = 128
+HOPPER_STATS_SAMPLE = 128  # tokens the Hopper path's K/V means and V base scale come from (kHopSample)
 
 _STATUS_CACHE: dict = {}
 _FORCE_PV = os.environ.get("SAGE_PATCH_PV", "").lower() or None  # read once (keeps traced code env-free)
@@ -419,7 +421,8 @@ def reference_config(impl: str = IMPL_FP8PV, head_dim: int = 128):
 
     if impl == IMPL_WGMMA:  # 64-row warpgroup tiles (rows g, g+8 of each warp's 16), 128-key blocks
         return SimConfig(block_k=HOPPER_BLOCK_K, q_group=Grouping(*HOPPER_Q_GROUPING_ARGS),
-                         k_group=Grouping(*HOPPER_K_GROUPING_ARGS), pv="fp8", row_sum="operand")
+                         k_group=Grouping(*HOPPER_K_GROUPING_ARGS), pv="fp8", row_sum="operand",
+                         stats_sample=HOPPER_STATS_SAMPLE)
     rows = q_group_rows(head_dim)
     return SimConfig(block_k=KERNEL_BLOCK_K, q_group=Grouping(rows, 8, 1), k_group=Grouping(*KERNEL_K_GROUPING_ARGS),
                      q_smooth_block=4 * rows, pv="fp16" if impl == IMPL_FP16PV else "fp8")

@@ -63,6 +63,51 @@ def quantize_fp8_per_channel(v: torch.Tensor):
     return round_fp8_e4m3(v.float() / safe), scale
 
 
+# Sampled statistics (SimConfig.stats_sample; the Hopper kernel's hopper_sample_stats_kernel and K/V pass)
+SAMPLED_V_HEADROOM = 8.0        # V's per-channel base scale: headroom x the sample's max |V| / 448
+SAMPLED_V_REL_FLOOR = 2.0 ** -10  # ... at least this x the largest channel's
+SAMPLED_V_ABS_FLOOR = 1e-20
+SAMPLED_V_MAX_EXP = 64          # a block's power-of-two factor is at most 2^64
+
+
+def sample_tokens(n_tokens: int, n: int, device=None) -> torch.Tensor:
+    """Indices of min(n, n_tokens) evenly spaced tokens: floor(i * n_tokens / ns)."""
+    ns = min(n, n_tokens)
+    return torch.div(torch.arange(ns, device=device, dtype=torch.int64) * n_tokens, max(ns, 1), rounding_mode="floor")
+
+
+def quantize_fp8_sampled_blocks(v: torch.Tensor, sample: torch.Tensor, block: int):
+    """FP8 E4M3 with a per-channel base scale from a sample of tokens and a power-of-two factor per block of
+    `block` tokens, so that no value saturates whatever the sample missed.
+
+    v: (..., S, D) fp32 (already smoothed); sample: (..., ns, D), rows of v. base = max(H a, H max_d a 2^-10,
+    1e-20) / 448 with a = the sample's max |v| per channel and H = SAMPLED_V_HEADROOM; a block's factor c = 2^e is
+    the least e >= 0 (<= 64) with max |v / base| <= 448 c over the block. Returns (e4m3(v / base / c) * c as fp32,
+    base (..., 1, D)): the operand times c is exact, so a block product needs only the per-channel base after it.
+    Arithmetic as the kernel's: x = v * (1 / base) in fp32, then x * 2^-e.
+    """
+    v = v.float()
+    if sample.shape[-2]:
+        a = sample.float().abs().amax(dim=-2, keepdim=True)
+    else:
+        a = torch.zeros(*v.shape[:-2], 1, v.shape[-1], device=v.device)
+    am = a.amax(dim=-1, keepdim=True)
+    base = torch.maximum(torch.maximum(SAMPLED_V_HEADROOM * a, SAMPLED_V_HEADROOM * am * SAMPLED_V_REL_FLOOR),
+                         torch.full_like(a, SAMPLED_V_ABS_FLOOR)) / FP8_E4M3_MAX
+    x = v * (1.0 / base)
+    s = v.shape[-2]
+    pad = (-s) % block
+    xb = torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(*x.shape[:-2], -1, block, x.shape[-1])
+    r = xb.abs().amax(dim=(-2, -1), keepdim=True)                        # (..., nblk, 1, 1)
+    mant, ex = torch.frexp(r / FP8_E4M3_MAX)                              # r / 448 = mant 2^ex, mant in [0.5, 1)
+    e = torch.where(mant == 0.5, ex - 1, ex)                              # ceil(log2(r / 448))
+    e = torch.where(torch.isinf(r), SAMPLED_V_MAX_EXP, e)
+    e = torch.where(r > FP8_E4M3_MAX, e.clamp(max=SAMPLED_V_MAX_EXP), torch.zeros_like(e)).float()
+    c = torch.exp2(e)
+    q = round_fp8_e4m3(xb * torch.exp2(-e)) * c
+    return q.reshape(*x.shape[:-2], -1, x.shape[-1])[..., :s, :], base
+
+
 def quantize_nvfp4(x: torch.Tensor, block: int = 16, global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """NVFP4 microscaling along the last dim: E2M1 values with one E4M3 scale per 1 x `block` group.
 

@@ -19,10 +19,12 @@ from .quant import (
     FP8_E4M3_MAX,
     nvfp4_tensor_scale,
     quantize_fp8_per_channel,
+    quantize_fp8_sampled_blocks,
     quantize_int,
     quantize_nvfp4,
     round_fp8_e4m3,
     round_mantissa,
+    sample_tokens,
 )
 
 QUANTIZED = ("8b", "4b", "fp4")
@@ -46,6 +48,10 @@ class SimConfig:
     p_scaling: str = "two_level"                # fp4 P~: "two_level" (row scale, then microscale) or "direct"
     row_sum: str = "p"                          # output normaliser: "p" (fp32 sum of p) or "operand" (the sum of
                                                 # the quantized P~, as the tensor cores take it); the LSE uses "p"
+    stats_sample: int = 0                       # 0: K/V means and V's fp8 scale from all tokens; n: means from n
+                                                # evenly spaced tokens (softmax is invariant to K's shift, V's is
+                                                # added back), V's scale a sampled per-channel base times a power of
+                                                # two per block_k block (quantize_fp8_sampled_blocks)
 
     def __post_init__(self):
         if self.block_k < 1 or self.block_k % self.fp4_block and self.block_k % 16:
@@ -56,6 +62,8 @@ class SimConfig:
             raise ValueError(f"p_scaling must be 'two_level' or 'direct', got {self.p_scaling!r}")
         if self.row_sum not in ("p", "operand"):
             raise ValueError(f"row_sum must be 'p' or 'operand', got {self.row_sum!r}")
+        if self.stats_sample < 0:
+            raise ValueError(f"stats_sample must be >= 0 (0: all tokens), got {self.stats_sample}")
 
 
 # A module-level default: torch.compile cannot build SimConfig() inside a graph (its Grouping defaults are objects
@@ -86,16 +94,20 @@ class _Quantized:
         self.precision, self.cfg = precision, cfg
         groups = q.shape[1] // k.shape[1]
         qf, kf, vf = q.float(), k.float(), v.float()
+        # the tokens the statistics come from: all, or cfg.stats_sample evenly spaced ones
+        idx = sample_tokens(kf.shape[-2], cfg.stats_sample, kf.device) if cfg.stats_sample else None
+        pick = (lambda x: x) if idx is None else (lambda x: x.index_select(-2, idx))
         self.lse_shift = None
         if cfg.smooth_k:
-            k_mean = kf.mean(dim=-2, keepdim=True)
+            k_mean = pick(kf).mean(dim=-2, keepdim=True)
             kf = kf - k_mean
             # Softmax ignores the per-row shift q.k_mean, the LSE does not: it is added back to the LSE.
             self.lse_shift = (qf @ _expand_kv(k_mean, groups).transpose(-1, -2)).squeeze(-1)
         self.v_mean = None
         if smooth_v:
-            self.v_mean = _expand_kv(vf.mean(dim=-2, keepdim=True), groups)
-            vf = vf - vf.mean(dim=-2, keepdim=True)
+            v_mean = pick(vf).mean(dim=-2, keepdim=True)
+            self.v_mean = _expand_kv(v_mean, groups)
+            vf = vf - v_mean
         smooth_q = cfg.smooth_q if cfg.smooth_q is not None else precision == "4b"
         self.q_mean = _q_smoothing(qf, cfg.q_smooth_block) if smooth_q and precision != "fp4" else None
         if self.q_mean is not None:
@@ -113,7 +125,10 @@ class _Quantized:
             self.q_scale = qs.gather(-1, qg.expand(*qs.shape[:-1], -1))           # (B, H, Sq)
             self.k_op = _expand_kv(ki, groups)
             self.k_scale = _expand_kv(ks.gather(-1, kg.expand(*ks.shape[:-1], -1)), groups)  # (B, H, Skv)
-            if cfg.pv == "fp8":
+            if cfg.pv == "fp8" and idx is not None:
+                v8, vs = quantize_fp8_sampled_blocks(vf, pick(vf), cfg.block_k)
+                self.v_op, self.v_scale = _expand_kv(v8, groups), _expand_kv(vs, groups)
+            elif cfg.pv == "fp8":
                 v8, vs = quantize_fp8_per_channel(vf)
                 self.v_op, self.v_scale = _expand_kv(v8, groups), _expand_kv(vs, groups)
             else:

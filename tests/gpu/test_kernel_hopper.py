@@ -157,3 +157,30 @@ def test_speed_routing_short_calls_run_sdpa(monkeypatch):
     out = sage_patch.attention(q, k, v, precision="8b", attn_mask=keep)
     ref, _ = K.attention(q, k, v, attn_mask=keep)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("d,dtype,smooth_v,value", [
+    (128, torch.float16, False, 300.0),
+    (64, torch.bfloat16, True, 3.0e5),
+    (128, torch.bfloat16, False, 1.0e20),   # vfac = 2^61, near its 2^64 bound
+])
+def test_hopper_v_outlier_outside_the_sample(d, dtype, smooth_v, value):
+    """V's base scale comes from 128 sampled tokens; a key the sample misses (77 of 1000) with a huge V row that
+    every query attends to must not saturate: its block gets a power-of-two factor (the K/V pass's rare path).
+    Kernel = simulation of the same numerics, and close to float64."""
+    q, k, v = make_qkv(1, 4, 4, 1000, 1000, d, dtype=dtype, seed=21)
+    k, v = k.clone(), v.clone()
+    k[:, :, 77] = (4.0 * q.float().mean(dim=2)).to(dtype)
+    v[:, :, 77] = value
+    out, lse = K.attention(q, k, v, pv="wgmma", smooth_v=smooth_v)
+    sim, sim_lse = simulate(q, k, v, "8b", return_lse=True, smooth_v=smooth_v,
+                            config=K.reference_config(K.IMPL_WGMMA, d))
+    m = compare(out, sim.to(dtype))
+    mex = compare(out, exact_attention(q, k, v))
+    res = {"case": f"hopper V outlier d{d} {dtype} smooth_v={smooth_v} value={value:g}", "sim_l1": m["rel_l1"],
+           "exact_cos": mex["cos"], "exact_l1": mex["rel_l1"], "lse_maxdiff": float((lse - sim_lse).abs().max())}
+    record(res)
+    assert torch.isfinite(out).all(), res
+    assert res["lse_maxdiff"] <= 0.02, res
+    assert m["rel_l1"] <= 2e-3, res
+    assert mex["cos"] >= 0.999, res
