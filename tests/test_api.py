@@ -194,8 +194,8 @@ def test_speed_routing_rule(monkeypatch):
     q, k = shapes(4096, 4096, 128)
     assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=False) is None
     assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=True) is None
-    q, k = shapes(4096, 4096, 64)
-    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=True)  # D=64 causal: from 5120
+    q, k = shapes(3584, 3584, 64)
+    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=True)  # D=64 causal: from 4096
     assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=False) is None
     q, k = shapes(8192, 1024, 128, layout="bshd")  # the shorter side decides; BSHD reads dim 1
     assert "1024" in K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bshd", is_causal=False)

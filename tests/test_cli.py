@@ -28,7 +28,7 @@ def test_info_shows_speed_routing(capsys, monkeypatch):
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert f"speed routing: {K.IMPL_WGMMA}" in out and "D=128 < 2048" in out and "D=128 causal < 3072" in out
+    assert f"speed routing: {K.IMPL_WGMMA}" in out and "D=128 < 2048" in out and "D=128 causal < 2560" in out
     monkeypatch.setattr(K, "SPEED_ROUTING", False)
     assert main(["info"]) == 0
     assert "speed routing: off" in capsys.readouterr().out

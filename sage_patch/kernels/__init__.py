@@ -66,11 +66,11 @@ QK_BITS = {"8b": 8, "4b": 4}
 _FORCE_QK_MMA = os.environ.get("SAGE_PATCH_QK_MMA", "").lower() or None
 # Speed routing: the shortest sequence (min of Sq, Skv) at which a kernel's whole call (pre-passes included) beats
 # torch SDPA (cuDNN), per (head dim, causal), measured on the H200 (B=4 H=32 fp16, docs/benchmarks.md "Hopper kernel,
-# twelfth session": D=128 non-causal 0.92x at 1.5K, 1.04x at 2K; causal 0.89x at 2.5K, 1.04x at 3K; D=64 non-causal
-# 0.99x at 2K, 1.08x at 2.5K; causal 0.97x at 4K, 1.05x at 5K). Shorter calls without a key-padding
+# fourteenth session": D=128 non-causal 0.97x at 1.75K, 1.15x at 2K; causal 0.98x at 2K, 1.06x at 2.5K; D=64
+# non-causal 0.98x at 1.75K, 1.02x at 2K; causal 0.98x at 3.5K, 1.02x at 4K). Shorter calls without a key-padding
 # mask run SDPA instead: faster there and exact. SAGE_PATCH_SPEED_ROUTING=0 (or SPEED_ROUTING = False) turns it off.
 SDPA_FASTER_BELOW: dict[str, dict[tuple[int, bool], int]] = {
-    IMPL_WGMMA: {(128, False): 2048, (128, True): 3072, (64, False): 2560, (64, True): 5120},
+    IMPL_WGMMA: {(128, False): 2048, (128, True): 2560, (64, False): 2048, (64, True): 4096},
 }
 SPEED_ROUTING = os.environ.get("SAGE_PATCH_SPEED_ROUTING", "1") != "0"
 
