@@ -28,6 +28,7 @@ static float frand(unsigned& s) {
 }
 
 static int g_qk_bits = 8, g_smooth_v = 0, g_qk_mma = 0;  // "4b" / smooth V / INT4 MMA variants
+static int g_v_outlier = 0;  // V key 77 = 300 in every head: the Hopper K/V pass's rare requantization path
 
 static int run(int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal, int pvm, int use_mask, int cc) {
     const size_t nq = (size_t)B * Hq * Sq * D, nk = (size_t)B * Hkv * Skv * D;
@@ -36,6 +37,9 @@ static int run(int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal, int p
     for (auto& x : hq) x = __float2half(2.f * frand(s));
     for (auto& x : hk) x = __float2half(2.f * frand(s) + 1.f);
     for (auto& x : hv) x = __float2half(2.f * frand(s) - 0.5f);
+    if (g_v_outlier && Skv > 77)
+        for (size_t r = 0; r < (size_t)B * Hkv; ++r)
+            for (int d = 0; d < D; ++d) hv[(r * Skv + 77) * D + d] = __float2half(300.f);
     std::vector<unsigned char> hm((size_t)B * Skv, 1);
     if (use_mask) {
         for (int j = Skv / 2; j < Skv; ++j) hm[j] = 0;          // batch 0: padded tail
@@ -72,9 +76,9 @@ static int run(int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal, int p
     size_t bad = 0;
     double sum = 0;
     for (auto x : ho) { float f = __half2float(x); if (!std::isfinite(f)) ++bad; else sum += std::fabs(f); }
-    std::printf("B%d H%d/%d Sq%d Skv%d D%d causal%d pv_mode=%d mask%d qk_bits=%d smooth_v=%d qk_mma=%d: non-finite %zu, "
-                "mean|o| %.4f\n", B, Hq, Hkv, Sq, Skv, D, causal, pvm, use_mask, g_qk_bits, g_smooth_v, g_qk_mma, bad,
-                sum / nq);
+    std::printf("B%d H%d/%d Sq%d Skv%d D%d causal%d pv_mode=%d mask%d qk_bits=%d smooth_v=%d qk_mma=%d v_outlier=%d: "
+                "non-finite %zu, mean|o| %.4f\n", B, Hq, Hkv, Sq, Skv, D, causal, pvm, use_mask, g_qk_bits, g_smooth_v,
+                g_qk_mma, g_v_outlier, bad, sum / nq);
     CK(cudaFree(dq)); CK(cudaFree(dk)); CK(cudaFree(dv)); CK(cudaFree(dout)); CK(cudaFree(dlse));
     CK(cudaFree(dmask)); CK(cudaFree(dws));
     return bad ? 1 : 0;
@@ -96,7 +100,11 @@ int main() {
         g_smooth_v = 1;
         fails += run(2, 4, 2, 300, 1000, 128, 1, 3, 1, cc);
         fails += run(1, 150, 150, 128, 128, 64, 0, 3, 0, cc);  // 150 tiles > 132 CTAs
+        g_v_outlier = 1;
+        fails += run(1, 2, 2, 200, 1000, 64, 0, 3, 1, cc);
         g_smooth_v = 0;
+        fails += run(1, 2, 1, 200, 1000, 128, 1, 3, 0, cc);
+        g_v_outlier = 0;
     }
     // "4b" (INT8 and INT4 MMA) with smooth V
     for (int qm = 0; qm < 2; ++qm) {
