@@ -261,14 +261,18 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
     // only: each lane starts at its own channel (rotation rot = cc / 4), which spreads them over 8 (4-way bank
     // conflicts -> 2-way)
     const int rot = (cc >> 2) & 3;
+    // a lane's 8 V values with their channels' 1 / base scale and mean
+    auto v_in = [&](const uint4& u, float (&y)[8], float (&vi)[8], float (&vm)[8]) {
+        raw8_to_float<T>(u, y);
+        chan(1, vi);
+        chan(2, vm);
+    };
     auto quant_v = [&](auto raw, float vinv) {  // raw(i): the lane's 16 bytes of load i
         uint32_t sat = 0u;
 #pragma unroll
         for (int i = 0; i < NI; ++i) {
             float y[8], vm[8], vi[8];
-            raw8_to_float<T>(raw(i), y);
-            chan(1, vi);
-            chan(2, vm);
+            v_in(raw(i), y, vi, vm);
             const int c = c0 + KPI * i, slot = (c & ~31) | hop_slot_of_key(c & 31);
             const bool ok = valid(i);
 #pragma unroll
@@ -381,9 +385,7 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
 #pragma unroll
         for (int i = 0; i < NI; ++i) {
             float y[8], vm[8], vi[8];
-            raw8_to_float<T>(reload(i), y);
-            chan(1, vi);
-            chan(2, vm);
+            v_in(reload(i), y, vi, vm);
 #pragma unroll
             for (int e = 0; e < 8; ++e) r = valid(i) ? fmaxf(r, fabsf((y[e] - vm[e]) * vi[e])) : r;
         }
