@@ -317,11 +317,9 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
 #pragma unroll
         for (int g = 0; g < 4; ++g) gm[g] = grp == g ? fmaxf(gm[g], am) : gm[g];
     }
+    // warp maxima in one redux each (the values are >= 0: their bit patterns order as unsigned integers)
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) gm[g] = fmaxf(gm[g], __shfl_xor_sync(0xffffffffu, gm[g], o));
-    }
+    for (int g = 0; g < 4; ++g) gm[g] = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(gm[g])));
     if (lane == 0) {
 #pragma unroll
         for (int g = 0; g < 4; ++g) wmax[warp][g] = gm[g];
