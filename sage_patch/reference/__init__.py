@@ -14,6 +14,6 @@ from .simulate import QUANTIZED, SimConfig, simulate
 
 __all__ = [
     "exact_attention", "simulate", "SimConfig", "Grouping", "MMA_Q_GROUPING", "MMA_K_GROUPING", "QUANTIZED",
-    "quantize_int", "quantize_fp8_per_channel", "quantize_fp8_sampled_blocks", "quantize_nvfp4", "round_fp8_e4m3", "round_fp4_e2m1",
-    "round_mantissa",
+    "quantize_int", "quantize_fp8_per_channel", "quantize_fp8_sampled_blocks", "quantize_nvfp4", "round_fp8_e4m3",
+    "round_fp4_e2m1", "round_mantissa",
 ]
