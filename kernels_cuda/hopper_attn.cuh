@@ -261,6 +261,17 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
     // only: each lane starts at its own channel (rotation rot = cc / 4), which spreads them over 8 (4-way bank
     // conflicts -> 2-way)
     const int rot = (cc >> 2) & 3;
+    // byte j's image offset for key slot c: hop_img_off(row_j, c, 128) = (row_j * 128 | ((row_j & 7) << 4)) ^ c (the
+    // 128B swizzle XORs the chunk index; c < 128 stays in the low 7 bits), row_j = hop_vcol(d0 + (j + rot) % 8)
+#if SAGE_HOP_SWIZZLE
+    static_assert(kHopBN == 128, "vrow: 128-byte V^T rows");
+    int vrow[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int row = hop_vcol(d0 + ((j + rot) & 7));
+        vrow[j] = row * kHopBN | ((row & 7) << 4);
+    }
+#endif
     // a lane's 8 V values with their channels' 1 / base scale and mean
     auto v_in = [&](const uint4& u, float (&y)[8], float (&vi)[8], float (&vm)[8]) {
         raw8_to_float<T>(u, y);
@@ -294,8 +305,12 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
             const uint32_t lo = __funnelshift_r(wv[0], wv[1], 8 * rot), hi = __funnelshift_r(wv[1], wv[0], 8 * rot);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const int row = hop_vcol(d0 + ((j + rot) & 7));
-                vt[hop_img_off(row, slot, kHopBN)] = (uint8_t)(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xff);
+#if SAGE_HOP_SWIZZLE
+                const int off = vrow[j] ^ slot;
+#else
+                const int off = hop_img_off(hop_vcol(d0 + ((j + rot) & 7)), slot, kHopBN);
+#endif
+                vt[off] = (uint8_t)(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xff);
             }
         }
         return sat;
