@@ -252,7 +252,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // smooth_v partial sum, max and min of V (max|V - mean| = max(max - mean, mean - min) exactly: rounding is monotone).
 template <int D, typename T>
 __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float* kpart, float* vpart, int nsplit) {
-    pdl_launch_dependents();
     constexpr int NC = D / 8, NR = kThreads / NC;
     __shared__ float red[3][NR][D];
     const int z = blockIdx.z, bh = blockIdx.y, split = blockIdx.x;
