@@ -83,14 +83,59 @@ __host__ __device__ constexpr int hop_slot_of_key(int k) {
 // involution: V^T row hop_vcol(d) holds channel d.
 __host__ __device__ constexpr int hop_vcol(int j) { return (j & ~0x1E) | ((j >> 2) & 6) | ((j << 2) & 0x18); }
 
+inline int hop_num_sms(int dev) {
+    static int cache[64] = {};
+    if (dev >= 0 && dev < 64 && cache[dev] > 0) return cache[dev];
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 132;
+    if (dev >= 0 && dev < 64) cache[dev] = n;
+    return n;
+}
+
+// Split tail. The persistent grid (one CTA per SM) runs equal non-causal tiles in waves; the ntiles mod nsm tiles of
+// the last wave leave the other SMs idle for a whole tile (Flux, B=1 H=24 N=4608: 576 tiles on 132 SMs, the 5th wave
+// 36% full). Those tiles are split along the keys into `parts` items of consecutive 128-key blocks, each on its own
+// CTA: an item writes its rows' normalised partial output and log2 row sum to the workspace, and the last of a
+// tile's parts to finish (a counter per tile and consumer) combines them in part order (deterministic) and stores
+// the output. Not for causal (heavy-first order already balances), varlen or LSE calls. Items: tiles 0 .. nfull - 1
+// whole, then the parts of tiles nfull .. ntiles - 1 (part-major within a tile).
+#ifndef SAGE_HOP_SPLIT_MAX
+#define SAGE_HOP_SPLIT_MAX 4
+#endif
+inline int g_hop_split_max = SAGE_HOP_SPLIT_MAX;  // most parts per tile (1: no split); sage_hop_set_split_max
+constexpr int kHopMinPartBlocks = 4;      // a part's fixed costs (Q prologue, epilogue, combine) ~ 2 blocks
+constexpr int kHopMaxParts = 4;           // (HopWs::pkb)
+struct HopPlan { int nqb, ntiles, nsplit, parts, nitems; };
+inline HopPlan hop_plan(const SageAttnParams& p) {
+    const int nwg = hop_nwg(p.D), bm = hop_bm(nwg), nsm = hop_num_sms(p.device);
+    const int nkb = (p.Skv + kHopBN - 1) / kHopBN;
+    HopPlan P;
+    P.nqb = (p.Sq + bm - 1) / bm;
+    P.ntiles = P.nqb * p.B * p.Hq;
+    P.nsplit = 0;
+    P.parts = 1;
+    const int rem = P.ntiles % nsm;
+    if (!p.causal && !p.cu_seqlens_q && !p.lse && nwg != 2 && rem > 0) {
+        int parts = nsm / rem < g_hop_split_max ? nsm / rem : g_hop_split_max;
+        parts = parts < kHopMaxParts ? parts : kHopMaxParts;
+        parts = nkb / kHopMinPartBlocks < parts ? nkb / kHopMinPartBlocks : parts;
+        if (parts >= 2) { P.nsplit = rem; P.parts = parts; }
+    }
+    P.nitems = P.ntiles + P.nsplit * (P.parts - 1);
+    return P;
+}
+
 struct HopLayout {
     int64_t nkb;  // 128-key blocks per (b, kv-head)
-    int64_t kimg, kscale, vimg, vscale, vfac, kmean, vmean, kmflag, tilectr, total;
+    int64_t kimg, kscale, vimg, vscale, vfac, kmean, vmean, kmflag, tilectr, part, total;
+    int nzero;    // ints from tilectr on that the statistics kernel zeroes: the tile counter, the split counters
 };
 
 inline HopLayout make_hop_layout(const SageAttnParams& p) {
     HopLayout L;
     L.nkb = (p.Skv + kHopBN - 1) / kHopBN;
+    const HopPlan P = hop_plan(p);
+    const int nwg = hop_nwg(p.D);
     const int64_t bhk = (int64_t)p.B * p.Hkv, D = p.D;
     int64_t off = 0;
     L.kimg = off;   off = align256(off + bhk * L.nkb * kHopBN * D);
@@ -101,7 +146,11 @@ inline HopLayout make_hop_layout(const SageAttnParams& p) {
     L.kmean = off;  off = align256(off + bhk * D * 4);
     L.vmean = off;  off = align256(off + bhk * D * 4);
     L.kmflag = off; off = align256(off + (p.kmask ? (int64_t)p.B * L.nkb * 4 : 0));
-    L.tilectr = off; off = align256(off + 4);  // dynamic tile scheduler's counter (zeroed by the sample statistics kernel)
+    // the dynamic tile scheduler's counter, then one arrival counter per split tile and consumer
+    L.nzero = 1 + P.nsplit * nwg;
+    L.tilectr = off; off = align256(off + 4 * L.nzero);
+    // split parts' partials: per (split tile, part, consumer) D/8 + 1 float4 per thread (normalised output, log2 sums)
+    L.part = off;   off = align256(off + (int64_t)P.nsplit * P.parts * nwg * (p.D / 8 + 1) * 128 * 16);
     L.total = off;
     return L;
 }
@@ -142,13 +191,15 @@ constexpr int kHopVMaxExp = 64;             // vfac <= 2^64 (larger values satur
 constexpr int kHopStatThreads = 256;
 template <int D, typename T>
 __global__ void __launch_bounds__(kHopStatThreads) hopper_sample_stats_kernel(SageAttnParams p, float* kmean,
-                                                                              float* vscale, float* vmean, int* zero) {
+                                                                              float* vscale, float* vmean, int* zero,
+                                                                              int nzero) {
     pdl_launch_dependents();
     constexpr int LPK = D / 8, RPP = kHopStatThreads / LPK;  // lanes per row (8 channels each), rows per pass
     __shared__ float red[4][RPP][D];  // per row slot: K sum, V sum, V max, V min
     __shared__ float wmx[D / 32];
     const int bh = blockIdx.x, b = bh / p.Hkv, h = bh % p.Hkv;
-    if (zero && bh == 0 && threadIdx.x == 0) *zero = 0;  // the attention kernel's tile counter, reset in stream order
+    if (zero && bh == 0)  // the attention kernel's tile and split counters, reset in stream order
+        for (int i = threadIdx.x; i < nzero; i += kHopStatThreads) zero[i] = 0;
     const int skv = len_k(p, b), ns = min(skv, kHopSample);
     const int cc = threadIdx.x % LPK, rr = threadIdx.x / LPK;
     const T* kb = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok0_k(p, b) * p.k_ss + 8 * cc;
@@ -621,14 +672,33 @@ struct HopSmem {
     static constexpr int BAR_OFF = EPI_OFF + NWG * 2 * EPI_FLOATS * 4;
     static constexpr int TBAR_OFF = BAR_OFF + 2 * kHopStages * 8;  // tile ring: full / empty mbarriers
     static constexpr int TILE_OFF = TBAR_OFF + 2 * kHopTileRing * 8;  // tile ring: tile indices
-    static constexpr int TOTAL = TILE_OFF + kHopTileRing * 4 + 1024;  // + slack to align the images to 1024 bytes
+    static constexpr int FLAG_OFF = TILE_OFF + kHopTileRing * 4;  // per consumer: its split counter's old value
+    static constexpr int TOTAL = FLAG_OFF + NWG * 4 + 1024;  // + slack to align the images to 1024 bytes
     static_assert(TOTAL < (1 << 18), "descriptor low words (hop_desc_step) assume shared addresses < 2^18");
 };
 
 struct HopWs {
     const int8_t* kimg; const float* kscale; const uint8_t* vimg; const float* vscale; const float* vfac;
-    const float* kmean; const float* vmean; const int* kmflag; int* tilectr; int nkb; int nqb; int ntiles;
+    const float* kmean; const float* vmean; const int* kmflag; int* tilectr; int nkb; int nqb;
+    float4* part; int* splitctr;  // split tail (hop_plan): partials, arrival counters
+    int nitems, nfull, parts;     // work items; items < nfull are whole tiles
+    uint32_t pmul;                // ceil(2^32 / parts): u / parts as one multiply-high (no division per tile)
+    int pkb[kHopMaxParts + 1];    // part j of a split tile: blocks pkb[j] .. pkb[j + 1] - 1 (their nkb is w.nkb)
 };
+// work item -> tile, and for a part of a split tile its index among the split tiles (else -1) and part number
+struct HopItem { int tile, split, part; };
+__device__ __forceinline__ HopItem hop_item(int t, const HopWs& w) {
+    if (t < w.nfull) return HopItem{t, -1, 0};
+    const int u = t - w.nfull, sp = (int)__umulhi((uint32_t)u, w.pmul);
+    return HopItem{w.nfull + sp, sp, u - sp * w.parts};
+}
+// blocks [kb0, kb1) of an item whose tile has nkb blocks
+__device__ __forceinline__ int hop_part_kb0(const HopItem& it, const HopWs& w) {
+    return it.split < 0 ? 0 : w.pkb[it.part];
+}
+__device__ __forceinline__ int hop_part_kb1(const HopItem& it, int nkb, const HopWs& w) {
+    return it.split < 0 ? nkb : w.pkb[it.part + 1];
+}
 
 #ifndef SAGE_HOP_TRACE
 #define SAGE_HOP_TRACE 0  // diagnostics: clock64 per phase of each CTA's first tiles (sage_hop_trace_read)
@@ -698,26 +768,28 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
         if (threadIdx.x != 0) return;
         int it = 0, ti = 0;
-        auto publish = [&](int t) {  // hand tile t (>= ntiles: no more) to the consumers
+        auto publish = [&](int t) {  // hand work item t (>= nitems: no more) to the consumers
             const int r = ti % kHopTileRing;
             mbar_wait(tbar_empty + 8 * r, ((uint32_t)(ti / kHopTileRing) & 1u) ^ 1u);
             tring[r] = t;
             mbar_arrive(tbar_full + 8 * r);
             ++ti;
         };
-        for (int t = blockIdx.x; t < w.ntiles;) {
+        for (int t = blockIdx.x; t < w.nitems;) {
 #if SAGE_HOP_DYNAMIC
             const int tn = (int)gridDim.x + atomicAdd(w.tilectr, 1);  // in flight while this tile's loads issue
 #else
             const int tn = t + (int)gridDim.x;
 #endif
-            const HopTile tl = hop_tile(t, p.B, p.Hq, w.nqb);
+            const HopItem itm = hop_item(t, w);
+            const HopTile tl = hop_tile(itm.tile, p.B, p.Hq, w.nqb);
             const int sq = len_q(p, tl.b), skv = len_k(p, tl.b), q0 = tl.qb * BM;
             if (q0 >= sq) { t = tn; continue; }  // varlen: past this sequence's end
             publish(t);
             const int nkb = hop_num_kv_blocks(p, q0, BM, sq, skv);
             const int64_t blk0 = ((int64_t)tl.b * p.Hkv + tl.h / group) * w.nkb;
-            for (int kb = 0; kb < nkb; ++kb, ++it) {
+            const int kb1 = hop_part_kb1(itm, nkb, w);
+            for (int kb = hop_part_kb0(itm, w); kb < kb1; ++kb, ++it) {
                 const int s = it % kHopStages;
                 const uint32_t ph = (uint32_t)(it / kHopStages) & 1u;
                 mbar_wait(bar_empty + 8 * s, ph ^ 1u);
@@ -727,7 +799,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             }
             t = tn;
         }
-        publish(w.ntiles);
+        publish(w.nitems);
         return;
     }
 
@@ -752,10 +824,15 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     constexpr int kBlk = hop_pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
     // The next tile's Q rows, K mean and V scale/mean are loaded into registers before the current tile's epilogue,
     // so their latency hides under it (the prologue used to wait on them with the tensor cores idle).
+    // q . mean(K) per row (K's smoothing shift) only enters the LSE: without one the prologue skips it
+#ifndef SAGE_HOP_NOQSHIFT
+#define SAGE_HOP_NOQSHIFT 1
+#endif
+    constexpr bool kQShift = LSE || !SAGE_HOP_NOQSHIFT;
     constexpr int QC = D / 4;  // Q channels per lane: the 8-channel chunks 4c + t4 (a quad reads 64 contiguous bytes)
     struct Pre { uint4 q0[QC / 8], q1[QC / 8]; float vsc, vmn, km; };  // km, vsc, vmn: channel ltid
     int ci = 0;
-    auto take_tile = [&]() {  // the next tile from the producer (>= ntiles: no more)
+    auto take_tile = [&]() {  // the next work item from the producer (>= nitems: no more)
         const int r = ci % kHopTileRing;
         mbar_wait(tbar_full + 8 * r, (uint32_t)(ci / kHopTileRing) & 1u);
         const int t = tring[r];
@@ -765,7 +842,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         return t;
     };
     auto prefetch = [&](int t, Pre& pf) {
-        const HopTile x = hop_tile(t, p.B, p.Hq, w.nqb);
+        const HopTile x = hop_tile(hop_item(t, w).tile, p.B, p.Hq, w.nqb);
         const int sqx = len_q(p, x.b), r0 = x.qb * BM + cw * 64 + lrow0;
         const int64_t hk = (int64_t)x.b * p.Hkv + x.h / group;
         const T* qb = static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + tok0_q(p, x.b) * p.q_ss + 8 * t4;
@@ -775,7 +852,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             pf.q1[j] = r0 + 8 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)(r0 + 8) * p.q_ss + 32 * j)
                                     : make_uint4(0, 0, 0, 0);
         }
-        pf.km = ltid < D ? w.kmean[hk * D + ltid] : 0.f;
+        pf.km = ltid < D && kQShift ? w.kmean[hk * D + ltid] : 0.f;
         pf.vsc = ltid < D ? w.vscale[hk * D + ltid] : 0.f;
         pf.vmn = ltid < D && p.smooth_v ? w.vmean[hk * D + ltid] : 0.f;
     };
@@ -784,12 +861,15 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
 #if SAGE_HOP_TRACE
     int ntrace = 0;
 #endif
-    if (tt < w.ntiles) prefetch(tt, pf);
-    while (tt < w.ntiles) {
-        const HopTile tl = hop_tile(tt, p.B, p.Hq, w.nqb);
+    if (tt < w.nitems) prefetch(tt, pf);
+    while (tt < w.nitems) {
+        const HopItem itm = hop_item(tt, w);
+        const HopTile tl = hop_tile(itm.tile, p.B, p.Hq, w.nqb);
         const int b = tl.b, h = tl.h;
         const int sq = len_q(p, b), skv = len_k(p, b), q0 = tl.qb * BM;
         const int nkb = hop_num_kv_blocks(p, q0, BM, sq, skv);
+        // this item's blocks (a whole tile: 0 .. nkb - 1); the 2-consumer loop below runs whole tiles only (hop_plan)
+        const int kb0 = hop_part_kb0(itm, w), kb1 = hop_part_kb1(itm, nkb, w);
         const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + h / group;
         const int row0 = q0 + cw * 64 + lrow0, row1 = row0 + 8;
         HOP_TRACE(0, clock64());
@@ -804,9 +884,9 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             if (ltid < D) {
                 se[ltid] = pf.vsc;
                 se[D + ltid] = pf.vmn;
-                se[2 * D + ltid] = pf.km;
+                if constexpr (kQShift) se[2 * D + ltid] = pf.km;
             }
-            named_sync(1 + cw, 128);
+            named_sync(1 + cw, 128);  // (also: every warp's last wgmma on the previous Q image is complete)
             float x0[QC], x1[QC];
 #pragma unroll
             for (int j = 0; j < QC / 8; ++j) {
@@ -816,16 +896,20 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             float am = 0.f;
 #pragma unroll
             for (int j = 0; j < QC; ++j) {
-                const float m = se[2 * D + 32 * (j >> 3) + 8 * t4 + (j & 7)];
-                qshift0 = fmaf(x0[j], m, qshift0);
-                qshift1 = fmaf(x1[j], m, qshift1);
+                if constexpr (kQShift) {
+                    const float m = se[2 * D + 32 * (j >> 3) + 8 * t4 + (j & 7)];
+                    qshift0 = fmaf(x0[j], m, qshift0);
+                    qshift1 = fmaf(x1[j], m, qshift1);
+                }
                 am = fmaxf(am, fmaxf(fabsf(x0[j]), fabsf(x1[j])));
             }
 #pragma unroll
             for (int o = 1; o <= 2; o <<= 1) {
                 am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-                qshift0 += __shfl_xor_sync(0xffffffffu, qshift0, o);
-                qshift1 += __shfl_xor_sync(0xffffffffu, qshift1, o);
+                if constexpr (kQShift) {
+                    qshift0 += __shfl_xor_sync(0xffffffffu, qshift0, o);
+                    qshift1 += __shfl_xor_sync(0xffffffffu, qshift1, o);
+                }
             }
             const float sc = am / 127.f, inv = sc > 0.f ? 1.f / sc : 0.f;
             qs = sc * p.sm_scale * kLog2e;
@@ -1036,19 +1120,20 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         if constexpr (NWG != 2) {
             // serial blocks: S(kb), softmax, P~V(kb), merge. While one warpgroup runs its softmax the other two
             // keep the tensor cores busy; no wgmma of its own is in flight during its ALU work (which would slow it)
-            float kscale_next = nkb > 0 ? ksc[t4] : 0.f;
-            float vfac_next = nkb > 0 ? vfc[0] : 1.f;
-            int kmask_next = kmf && nkb > 0 ? kmf[0] : 0;
+            float kscale_next = kb1 > kb0 ? ksc[kb0 * 4 + t4] : 0.f;
+            float vfac_next = kb1 > kb0 ? vfc[kb0] : 1.f;
+            int kmask_next = kmf && kb1 > kb0 ? kmf[kb0] : 0;
             // causal: the tile's last blocks may lie wholly past this warpgroup's diagonal (nkb_own <= kb < nkb);
             // a warpgroup whose rows all lie past the sequence's end (the last tile) computes nothing
             const int nkb_own = wrow_min < sq ? hop_num_kv_blocks(p, wrow_min, 64, sq, skv) : 0;
-            int kb = 0;
-            for (; kb < nkb_own; ++kb, ++it) {
+            const int kend = min(nkb_own, kb1);
+            int kb = kb0;
+            for (; kb < kend; ++kb, ++it) {
                 uint32_t ph;
                 const int s = stage_of(it, ph);
                 const float kscale_cur = kscale_next, vfac_cur = vfac_next;
                 const int kmask_cur = kmask_next;
-                if (kb + 1 < nkb) {  // in flight during this block
+                if (kb + 1 < kb1) {  // in flight during this block
                     kscale_next = ksc[(kb + 1) * 4 + t4];
                     vfac_next = vfc[kb + 1];
                     if (kmf) kmask_next = kmf[kb + 1];
@@ -1138,7 +1223,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             }
             // blocks past the diagonal: only released, after they landed (an early arrival would count towards the
             // stage's previous use). A separate loop keeps the main loop's code as it is without causal masks.
-            for (; kb < nkb; ++kb, ++it) {
+            for (; kb < kb1; ++kb, ++it) {
                 uint32_t ph;
                 const int s = stage_of(it, ph);
                 mbar_wait(bar_full + 8 * s, ph);
@@ -1222,11 +1307,66 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             ++it;
         }
 
+        // ---- split tail: a part's rows as normalised partial output + log2 row sum; the last part to arrive
+        // combines all parts (in part order: deterministic) into o, l and stores below; the others store nothing
+        bool skip = false;
+        const HopItem sit = hop_item(tt, w);  // again: kept live across the loop it costs D=64 registers
+        if (!LSE && sit.split >= 0) {  // (hop_plan splits no LSE call)
+            constexpr int kSlot = (D / 8 + 1) * 128;  // float4 per (part, consumer): D/8 per thread + the sums
+            const int64_t pstride = (int64_t)NWG * kSlot;
+            float4* mine = w.part + ((int64_t)sit.split * w.parts * NWG + cw) * kSlot + ltid;
+            {
+                const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+                float4* dst = mine + sit.part * pstride;
+#pragma unroll
+                for (int i = 0; i < D / 8; ++i)
+                    dst[i * 128] = make_float4(o[4 * i] * i0, o[4 * i + 1] * i0, o[4 * i + 2] * i1, o[4 * i + 3] * i1);
+                // l is kept divided by the last block's vfac: the row's sum of 2^(score - m) is l vfac / 448
+                dst[(D / 8) * 128] = make_float4(l0 > 0.f ? m0 + log2f(l0 * vfac_prev) : -INFINITY,
+                                                 l1 > 0.f ? m1 + log2f(l1 * vfac_prev) : -INFINITY, 0.f, 0.f);
+            }
+            __threadfence();  // the partial is visible before the arrival is counted
+            named_sync(1 + cw, 128);
+            volatile int* flag = reinterpret_cast<volatile int*>(hsmem + S::FLAG_OFF) + cw;
+            if (ltid == 0) *flag = atomicAdd(w.splitctr + sit.split * NWG + cw, 1);
+            named_sync(1 + cw, 128);
+            skip = *flag != w.parts - 1;
+            if (!skip) {
+                __threadfence();
+                float mx0 = -INFINITY, mx1 = -INFINITY;
+                for (int q = 0; q < w.parts; ++q) {
+                    const float4 lq = __ldcg(mine + q * pstride + (D / 8) * 128);
+                    mx0 = fmaxf(mx0, lq.x);
+                    mx1 = fmaxf(mx1, lq.y);
+                }
+                const float mu0 = mx0 == -INFINITY ? 0.f : mx0, mu1 = mx1 == -INFINITY ? 0.f : mx1;
+#pragma unroll
+                for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+                l0 = 0.f;
+                l1 = 0.f;
+                for (int q = 0; q < w.parts; ++q) {
+                    const float4* src = mine + q * pstride;
+                    const float4 lq = __ldcg(src + (D / 8) * 128);
+                    const float a0 = exp2f(lq.x - mu0), a1 = exp2f(lq.y - mu1);  // 0 for a part without keys
+                    l0 += a0;
+                    l1 += a1;
+#pragma unroll
+                    for (int i = 0; i < D / 8; ++i) {
+                        const float4 y = __ldcg(src + i * 128);
+                        o[4 * i] = fmaf(a0, y.x, o[4 * i]);
+                        o[4 * i + 1] = fmaf(a0, y.y, o[4 * i + 1]);
+                        o[4 * i + 2] = fmaf(a1, y.z, o[4 * i + 2]);
+                        o[4 * i + 3] = fmaf(a1, y.w, o[4 * i + 3]);
+                    }
+                }
+            }
+        }
+
         HOP_TRACE(3, clock64());
         const int tnext = take_tile();
         // in flight during the epilogue; unconditional (the current tile again after the last one) so that the
         // compiler sees pf redefined every iteration and does not keep it alive across the main loop
-        prefetch(tnext < w.ntiles ? tnext : tt, pf);
+        prefetch(tnext < w.nitems ? tnext : tt, pf);
 
         // ---- epilogue
 
@@ -1234,7 +1374,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh + tok0_q(p, b) * p.o_ss;
         T* O0 = O + (int64_t)row0 * p.o_ss + 8 * t4;
         T* O1 = O + (int64_t)row1 * p.o_ss + 8 * t4;
-        const bool st0 = row0 < sq, st1 = row1 < sq;
+        const bool st0 = row0 < sq && !skip, st1 = row1 < sq && !skip;
         // smooth V: + mean(V) on rows that attended to something (the staged mean is 0 without smooth V)
         const float f0 = l0 > 0.f ? 1.f : 0.f, f1 = l1 > 0.f ? 1.f : 0.f;
 #pragma unroll
@@ -1257,7 +1397,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             ls1 += __shfl_xor_sync(0xffffffffu, ls1, 1);
             ls1 += __shfl_xor_sync(0xffffffffu, ls1, 2);
         }
-        if (LSE && t4 == 0) {
+        if (LSE && t4 == 0 && !skip) {
             float* L = p.cu_seqlens_q ? p.lse + h * p.lse_sh + tok0_q(p, b) : p.lse + bhq * p.Sq;
             const float ss = p.sm_scale;
             if (row0 < sq) L[row0] = ls0 > 0.f ? m0 * kLn2 + (logf(ls0) - kLnFp8Max) + qshift0 * ss : -INFINITY;
@@ -1358,15 +1498,6 @@ inline bool hop_supported(const SageAttnParams& p) {
     return p.device_cc == 90 && hop_compiled() && (p.D == 64 || p.D == 128) && p.qk_bits != 4 && o16;
 }
 
-inline int hop_num_sms(int dev) {
-    static int cache[64] = {};
-    if (dev >= 0 && dev < 64 && cache[dev] > 0) return cache[dev];
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 132;
-    if (dev >= 0 && dev < 64) cache[dev] = n;
-    return n;
-}
-
 #ifndef SAGE_HOP_PDL
 #define SAGE_HOP_PDL 1
 #endif
@@ -1402,7 +1533,7 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     const int bhk = p.B * p.Hkv, nkb = (int)L.nkb;
     // the first kernel follows whatever the caller ran before: a plain launch; the next two with PDL
     hopper_sample_stats_kernel<D, T><<<bhk, kHopStatThreads, 0, st>>>(p, kmean, vscale, vmean,
-                                                                       reinterpret_cast<int*>(ws + L.tilectr));
+                                                                       reinterpret_cast<int*>(ws + L.tilectr), L.nzero);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     int* kmflag = reinterpret_cast<int*>(ws + L.kmflag);
@@ -1429,9 +1560,16 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     w.kimg = kimg; w.kscale = kscale; w.vimg = vimg; w.vscale = vscale; w.vfac = vfac; w.kmean = kmean; w.vmean = vmean;
     w.tilectr = reinterpret_cast<int*>(ws + L.tilectr);
     w.nkb = nkb;
-    w.nqb = (p.Sq + hop_bm(NWG) - 1) / hop_bm(NWG);
-    w.ntiles = w.nqb * p.B * p.Hq;
-    const int nsm = hop_num_sms(dev), grid = w.ntiles < nsm ? w.ntiles : nsm;
+    const HopPlan P = hop_plan(p);  // the same plan as the workspace layout's
+    w.nqb = P.nqb;
+    w.splitctr = w.tilectr + 1;
+    w.part = reinterpret_cast<float4*>(ws + L.part);
+    w.nitems = P.nitems;
+    w.nfull = P.ntiles - P.nsplit;
+    w.parts = P.parts;
+    w.pmul = P.parts > 1 ? (uint32_t)((0x100000000ull + P.parts - 1) / P.parts) : 0u;  // exact for u < 2^30
+    for (int j = 0; j <= kHopMaxParts; ++j) w.pkb[j] = j <= P.parts ? (int)((int64_t)j * nkb / P.parts) : nkb;
+    const int nsm = hop_num_sms(dev), grid = w.nitems < nsm ? w.nitems : nsm;
     return (int)hop_launch_pdl(kern, dim3(grid), dim3(hop_threads(NWG)), S::TOTAL, st, p, w);
 }
 

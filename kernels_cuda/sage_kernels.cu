@@ -1129,6 +1129,14 @@ int dispatch_d(const SageAttnParams& p, cudaStream_t st) {
 
 extern "C" {
 
+// Most parts a tail tile of the Hopper kernel is split into (1: no split; default and most 4); returns the previous one.
+// For A/B measurements and tests: the workspace size depends on it, so set it before sizing a call.
+int sage_hop_set_split_max(int parts) {
+    const int prev = g_hop_split_max;
+    if (parts >= 1) g_hop_split_max = parts;
+    return prev;
+}
+
 int64_t sage_attn_workspace_bytes(const SageAttnParams* p) {
     if (!p) return -1;
     if (p->pv_mode == PV_WGMMA) return make_hop_layout(*p).total;

@@ -61,6 +61,8 @@ typedef struct {
 } SageAttnParams;
 
 int64_t sage_attn_workspace_bytes(const SageAttnParams* p);
+/* Hopper kernel: most key-parts a tail tile is split into (1: none; default 4); returns the previous value */
+int sage_hop_set_split_max(int parts);
 int sage_attn_fwd(const SageAttnParams* p, void* stream);
 const char* sage_error_string(int code);
 int sage_abi_version(void);
