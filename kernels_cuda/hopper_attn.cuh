@@ -98,7 +98,7 @@ inline int hop_num_sms(int dev) {
 // CTA: an item writes its rows' normalised partial output and log2 row sum to the workspace, and the last of a
 // tile's parts to finish (a counter per tile and consumer) combines them in part order (deterministic) and stores
 // the output. Not for causal (heavy-first order already balances), varlen or LSE calls. Items: tiles 0 .. nfull - 1
-// whole, then the parts of tiles nfull .. ntiles - 1 (part-major within a tile).
+// whole, then the parts of tiles nfull .. ntiles - 1 (a tile's parts consecutive).
 #ifndef SAGE_HOP_SPLIT_MAX
 #define SAGE_HOP_SPLIT_MAX 4
 #endif
