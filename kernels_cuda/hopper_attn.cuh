@@ -99,12 +99,9 @@ inline int hop_num_sms(int dev) {
 // tile's parts to finish (a counter per tile and consumer) combines them in part order (deterministic) and stores
 // the output. Not for causal (heavy-first order already balances), varlen or LSE calls. Items: tiles 0 .. nfull - 1
 // whole, then the parts of tiles nfull .. ntiles - 1 (a tile's parts consecutive).
-#ifndef SAGE_HOP_SPLIT_MAX
-#define SAGE_HOP_SPLIT_MAX 4
-#endif
-inline int g_hop_split_max = SAGE_HOP_SPLIT_MAX;  // most parts per tile (1: no split); sage_hop_set_split_max
 constexpr int kHopMinPartBlocks = 4;      // a part's fixed costs (Q prologue, epilogue, combine) ~ 2 blocks
 constexpr int kHopMaxParts = 4;           // (HopWs::pkb)
+inline int g_hop_split_max = kHopMaxParts;  // most parts per tile (1: no split); sage_hop_set_split_max
 struct HopPlan { int nqb, ntiles, nsplit, parts, nitems; };
 inline HopPlan hop_plan(const SageAttnParams& p) {
     const int nwg = hop_nwg(p.D), bm = hop_bm(nwg), nsm = hop_num_sms(p.device);
@@ -825,10 +822,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     // The next tile's Q rows, K mean and V scale/mean are loaded into registers before the current tile's epilogue,
     // so their latency hides under it (the prologue used to wait on them with the tensor cores idle).
     // q . mean(K) per row (K's smoothing shift) only enters the LSE: without one the prologue skips it
-#ifndef SAGE_HOP_NOQSHIFT
-#define SAGE_HOP_NOQSHIFT 1
-#endif
-    constexpr bool kQShift = LSE || !SAGE_HOP_NOQSHIFT;
+    constexpr bool kQShift = LSE;
     constexpr int QC = D / 4;  // Q channels per lane: the 8-channel chunks 4c + t4 (a quad reads 64 contiguous bytes)
     struct Pre { uint4 q0[QC / 8], q1[QC / 8]; float vsc, vmn, km; };  // km, vsc, vmn: channel ltid
     int ci = 0;
