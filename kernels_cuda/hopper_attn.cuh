@@ -34,35 +34,16 @@ constexpr int kHopBN = 128;        // keys per block (one wgmma N for S; four k3
 #ifndef SAGE_HOP_NWG64
 #define SAGE_HOP_NWG64 4
 #endif
-#ifndef SAGE_HOP_PAIR  // with 2 consumers: blocks in pairs (hopper_attn_kernel)
-#define SAGE_HOP_PAIR 0
-#endif
 #ifndef SAGE_HOP_NWG128
 #define SAGE_HOP_NWG128 3
 #endif
 __host__ __device__ constexpr int hop_nwg(int D) { return D == 64 ? SAGE_HOP_NWG64 : SAGE_HOP_NWG128; }
 __host__ __device__ constexpr int hop_bm(int nwg) { return 64 * nwg; }          // query rows per CTA tile
-#ifndef SAGE_HOP_PWARP  // 4 consumers: the producer as one warp after them (no setmaxnreg: 120 registers each)
-#define SAGE_HOP_PWARP 0
-#endif
-__host__ __device__ constexpr bool hop_pwarp(int nwg) { return SAGE_HOP_PWARP && nwg == 4; }
-__host__ __device__ constexpr int hop_threads(int nwg) { return 128 * nwg + (hop_pwarp(nwg) ? 32 : 128); }  // + the producer
+__host__ __device__ constexpr int hop_threads(int nwg) { return 128 * (nwg + 1); }  // + the producer warpgroup
 #ifndef SAGE_HOP_STAGES
 #define SAGE_HOP_STAGES 3
 #endif
 constexpr int kHopStages = SAGE_HOP_STAGES;
-#ifndef SAGE_HOP_EMU  // experiment: exponentials of EMU of every 16 score groups on the FMA pipe
-#define SAGE_HOP_EMU 0
-#endif
-#ifndef SAGE_HOP_MAGTOP  // experiment: S accumulator preset to the int-to-float offset at the loop top
-#define SAGE_HOP_MAGTOP 0
-#endif
-#ifndef SAGE_HOP_PVI  // D = 128, 3 consumers: both P~V column halves in flight at once, O values parked in smem
-#define SAGE_HOP_PVI 0
-#endif
-#ifndef SAGE_HOP_PARK
-#define SAGE_HOP_PARK 16
-#endif
 #ifndef SAGE_HOP_DIAG  // diagnostics for timing only: 1 = no softmax, 2 = no P~V GEMM (wrong results)
 #define SAGE_HOP_DIAG 0
 #endif
@@ -71,18 +52,6 @@ constexpr int kHopStages = SAGE_HOP_STAGES;
 // sum exactly the quantized P~ the output is made of (one FADD per score less; the output normalised by the sum of
 // its own weights is more accurate, docs/benchmarks.md), all 8 columns equal.
 __host__ __device__ constexpr int hop_pv_n(int D) { return D + 8; }
-#if SAGE_HOP_EMU
-// 2^x on the FMA pipe: round-to-nearest split, degree-3 fit on [-0.5, 0.5] (rel. error 7.5e-5), exponent by integer add
-__device__ __forceinline__ float fma_exp2(float x) {
-    x = fmaxf(x, -125.f);
-    const float t = x + 12582912.f;
-    const float f = x - (t - 12582912.f);
-    float q = fmaf(f, 0.0551716648f, 0.242611125f);
-    q = fmaf(q, f, 0.693260968f);
-    q = fmaf(q, f, 0.999928057f);
-    return __int_as_float(__float_as_int(q) + (__float_as_int(t) << 23));
-}
-#endif
 
 #ifndef SAGE_HOP_SWIZZLE
 #define SAGE_HOP_SWIZZLE 1
@@ -143,7 +112,7 @@ inline HopPlan hop_plan(const SageAttnParams& p) {
     P.nsplit = 0;
     P.parts = 1;
     const int rem = P.ntiles % nsm;
-    if (!p.causal && !p.cu_seqlens_q && !p.lse && (nwg != 2 || SAGE_HOP_PAIR) && rem > 0) {
+    if (!p.causal && !p.cu_seqlens_q && !p.lse && nwg != 2 && rem > 0) {
         int parts = nsm / rem < g_hop_split_max ? nsm / rem : g_hop_split_max;
         parts = parts < kHopMaxParts ? parts : kHopMaxParts;
         parts = nkb / kHopMinPartBlocks < parts ? nkb / kHopMinPartBlocks : parts;
@@ -701,9 +670,7 @@ struct HopSmem {
     static constexpr int TBAR_OFF = BAR_OFF + 2 * kHopStages * 8;  // tile ring: full / empty mbarriers
     static constexpr int TILE_OFF = TBAR_OFF + 2 * kHopTileRing * 8;  // tile ring: tile indices
     static constexpr int FLAG_OFF = TILE_OFF + kHopTileRing * 4;  // per consumer: its split counter's old value
-    static constexpr int PARK_OFF = (FLAG_OFF + NWG * 4 + 15) & ~15;  // SAGE_HOP_PVI: parked O values per consumer
-    static constexpr int PARK_BYTES = SAGE_HOP_PVI ? NWG * 128 * SAGE_HOP_PARK * 4 : 0;
-    static constexpr int TOTAL = PARK_OFF + PARK_BYTES + 1024;  // + slack to align the images to 1024 bytes
+    static constexpr int TOTAL = FLAG_OFF + NWG * 4 + 1024;  // + slack to align the images to 1024 bytes
     static_assert(TOTAL < (1 << 18), "descriptor low words (hop_desc_step) assume shared addresses < 2^18");
 };
 
@@ -794,9 +761,9 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     pdl_wait();  // launched early (PDL): the pre-passes' outputs are complete and visible from here on
     const int group = p.Hq / p.Hkv;
 
-    if (hop_pwarp(NWG) ? wg == NWG : wg == 0) {  // ---------------- producer
-        if constexpr (!hop_pwarp(NWG)) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-        if (threadIdx.x != (hop_pwarp(NWG) ? 128 * NWG : 0)) return;
+    if (wg == 0) {  // ---------------- producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (threadIdx.x != 0) return;
         int it = 0, ti = 0;
         auto publish = [&](int t) {  // hand work item t (>= nitems: no more) to the consumers
             const int r = ti % kHopTileRing;
@@ -839,11 +806,11 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     constexpr int kLaunchRegs = (65536 / hop_threads(NWG)) & ~7;
     constexpr int kPool = ((kLaunchRegs * hop_threads(NWG) - 128 * 24) / (128 * NWG)) & ~7;
     constexpr int kRegs = kPool > 240 ? 240 : kPool;
-    static_assert(NWG != 4 || kRegs == 112 || hop_pwarp(NWG), "4 consumers: 640 threads launch with 96 registers each");
-    if constexpr (!hop_pwarp(NWG)) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory");
+    static_assert(NWG != 4 || kRegs == 112, "4 consumers: 640 threads launch with 96 registers each");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory");
     // consumer warpgroup cw (0..NWG-1): rows 64cw..64cw+63 of the tile. Through __shfl_sync ptxas knows it is warp-uniform and
     // keeps the Q descriptor in uniform registers (no per-block rebuild + R2UR before the S group: +1-3% on the H200)
-    const int cw = __shfl_sync(0xffffffffu, wg, 0) - (hop_pwarp(NWG) ? 0 : 1);
+    const int cw = __shfl_sync(0xffffffffu, wg, 0) - 1;
     const int ltid = threadIdx.x & 127, warp = ltid >> 5, lane = ltid & 31, g = lane >> 2, t4 = lane & 3;
     const uint32_t sQ = sbase + S::Q_OFF + cw * S::QBYTES;
     // descriptor low words of this warpgroup's Q image and of stage 0's K and V^T images (hop_desc_lo)
@@ -852,7 +819,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     int it = 0, tpar = 0;
     const int lrow0 = warp * 16 + g;  // this lane's rows in the warpgroup's 64: lrow0, lrow0 + 8
     constexpr int kBlk = hop_pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
-    constexpr bool kPair = SAGE_HOP_PAIR && NWG == 2;
     // The next tile's Q rows, K mean and V scale/mean are loaded into registers before the current tile's epilogue,
     // so their latency hides under it (the prologue used to wait on them with the tensor cores idle).
     // q . mean(K) per row (K's smoothing shift) only enters the LSE: without one the prologue skips it
@@ -1047,13 +1013,8 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 masked_max(general0, general1);
             }
             // the 4 lanes of a row hold different K scale groups: compare them as scaled floats
-#if SAGE_HOP_MAGTOP
-            float mx0 = im0 == INT_MIN ? -INFINITY : (float)(im0 - kMagic) * sc;
-            float mx1 = im1 == INT_MIN ? -INFINITY : (float)(im1 - kMagic) * sc;
-#else
             float mx0 = im0 == INT_MIN ? -INFINITY : (float)im0 * sc;
             float mx1 = im1 == INT_MIN ? -INFINITY : (float)im1 * sc;
-#endif
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
             mx0 = fmaxf(m0, fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2)));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
@@ -1064,22 +1025,9 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             al1 = fast_exp2(m1 - mu1);
             m0 = mx0; m1 = mx1;
             const float c0 = fmaf(kMagicF, sc, mu0 - kLog2Fp8Max), c1 = fmaf(kMagicF, sc, mu1 - kLog2Fp8Max);
-#if SAGE_HOP_MAGTOP
-            auto arg = [&](int i, float c) { return fmaf(__int_as_float(acc[i]), sc, -c); };
-#else
             auto arg = [&](int i, float c) { return fmaf(__int_as_float(acc[i] + kMagic), sc, -c); };
-#endif
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
-#if SAGE_HOP_EMU
-                if (j % (16 / SAGE_HOP_EMU) == 16 / SAGE_HOP_EMU - 1) {
-                    sf[4 * j] = fma_exp2(arg(4 * j, c0));
-                    sf[4 * j + 1] = fma_exp2(arg(4 * j + 1, c0));
-                    sf[4 * j + 2] = fma_exp2(arg(4 * j + 2, c1));
-                    sf[4 * j + 3] = fma_exp2(arg(4 * j + 3, c1));
-                    continue;
-                }
-#endif
                 sf[4 * j] = fast_exp2(arg(4 * j, c0));
                 sf[4 * j + 1] = fast_exp2(arg(4 * j + 1, c0));
                 sf[4 * j + 2] = fast_exp2(arg(4 * j + 2, c1));
@@ -1116,7 +1064,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         };
         auto issue_qk = [&](int (&acc)[64], int s) {
             const uint32_t dk = dk0 + (uint32_t)s * (S::KBYTES >> 4);
-            wgmma_s8_n128<(bool)SAGE_HOP_MAGTOP>(acc, hop_desc_make(dq, hop_desc_hi(D)), hop_desc_make(dk, hop_desc_hi(D)));
+            wgmma_s8_n128<false>(acc, hop_desc_make(dq, hop_desc_hi(D)), hop_desc_make(dk, hop_desc_hi(D)));
 #pragma unroll
             for (int k = 1; k < D / 32; ++k)
                 wgmma_s8_n128<true>(acc, hop_desc_make(dq + hop_desc_step(32 * k), hop_desc_hi(D)),
@@ -1163,172 +1111,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         // Software pipeline inside the warpgroup: S(kb) = Q K(kb)^T is issued together with P~(kb-1) V(kb-1), and the
         // softmax of S(kb) runs while the tensor cores still work on P~V. (Ping-pong turns between the two consumers,
         // measured in sessions 5, 7 and 9 in several forms, were equal or slower: removed, see HOPPER.md.)
-        if constexpr (kPair) {
-            // pairs of blocks (256 keys) per step, serial: S(kb), S(kb+1) -> one softmax with a row max shared by both
-            // -> one P~V chain of 8 k32 steps into one block accumulator -> merge. 2 consumers at 240 registers:
-            // longer GEMM groups per wait and half the per-block fixed costs (max shuffles, alpha, merge, waits)
-            const int nkb_own = wrow_min < sq ? hop_num_kv_blocks(p, wrow_min, 64, sq, skv) : 0;
-            const int kend = min(nkb_own, kb1);
-            int kb = kb0;
-            auto step = [&](auto two) {
-                constexpr int NB = decltype(two)::value ? 2 : 1;
-                int s[NB];
-                uint32_t ph[NB];
-                float kscl[NB], vf[NB];
-                int kmk[NB];
-#pragma unroll
-                for (int x = 0; x < NB; ++x) {
-                    s[x] = stage_of(it + x, ph[x]);
-                    kscl[x] = ksc[(kb + x) * 4 + t4];
-                    vf[x] = vfc[kb + x];
-                    kmk[x] = kmf ? kmf[kb + x] : 0;
-                }
-                int acc[NB][64];
-#pragma unroll
-                for (int x = 0; x < NB; ++x) mbar_wait(bar_full + 8 * s[x], ph[x]);
-                wg_fence();
-#pragma unroll
-                for (int x = 0; x < NB; ++x) issue_qk(acc[x], s[x]);
-                wg_wait<0>();
-#pragma unroll
-                for (int x = 0; x < NB; ++x) reg_fence(acc[x]);
-                constexpr int kMagic = 0x4B400000;
-                constexpr float kMagicF = 12582912.f;
-                // per block: whether a mask applies, and the row max over visible scores (int, then scaled)
-                bool nm[NB];
-                float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-                for (int x = 0; x < NB; ++x) {
-                    const int kbase = (kb + x) * kHopBN;
-                    nm[x] = (kbase + kHopBN > skv) || kmk[x] || (p.causal && kbase + kHopBN - 1 > wrow_min + diag);
-                    const float sc = qs * kscl[x];
-                    int im0 = INT_MIN, im1 = INT_MIN;
-                    if (!nm[x]) {
-#pragma unroll
-                        for (int j = 0; j < 16; ++j) {
-                            im0 = max(im0, max(acc[x][4 * j], acc[x][4 * j + 1]));
-                            im1 = max(im1, max(acc[x][4 * j + 2], acc[x][4 * j + 3]));
-                        }
-                    } else {
-#pragma unroll
-                        for (int j = 0; j < 16; ++j)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                const int key = kbase + 2 * t4 + 8 * j + e;
-                                im0 = max(im0, key_ok(key, row0) ? acc[x][4 * j + e] : INT_MIN);
-                                im1 = max(im1, key_ok(key, row1) ? acc[x][4 * j + 2 + e] : INT_MIN);
-                            }
-                    }
-                    mx0 = fmaxf(mx0, im0 == INT_MIN ? -INFINITY : (float)im0 * sc);
-                    mx1 = fmaxf(mx1, im1 == INT_MIN ? -INFINITY : (float)im1 * sc);
-                }
-                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-                mx0 = fmaxf(m0, fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2)));
-                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-                mx1 = fmaxf(m1, fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2)));
-                const float mu0 = mx0 == -INFINITY ? 0.f : mx0;
-                const float mu1 = mx1 == -INFINITY ? 0.f : mx1;
-                float al0 = fast_exp2(m0 - mu0), al1 = fast_exp2(m1 - mu1);
-                m0 = mx0; m1 = mx1;
-                uint32_t pa[NB][4][4];
-                float rs0 = 0.f, rs1 = 0.f;  // (LSE only)
-                (void)rs0; (void)rs1;
-#pragma unroll
-                for (int x = 0; x < NB; ++x) {
-                    const int kbase = (kb + x) * kHopBN;
-                    const float sc = qs * kscl[x];
-                    const float c0 = fmaf(kMagicF, sc, mu0 - kLog2Fp8Max), c1 = fmaf(kMagicF, sc, mu1 - kLog2Fp8Max);
-                    float sf[64];
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) {
-                        sf[4 * j] = fast_exp2(fmaf(__int_as_float(acc[x][4 * j] + kMagic), sc, -c0));
-                        sf[4 * j + 1] = fast_exp2(fmaf(__int_as_float(acc[x][4 * j + 1] + kMagic), sc, -c0));
-                        sf[4 * j + 2] = fast_exp2(fmaf(__int_as_float(acc[x][4 * j + 2] + kMagic), sc, -c1));
-                        sf[4 * j + 3] = fast_exp2(fmaf(__int_as_float(acc[x][4 * j + 3] + kMagic), sc, -c1));
-                    }
-                    if (nm[x]) {
-#pragma unroll
-                        for (int j = 0; j < 16; ++j)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                const int key = kbase + 2 * t4 + 8 * j + e;
-                                if (!key_ok(key, row0)) sf[4 * j + e] = 0.f;
-                                if (!key_ok(key, row1)) sf[4 * j + 2 + e] = 0.f;
-                            }
-                    }
-                    if constexpr (LSE) {
-#pragma unroll
-                        for (int j = 0; j < 16; ++j) {
-                            rs0 += sf[4 * j] + sf[4 * j + 1];
-                            rs1 += sf[4 * j + 2] + sf[4 * j + 3];
-                        }
-                    }
-                    pack_p(sf, pa[x]);
-                }
-                if constexpr (LSE) {
-                    ls0 = ls0 * al0 + rs0;
-                    ls1 = ls1 * al1 + rs1;
-                }
-                // P~V: one chain over both blocks when they share V's factor (the rule), else block by block
-                float blk[kBlk];
-                auto chain = [&](int x, auto first) {
-                    const uint32_t dv = dv0 + (uint32_t)s[x] * (S::VSTRIDE >> 4);
-                    if constexpr (decltype(first)::value) wgmma_pv<D, false>(blk, pa[x][0], hop_desc_make(dv, hop_desc_hi(kHopBN)));
-                    else wgmma_pv<D, true>(blk, pa[x][0], hop_desc_make(dv, hop_desc_hi(kHopBN)));
-#pragma unroll
-                    for (int kk = 1; kk < 4; ++kk)
-                        wgmma_pv<D, true>(blk, pa[x][kk], hop_desc_make(dv + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
-                };
-                {
-                    const float r = pow2_div(vfac_prev, vf[0]);
-                    al0 *= r;
-                    al1 *= r;
-                    vfac_prev = vf[0];
-                }
-                wg_fence();
-                chain(0, std::true_type{});
-                if (NB == 1 || vf[NB - 1] == vf[0]) {
-                    if constexpr (NB == 2) chain(1, std::false_type{});
-                    wg_commit();
-                    wg_wait<0>();
-                    reg_fence(blk);
-#pragma unroll
-                    for (int x = 0; x < NB; ++x) reg_fence(pa[x]);
-                    merge(blk, al0, al1, pow2_inv(vfac_prev));
-                } else {  // a block requantized with another factor (V outliers): its own chain and merge
-                    wg_commit();
-                    wg_wait<0>();
-                    reg_fence(blk);
-                    merge(blk, al0, al1, pow2_inv(vfac_prev));
-                    const float r = pow2_div(vfac_prev, vf[NB - 1]);
-                    vfac_prev = vf[NB - 1];
-                    wg_fence();
-                    chain(NB - 1, std::true_type{});
-                    wg_commit();
-                    wg_wait<0>();
-                    reg_fence(blk);
-#pragma unroll
-                    for (int x = 0; x < NB; ++x) reg_fence(pa[x]);
-                    merge(blk, r, r, pow2_inv(vfac_prev));
-                }
-                __syncwarp();
-                if (lane == 0) {
-#pragma unroll
-                    for (int x = 0; x < NB; ++x) mbar_arrive(bar_empty + 8 * s[x]);
-                }
-                kb += NB;
-                it += NB;
-            };
-            while (kb + 1 < kend) step(std::true_type{});
-            if (kb < kend) step(std::false_type{});
-            for (; kb < kb1; ++kb, ++it) {  // blocks past the diagonal: only released, after they landed
-                uint32_t ph;
-                const int s = stage_of(it, ph);
-                mbar_wait(bar_full + 8 * s, ph);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-            }
-        } else if constexpr (NWG != 2) {
+        if constexpr (NWG != 2) {
             // serial blocks: S(kb), softmax, P~V(kb), merge. While one warpgroup runs its softmax the other two
             // keep the tensor cores busy; no wgmma of its own is in flight during its ALU work (which would slow it)
             float kscale_next = kb1 > kb0 ? ksc[kb0 * 4 + t4] : 0.f;
@@ -1350,10 +1133,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                     if (kmf) kmask_next = kmf[kb + 1];
                 }
                 int acc[64];
-#if SAGE_HOP_MAGTOP
-#pragma unroll
-                for (int i = 0; i < 64; ++i) asm volatile("mov.b32 %0, 0x4B400000;\n" : "=r"(acc[i]));
-#endif
                 uint32_t pa[4][4];
                 float al0, al1;
                 HOP_LTRACE(kb, 0);
@@ -1409,37 +1188,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                         l1 = l1 * al1 + bb[34] * vinv;
                         fold(bb, 8, 8, al0, al1);
                     };
-#if SAGE_HOP_PVI
-                    // both halves' k steps interleaved (two independent FP8 chains: a lone chain issues every ~109
-                    // cycles instead of 64); the last SAGE_HOP_PARK O values wait in shared memory meanwhile
-                    (void)issue_a; (void)issue_b;
-                    constexpr int PK = SAGE_HOP_PARK;
-                    float4* park = reinterpret_cast<float4*>(hsmem + S::PARK_OFF) + cw * 128 * (PK / 4) + ltid;
-#pragma unroll
-                    for (int i = 0; i < PK / 4; ++i)
-                        park[i * 128] = make_float4(o[64 - PK + 4 * i], o[65 - PK + 4 * i], o[66 - PK + 4 * i], o[67 - PK + 4 * i]);
-                    wg_fence();
-                    wgmma_pv64<false>(ba, pa[0], hop_desc_make(dv, hop_desc_hi(kHopBN)));
-                    wgmma_pv72<false>(bb, pa[0], hop_desc_make(dvb, hop_desc_hi(kHopBN)));
-#pragma unroll
-                    for (int kk = 1; kk < 4; ++kk) {
-                        wgmma_pv64<true>(ba, pa[kk], hop_desc_make(dv + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
-                        wgmma_pv72<true>(bb, pa[kk], hop_desc_make(dvb + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
-                    }
-                    wg_commit();
-                    wg_wait<0>();
-                    reg_fence(ba);
-                    reg_fence(bb);
-                    reg_fence(pa);
-                    if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-#pragma unroll
-                    for (int i = 0; i < PK / 4; ++i) {
-                        const float4 v = park[i * 128];
-                        o[64 - PK + 4 * i] = v.x; o[65 - PK + 4 * i] = v.y; o[66 - PK + 4 * i] = v.z; o[67 - PK + 4 * i] = v.w;
-                    }
-                    merge_a();
-                    merge_b();
-#else
                     // one half after the other (both in flight, or the second issued before the first merge:
                     // 1-2% slower, they spill)
                     issue_a();
@@ -1454,7 +1202,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                     reg_fence(pa);
                     if (lane == 0) mbar_arrive(bar_empty + 8 * s);
                     merge_b();
-#endif
                     HOP_LFENCE(o);
                     HOP_LTRACE(kb, 6);
                 } else {
