@@ -153,10 +153,21 @@ inline HopLayout make_hop_layout(const SageAttnParams& p) {
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// Pre-pass: one CTA per (128-key block, b * kv-head), 16 warps of 8 keys. A key row (D channels) is read by D/8
-// adjacent lanes, 16 bytes (8 channels) each, so every warp load covers whole rows: 512 contiguous bytes per load
-// (the former 2-lanes-per-key mapping read 16 bytes per 256-byte row and fetched each 32-byte sector twice).
-constexpr int kHopKvThreads = 512;  // 2 CTAs per SM, 64 registers: half of them the raw K and V rows in flight
+// Pre-pass: one CTA per (128-key block, b * kv-head). Each thread owns 4 keys and 8 channels: owner o = tid / (D/8)
+// (0..31) holds the keys of V^T slots 4o..4o+3 (hop_kv_key), so per channel its 4 e4m3 bytes are one 32-bit word of the
+// V^T image (one shared store per channel instead of 4 byte stores and their shifts), and its 4 keys are in one K
+// scale group (Grouping(128, 8, 2): group (key % 8) / 2 = o % 4, one running max). A key row is read by D/8 adjacent
+// lanes, 16 bytes each, so every warp load covers whole rows (256 or 128 contiguous bytes per row).
+__host__ __device__ constexpr int hop_kv_threads(int D) { return 4 * D; }  // 32 owners x D / 8 lanes
+// 64 registers per thread: 2 CTAs per SM at D = 128, 4 at D = 64
+__host__ __device__ constexpr int hop_kv_ctas(int D) { return 1024 / hop_kv_threads(D); }
+// block-local key of owner o's load i: V^T slot 4o + i (hop_slot_of_key: slot bits 0, 1, 2-3, 4 = key bits 0, 3, 1-2, 4)
+__host__ __device__ constexpr int hop_kv_key(int o, int i) {
+    return 32 * (o >> 3) + 16 * ((o >> 2) & 1) + 2 * (o & 3) + (i & 1) + 8 * (i >> 1);
+}
+#ifndef SAGE_HOP_KV_FMA
+#define SAGE_HOP_KV_FMA 1  // V as one FFMA per value: v (1 / scale) + (-mean / scale); 0: (v - mean) (1 / scale)
+#endif
 // 8 raw values (16 bytes) -> floats; bf16 by shifts (exact, as __bfloat1622float2, but without the temporaries that
 // made the bf16 pre-pass spill at 64 registers)
 template <typename T> __device__ __forceinline__ void raw8_to_float(const uint4& u, float (&x)[8]) {
@@ -169,6 +180,14 @@ template <typename T> __device__ __forceinline__ void raw8_to_float(const uint4&
         }
     } else {
         Vec8<T>::load(reinterpret_cast<const T*>(&u), x);
+    }
+}
+// 2 raw values (one 32-bit word) -> floats
+template <typename T> __device__ __forceinline__ float2 raw2_to_float(uint32_t w) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+        return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    } else {
+        return __half22float2(*reinterpret_cast<const __half2*>(&w));
     }
 }
 // ------------------------------------------------------------------------------------------------------------------
@@ -255,210 +274,201 @@ __global__ void __launch_bounds__(kHopStatThreads) hopper_sample_stats_kernel(Sa
 }
 
 template <int D, typename T>
-__global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageAttnParams p, const float* kmean, const float* vscale,
-                                                              const float* vmean, int8_t* kimg, float* kscale,
-                                                              uint8_t* vimg, float* vfac, int* kmflag, int nkb) {
-    constexpr int LPK = D / 8;     // lanes per key row
-    constexpr int KPI = 32 / LPK;  // keys per warp load
-    constexpr int NW = kHopKvThreads / 32, KPW = kHopBN / NW;  // warps, keys per warp
-    constexpr int NI = KPW / KPI;  // loads per thread and tensor
-    // per-channel K mean, 1 / V scale, V mean as float4 [quantity][half][lane chunk]: a lane's 8 channels are two
-    // LDS.128 without bank conflicts (a plain [D] array put the 16 chunks' lanes on 4 banks: 4-way conflicts)
+__global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quant_kv_kernel(SageAttnParams p,
+        const float* kmean, const float* vscale, const float* vmean, int8_t* kimg, float* kscale, uint8_t* vimg,
+        float* vfac, int* kmflag, int nkb) {
+    constexpr int NT = hop_kv_threads(D), LPK = D / 8;  // threads, lanes per key row
+    static_assert(kHopBN == 128 && NT / LPK == 32, "32 owners of 4 keys");
+    // per-channel K mean, 1 / V scale and V's shift (-mean / scale, or the mean) as float4 [quantity][half][lane
+    // chunk]: a lane's 8 channels are two LDS.128 without bank conflicts
     __shared__ float4 skc[3][2][LPK];
-    __shared__ float wmax[NW][5], gscale[9];
+    __shared__ float omax[32], gscale[9];
     __shared__ __align__(16) uint8_t vt[D * kHopBN];  // the V^T block image, copied out linearly at the end
     pdl_wait();
     pdl_launch_dependents();
-    const int kb = blockIdx.x, bh = blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
+    // grid (block, kv-head, batch): no division for the head index
+    const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z, bh = b * p.Hkv + h;
     const int skv = len_k(p, b);
     if (kb > 0 && kb * kHopBN >= skv) return;  // varlen: past this sequence's end (never read)
-    if (threadIdx.x < D) {
-        const int d = threadIdx.x;
-        float* kc = reinterpret_cast<float*>(skc) + ((d >> 2) & 1) * LPK * 4 + (d >> 3) * 4 + (d & 3);
-        kc[0] = kmean[(int64_t)bh * D + d];
-        kc[2 * LPK * 4] = 1.f / vscale[(int64_t)bh * D + d];  // the sampled base scale (> 0: floored)
-        kc[4 * LPK * 4] = vmean[(int64_t)bh * D + d];         // 0 without smooth V
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int cc = lane % LPK, d0 = 8 * cc;         // this lane's 8 channels
-    const int c0 = KPW * warp + lane / LPK;          // its block-local key of load i: c0 + KPI * i
+    const int o = threadIdx.x / LPK, cc = threadIdx.x % LPK, d0 = 8 * cc;  // owner, its lane's 8 channels
     const int kbase = kb * kHopBN;
+    const bool full = kbase + kHopBN <= skv;  // CTA-uniform: no per-value validity selects
+    // the owner's keys c0 + {0, 1, 8, 9}: one 64-bit address product, the others by adds
+    const int c0 = hop_kv_key(o, 0);
     const int64_t tok = tok0_k(p, b) + kbase + c0;
     const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + d0;
     const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + d0;
-    uint4 kraw[NI], vraw[NI];  // all loads in flight before any use (raw: half the registers of floats)
+    auto key_off = [](int i, int64_t ss) { return (i & 1 ? ss : 0) + (i >> 1 ? 8 * ss : 0); };
+    uint4 kraw[4], vraw[4];  // all loads in flight before any use (raw: half the registers of floats)
 #pragma unroll
-    for (int i = 0; i < NI; ++i) {
-        if (kbase + c0 + KPI * i < skv) {
-            kraw[i] = *reinterpret_cast<const uint4*>(ksrc + (int64_t)(KPI * i) * p.k_ss);
-            vraw[i] = *reinterpret_cast<const uint4*>(vsrc + (int64_t)(KPI * i) * p.v_ss);
+    for (int i = 0; i < 4; ++i) {
+        if (kbase + hop_kv_key(o, i) < skv) {
+            kraw[i] = *reinterpret_cast<const uint4*>(ksrc + key_off(i, p.k_ss));
+            vraw[i] = *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss));
         } else {
             kraw[i] = make_uint4(0u, 0u, 0u, 0u);
             vraw[i] = make_uint4(0u, 0u, 0u, 0u);
         }
     }
+    if (threadIdx.x < D) {  // (after the loads are issued: these are small L2 reads)
+        const int d = threadIdx.x;
+        float* kc = reinterpret_cast<float*>(skc) + ((d >> 2) & 1) * LPK * 4 + (d >> 3) * 4 + (d & 3);
+        const float vi = 1.f / vscale[(int64_t)bh * D + d];  // the sampled base scale (> 0: floored)
+        const float vm = vmean[(int64_t)bh * D + d];         // 0 without smooth V
+        kc[0] = kmean[(int64_t)bh * D + d];
+        kc[2 * LPK * 4] = vi;
+        kc[4 * LPK * 4] = SAGE_HOP_KV_FMA ? -vm * vi : vm;
+    }
     __syncthreads();
-    auto valid = [&](int i) { return kbase + c0 + KPI * i < skv; };
-    auto chan = [&](int q, float (&x)[8]) {  // quantity q (0 K mean, 1 1 / V scale, 2 V mean) of the lane's channels
+    auto chan = [&](int q, float (&x)[8]) {  // quantity q (0 K mean, 1 1 / V scale, 2 V shift) of the lane's channels
         const float4 a = skc[q][0][cc], bq = skc[q][1][cc];
         x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = bq.x; x[5] = bq.y; x[6] = bq.z; x[7] = bq.w;
     };
-    // V: e4m3 bytes of (V - mean) / (base vfac) into the V^T image, first with vfac = 1 (returning nonzero if a byte is
-    // +-448 or NaN: possibly saturated), again with the block's vfac if one is: row hop_vcol(d), column = the key's slot. The
-    // lanes of a store write one byte column of 16 rows, whose 16-byte chunks (image swizzle) fall on 4 bank groups
-    // only: each lane starts at its own channel (rotation rot = cc / 4), which spreads them over 8 (4-way bank
-    // conflicts -> 2-way)
-    const int rot = (cc >> 2) & 3;
-    // byte j's image offset for key slot c: hop_img_off(row_j, c, 128) = (row_j * 128 | ((row_j & 7) << 4)) ^ c (the
-    // 128B swizzle XORs the chunk index; c < 128 stays in the low 7 bits), row_j = hop_vcol(d0 + (j + rot) % 8)
+    auto valid = [&](int i) { return kbase + hop_kv_key(o, i) < skv; };
+    auto always = [](int) { return true; };
+    // V: e4m3 bytes of (V - mean) / (base vfac) into the V^T image, first with vfac = 1 (returning nonzero if a byte
+    // is +-448 or NaN: possibly saturated), again with the block's vfac if one is. Channel d's word (the owner's 4
+    // keys) goes to row hop_vcol(d), bytes 4o..4o+3. Rows hop_vcol(8 cc + e) of a store fall on 4 of the 8 16-byte
+    // bank groups; lanes with (cc / 4) odd store the odd channel of each pair first, which spreads them over 8.
+    const int rot = (cc >> 2) & 1;
 #if SAGE_HOP_SWIZZLE
-    static_assert(kHopBN == 128, "vrow: 128-byte V^T rows");
-    int vrow[8];
+    // hop_img_off(row, 4o, 128) = (row * 128 | (row % 8) * 16) ^ 4o; row = hop_vcol(d0 + c) for c = 2 pp + s is
+    // (s ^ rot) | ((cc % 4) << 1) | (pp << 3) | ((cc / 4) << 5): pp only adds pp * 1024
+    int vaddr[2];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int row = hop_vcol(d0 + ((j + rot) & 7));
-        vrow[j] = row * kHopBN | ((row & 7) << 4);
+    for (int s = 0; s < 2; ++s) {
+        const int row = hop_vcol(d0 + (s ^ rot));
+        vaddr[s] = (row * kHopBN | ((row & 7) << 4)) ^ (4 * o);
     }
-#endif
-    // a lane's 8 V values with their channels' 1 / base scale and mean
-    auto v_in = [&](const uint4& u, float (&y)[8], float (&vi)[8], float (&vm)[8]) {
-        raw8_to_float<T>(u, y);
-        chan(1, vi);
-        chan(2, vm);
-    };
-    auto quant_v = [&](auto raw, float vinv) {  // raw(i): the lane's 16 bytes of load i
-        uint32_t sat = 0u;
-#pragma unroll
-        for (int i = 0; i < NI; ++i) {
-            float y[8], vm[8], vi[8];
-            v_in(raw(i), y, vi, vm);
-            const int c = c0 + KPI * i, slot = (c & ~31) | hop_slot_of_key(c & 31);
-            const bool ok = valid(i);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) vi[e] *= vinv;  // exact: vinv is a power of two
-            uint32_t wv[2];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                uint32_t h2[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int j = 4 * q + 2 * e;
-                    h2[e] = cvt_e4m3x2(ok ? (y[j] - vm[j]) * vi[j] : 0.f, ok ? (y[j + 1] - vm[j + 1]) * vi[j + 1] : 0.f);
-                }
-                wv[q] = h2[0] | (h2[1] << 16);
-                // a byte's magnitude bits >= 0x7e (448, or NaN): + 2 sets its bit 7 (no carry into the next byte)
-                sat |= ((wv[q] & 0x7f7f7f7fu) + 0x02020202u) & 0x80808080u;
-            }
-            // bytes rotated by rot: byte j of (lo, hi) is channel d0 + (j + rot) % 8
-            const uint32_t lo = __funnelshift_r(wv[0], wv[1], 8 * rot), hi = __funnelshift_r(wv[1], wv[0], 8 * rot);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-#if SAGE_HOP_SWIZZLE
-                const int off = vrow[j] ^ slot;
+    auto vaddr_of = [&](int e) { return vaddr[e & 1] + (e >> 1) * 8 * kHopBN; };
 #else
-                const int off = hop_img_off(hop_vcol(d0 + ((j + rot) & 7)), slot, kHopBN);
+    auto vaddr_of = [&](int e) { return hop_img_off(hop_vcol(d0 + (e ^ rot)), 4 * o, kHopBN); };
 #endif
-                vt[off] = (uint8_t)(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xff);
+    auto quant_v = [&](auto raw, float vmul, auto ok) {  // raw(i): the owner's 16 bytes of key i
+        uint32_t sat = 0u;
+        float vi[8], vs[8];
+        chan(1, vi);
+        chan(2, vs);
+        uint4 u[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) u[i] = raw(i);  // (each reload is one load)
+#pragma unroll
+        for (int pp = 0; pp < 4; ++pp) {  // channels d0 + 2 pp, + 1
+            float2 y[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                y[i] = raw2_to_float<T>(pp == 0 ? u[i].x : pp == 1 ? u[i].y : pp == 2 ? u[i].z : u[i].w);
+            uint32_t wd[2];
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                const int e = 2 * pp + s;
+                const float m = vi[e] * vmul, a = SAGE_HOP_KV_FMA ? vs[e] * vmul : vs[e];  // exact: vmul = 2^-k
+                float z[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float x = s ? y[i].y : y[i].x;
+                    z[i] = ok(i) ? (SAGE_HOP_KV_FMA ? fmaf(x, m, a) : (x - a) * m) : 0.f;
+                }
+                wd[s] = cvt_e4m3x4(z[0], z[1], z[2], z[3]);
+                // a byte's magnitude bits >= 0x7e (448, or NaN): + 2 sets its bit 7 (no carry into the next byte)
+                sat |= ((wd[s] & 0x7f7f7f7fu) + 0x02020202u) & 0x80808080u;
             }
+            *reinterpret_cast<uint32_t*>(vt + vaddr_of(2 * pp)) = rot ? wd[1] : wd[0];
+            *reinterpret_cast<uint32_t*>(vt + vaddr_of(2 * pp + 1)) = rot ? wd[0] : wd[1];
         }
         return sat;
     };
-    const bool vsat = __any_sync(0xffffffffu, quant_v([&](int i) { return vraw[i]; }, 1.f) != 0u);
-    // K group of key c: Grouping(128, 8, 2), the 32 keys with equal (c % 8) / 2; a lane's own maxima per group
-    // (0 where it holds no key of the group), then the max over the warp and over the warps
-    float gm[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < NI; ++i) {
-        float x[8], m[8];
-        raw8_to_float<T>(kraw[i], x);
+    auto first = [&](int i) { return vraw[i]; };
+    const uint32_t sat = full ? quant_v(first, 1.f, always) : quant_v(first, 1.f, valid);
+    // K - mean kept in registers for the quantization after the group maxima
+    float kd[4][8];
+    float am = 0.f;
+    auto kdiff = [&](auto ok) {
+        float m[8];
         chan(0, m);
-        float am = 0.f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(x[e] - m[e]));
-        if (!valid(i)) am = 0.f;  // padded keys load as 0: |0 - mean| must not count
-        const int grp = ((c0 + KPI * i) & 7) >> 1;
+        for (int i = 0; i < 4; ++i) {
+            float x[8];
+            raw8_to_float<T>(kraw[i], x);
 #pragma unroll
-        for (int g = 0; g < 4; ++g) gm[g] = grp == g ? fmaxf(gm[g], am) : gm[g];
-    }
-    // warp maxima in one redux each (the values are >= 0: their bit patterns order as unsigned integers)
+            for (int e = 0; e < 8; ++e) {
+                kd[i][e] = ok(i) ? x[e] - m[e] : 0.f;  // padded keys: 0 (they load as 0; |0 - mean| must not count)
+                am = fmaxf(am, fabsf(kd[i][e]));
+            }
+        }
+    };
+    if (full) kdiff(always); else kdiff(valid);
 #pragma unroll
-    for (int g = 0; g < 4; ++g) gm[g] = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(gm[g])));
-    if (lane == 0) {
-#pragma unroll
-        for (int g = 0; g < 4; ++g) wmax[warp][g] = gm[g];
-        wmax[warp][4] = vsat ? 1.f : 0.f;
-    }
+    for (int s = LPK / 2; s > 0; s >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, s));
+    if (cc == 0) omax[o] = am;
     // key-padding mask: one flag per (batch, block), "some key of this block is masked", so the attention kernel
     // masks (reads the mask) only in those blocks
-    const int masked = p.kmask && threadIdx.x < kHopBN && kbase + (int)threadIdx.x < skv &&
-                       p.kmask[(int64_t)b * p.kmask_sb + kbase + threadIdx.x] == 0;
-    const int any_masked = __syncthreads_or(masked);
-    if (p.kmask && h == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
+    if (p.kmask) {
+        const int masked = threadIdx.x < kHopBN && kbase + (int)threadIdx.x < skv &&
+                           p.kmask[(int64_t)b * p.kmask_sb + kbase + threadIdx.x] == 0;
+        const int any_masked = __syncthreads_or(masked);
+        if (h == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
+    }
+    const int any_sat = __syncthreads_or(sat != 0u);
     const int64_t blk = (int64_t)bh * nkb + kb;
-    if (threadIdx.x < 4) {  // group scales and their inverses, once (in registers they cost the K loop spills)
+    if (threadIdx.x < 4) {  // group g: owners g, g + 4, ..., g + 28; scales and inverses once
         const int g = threadIdx.x;
         float m = 0.f;
 #pragma unroll
-        for (int w = 0; w < NW; ++w) m = fmaxf(m, wmax[w][g]);
+        for (int r = 0; r < 8; ++r) m = fmaxf(m, omax[g + 4 * r]);
         const float sc = m / 127.f;
         gscale[g] = sc;
         gscale[4 + g] = sc > 0.f ? 1.f / sc : 0.f;
         kscale[blk * 4 + g] = sc;
     }
-    if (threadIdx.x == 4) {  // vfac: 1 unless some value may have saturated (then set below)
-        float any = 0.f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) any = fmaxf(any, wmax[w][4]);
-        gscale[8] = any;
-        if (any == 0.f) vfac[blk] = 1.f;
-    }
+    if (threadIdx.x == 4 && !any_sat) vfac[blk] = 1.f;  // else set below
     __syncthreads();
     // K: 8 channels of a key = 8 bytes of its image row
     int8_t* kdst = kimg + blk * kHopBN * D;
+    {
+        const float sc = gscale[o & 3], inv = gscale[4 + (o & 3)];
 #pragma unroll
-    for (int i = 0; i < NI; ++i) {
-        float x[8], m[8];
-        raw8_to_float<T>(kraw[i], x);
-        chan(0, m);
-        const int c = c0 + KPI * i, grp = (c & 7) >> 1;
-        const float sc = gscale[grp], inv = gscale[4 + grp];
-        const bool ok = valid(i);
-        uint32_t w[2];
+        for (int i = 0; i < 4; ++i) {
+            uint32_t w[2];
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            uint32_t bt[4];
+            for (int q = 0; q < 2; ++q) {
+                uint32_t bt[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int idx = 4 * q + e;
-                bt[e] = quant_i8_bits(ok ? x[idx] - m[idx] : 0.f, sc, inv);
+                for (int e = 0; e < 4; ++e) bt[e] = quant_i8_bits(kd[i][4 * q + e], sc, inv);
+                w[q] = pack_low_bytes(bt[0], bt[1], bt[2], bt[3]);
             }
-            w[q] = pack_low_bytes(bt[0], bt[1], bt[2], bt[3]);
+            *reinterpret_cast<uint2*>(kdst + hop_img_off(hop_kv_key(o, i), d0, D)) = make_uint2(w[0], w[1]);
         }
-        *reinterpret_cast<uint2*>(kdst + hop_img_off(c, d0, D)) = make_uint2(w[0], w[1]);
     }
-    if (gscale[8] != 0.f) {  // rare (a value beyond the sampled range): V reloaded (from L2) here, where K's
-        // registers are free; vfac = 2^e, the least e >= 0 with max |V - mean| / base <= 448 vfac (e <= kHopVMaxExp)
-        const T* vs = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + (tok0_k(p, b) + kbase + c0) * p.v_ss + d0;
+    if (any_sat) {  // rare (a value beyond the sampled range): V reloaded (from L2) here, where K's registers are
+        // free; vfac = 2^e, the least e >= 0 with max |V - mean| / base <= 448 vfac (e <= kHopVMaxExp)
         auto reload = [&](int i) {
-            return valid(i) ? *reinterpret_cast<const uint4*>(vs + (int64_t)(KPI * i) * p.v_ss) : make_uint4(0u, 0u, 0u, 0u);
+            return valid(i) ? *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss)) : make_uint4(0u, 0u, 0u, 0u);
         };
         float r = 0.f;
+        {
+            float vi[8], vs[8];
+            chan(1, vi);
+            chan(2, vs);
 #pragma unroll
-        for (int i = 0; i < NI; ++i) {
-            float y[8], vm[8], vi[8];
-            v_in(reload(i), y, vi, vm);
+            for (int i = 0; i < 4; ++i) {
+                float y[8];
+                raw8_to_float<T>(reload(i), y);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) r = valid(i) ? fmaxf(r, fabsf((y[e] - vm[e]) * vi[e])) : r;
+                for (int e = 0; e < 8; ++e) {
+                    const float z = SAGE_HOP_KV_FMA ? fmaf(y[e], vi[e], vs[e]) : (y[e] - vs[e]) * vi[e];
+                    r = valid(i) ? fmaxf(r, fabsf(z)) : r;
+                }
+            }
         }
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) r = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, o));
-        __syncthreads();  // every lane's first image bytes are written, wmax read
-        if (lane == 0) wmax[warp][4] = r;
+        for (int s = 16; s > 0; s >>= 1) r = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, s));
+        if ((threadIdx.x & 31) == 0) omax[threadIdx.x >> 5] = r;  // (omax was last read before the barrier above)
         __syncthreads();
         if (threadIdx.x == 0) {
             r = 0.f;
 #pragma unroll
-            for (int w = 0; w < NW; ++w) r = fmaxf(r, wmax[w][4]);
+            for (int w = 0; w < NT / 32; ++w) r = fmaxf(r, omax[w]);
             int e = 0;
             if (r > kFp8Max) {
                 const uint32_t u = __float_as_uint(r / kFp8Max);  // >= 1 (inf: e = 128, clamped)
@@ -468,13 +478,13 @@ __global__ void __launch_bounds__(kHopKvThreads, 2) hopper_quant_kv_kernel(SageA
             gscale[8] = __uint_as_float((uint32_t)(127 - e) << 23);
         }
         __syncthreads();
-        quant_v(reload, gscale[8]);
+        quant_v(reload, gscale[8], valid);  // rewrites this thread's own image words
     }
     __syncthreads();  // the V^T image complete
     // V^T image out: 16-byte chunks, linear (the staging is already in the image layout)
     uint8_t* vdst = vimg + blk * kHopBN * D;
 #pragma unroll
-    for (int i = threadIdx.x; i < D * kHopBN / 16; i += kHopKvThreads)
+    for (int i = threadIdx.x; i < D * kHopBN / 16; i += NT)
         reinterpret_cast<uint4*>(vdst)[i] = reinterpret_cast<const uint4*>(vt)[i];
 }
 
@@ -1531,7 +1541,7 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     int* kmflag = reinterpret_cast<int*>(ws + L.kmflag);
-    e = hop_launch_pdl(hopper_quant_kv_kernel<D, T>, dim3(nkb, bhk), dim3(kHopKvThreads), 0, st, p,
+    e = hop_launch_pdl(hopper_quant_kv_kernel<D, T>, dim3(nkb, p.Hkv, p.B), dim3(hop_kv_threads(D)), 0, st, p,
                        (const float*)kmean, (const float*)vscale, (const float*)vmean, kimg, kscale, vimg, vfac,
                        kmflag, nkb);
     if (e != cudaSuccess) return (int)e;

@@ -160,6 +160,19 @@ __device__ __forceinline__ int64_t tok0_k(const SageAttnParams& p, int b) {
 #endif
 }
 
+// four floats -> e4m3 bytes (a in byte 0), packed in the conversions themselves (no masks of 16-bit results)
+[[maybe_unused]] __device__ __forceinline__ uint32_t cvt_e4m3x4(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint32_t r;
+    asm("{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        " mov.b32 %0, {lo, hi};\n}\n" : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
+    return r;
+#else
+    (void)a; (void)b; (void)c; (void)d;
+    return 0u;
+#endif
+}
+
 // two e4m3 (low byte first) -> f16x2 (low half first). Needs sm_89.
 [[maybe_unused]] __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
