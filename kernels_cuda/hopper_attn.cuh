@@ -122,13 +122,9 @@ inline HopPlan hop_plan(const SageAttnParams& p) {
     return P;
 }
 
-// Per (b, kv-head, block) record, copied into the stage with the block's K and V^T images (so the consumers read it
-// from shared memory, no per-block global loads or prefetch registers): K scales of the 4 groups, V's power-of-two
-// factor vfac, "some key of the block is masked" (int bits; 0 without a key-padding mask), 2 words of padding.
-constexpr int kHopRecFloats = 8, kHopRecBytes = 4 * kHopRecFloats;  // (bulk copies: multiples of 16 bytes)
 struct HopLayout {
     int64_t nkb;  // 128-key blocks per (b, kv-head)
-    int64_t kimg, krec, vimg, vscale, kmean, vmean, tilectr, part, total;
+    int64_t kimg, kscale, vimg, vscale, vfac, kmean, vmean, kmflag, tilectr, part, total;
     int nzero;    // ints from tilectr on that the statistics kernel zeroes: the tile counter, the split counters
 };
 
@@ -140,11 +136,13 @@ inline HopLayout make_hop_layout(const SageAttnParams& p) {
     const int64_t bhk = (int64_t)p.B * p.Hkv, D = p.D;
     int64_t off = 0;
     L.kimg = off;   off = align256(off + bhk * L.nkb * kHopBN * D);
-    L.krec = off;   off = align256(off + bhk * L.nkb * kHopRecBytes);
+    L.kscale = off; off = align256(off + bhk * L.nkb * 4 * 4);
     L.vimg = off;   off = align256(off + bhk * L.nkb * kHopBN * D);
     L.vscale = off; off = align256(off + bhk * D * 4);
+    L.vfac = off;   off = align256(off + bhk * L.nkb * 4);
     L.kmean = off;  off = align256(off + bhk * D * 4);
     L.vmean = off;  off = align256(off + bhk * D * 4);
+    L.kmflag = off; off = align256(off + (p.kmask ? (int64_t)p.B * L.nkb * 4 : 0));
     // the dynamic tile scheduler's counter, then one arrival counter per split tile and consumer
     L.nzero = 1 + P.nsplit * nwg;
     L.tilectr = off; off = align256(off + 4 * L.nzero);
@@ -277,8 +275,8 @@ __global__ void __launch_bounds__(kHopStatThreads) hopper_sample_stats_kernel(Sa
 
 template <int D, typename T>
 __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quant_kv_kernel(SageAttnParams p,
-        const float* kmean, const float* vscale, const float* vmean, int8_t* kimg, uint8_t* vimg, float* krec,
-        int nkb) {
+        const float* kmean, const float* vscale, const float* vmean, int8_t* kimg, float* kscale, uint8_t* vimg,
+        float* vfac, int* kmflag, int nkb) {
     constexpr int NT = hop_kv_threads(D), LPK = D / 8;  // threads, lanes per key row
     static_assert(kHopBN == 128 && NT / LPK == 32, "32 owners of 4 keys");
     // per-channel K mean, 1 / V scale and V's shift (-mean / scale, or the mean) as float4 [quantity][half][lane
@@ -403,17 +401,16 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
 #pragma unroll
     for (int s = LPK / 2; s > 0; s >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, s));
     if (cc == 0) omax[o] = am;
-    // key-padding mask: "some key of this block is masked", so the attention kernel masks (reads the mask) only in
-    // those blocks
-    int any_masked = 0;
+    // key-padding mask: one flag per (batch, block), "some key of this block is masked", so the attention kernel
+    // masks (reads the mask) only in those blocks
     if (p.kmask) {
         const int masked = threadIdx.x < kHopBN && kbase + (int)threadIdx.x < skv &&
                            p.kmask[(int64_t)b * p.kmask_sb + kbase + threadIdx.x] == 0;
-        any_masked = __syncthreads_or(masked);
+        const int any_masked = __syncthreads_or(masked);
+        if (h == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
     }
     const int any_sat = __syncthreads_or(sat != 0u);
     const int64_t blk = (int64_t)bh * nkb + kb;
-    float* rec = krec + blk * kHopRecFloats;
     if (threadIdx.x < 4) {  // group g: owners g, g + 4, ..., g + 28; scales and inverses once
         const int g = threadIdx.x;
         float m = 0.f;
@@ -422,11 +419,9 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
         const float sc = m / 127.f;
         gscale[g] = sc;
         gscale[4 + g] = sc > 0.f ? 1.f / sc : 0.f;
-        rec[g] = sc;
+        kscale[blk * 4 + g] = sc;
     }
-    if (threadIdx.x == 4 && !any_sat) rec[4] = 1.f;  // vfac; else set below
-    if (threadIdx.x == 5) rec[5] = __int_as_float(any_masked);
-    if (threadIdx.x == 6 || threadIdx.x == 7) rec[threadIdx.x] = 0.f;
+    if (threadIdx.x == 4 && !any_sat) vfac[blk] = 1.f;  // else set below
     __syncthreads();
     // K: 8 channels of a key = 8 bytes of its image row
     int8_t* kdst = kimg + blk * kHopBN * D;
@@ -479,7 +474,7 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
                 const uint32_t u = __float_as_uint(r / kFp8Max);  // >= 1 (inf: e = 128, clamped)
                 e = min((int)(u >> 23) - 127 + ((u & 0x7fffffu) != 0u), kHopVMaxExp);
             }
-            rec[4] = __uint_as_float((uint32_t)(127 + e) << 23);
+            vfac[blk] = __uint_as_float((uint32_t)(127 + e) << 23);
             gscale[8] = __uint_as_float((uint32_t)(127 - e) << 23);
         }
         __syncthreads();
@@ -681,8 +676,7 @@ struct HopSmem {
     static constexpr int V_OFF = K_OFF + kHopStages * KBYTES;
     static constexpr int EPI_OFF = V_OFF + kHopStages * VSTRIDE;  // V scale, V mean, K mean per consumer x tile parity
     static constexpr int EPI_FLOATS = 3 * D;
-    static constexpr int REC_OFF = EPI_OFF + NWG * 2 * EPI_FLOATS * 4;  // per stage: the block's record (kHopRecBytes)
-    static constexpr int BAR_OFF = REC_OFF + kHopStages * kHopRecBytes;
+    static constexpr int BAR_OFF = EPI_OFF + NWG * 2 * EPI_FLOATS * 4;
     static constexpr int TBAR_OFF = BAR_OFF + 2 * kHopStages * 8;  // tile ring: full / empty mbarriers
     static constexpr int TILE_OFF = TBAR_OFF + 2 * kHopTileRing * 8;  // tile ring: tile indices
     static constexpr int FLAG_OFF = TILE_OFF + kHopTileRing * 4;  // per consumer: its split counter's old value
@@ -691,8 +685,8 @@ struct HopSmem {
 };
 
 struct HopWs {
-    const int8_t* kimg; const float* krec; const uint8_t* vimg; const float* vscale;
-    const float* kmean; const float* vmean; int* tilectr; int nkb; int nqb;
+    const int8_t* kimg; const float* kscale; const uint8_t* vimg; const float* vscale; const float* vfac;
+    const float* kmean; const float* vmean; const int* kmflag; int* tilectr; int nkb; int nqb;
     float4* part; int* splitctr;  // split tail (hop_plan): partials, arrival counters
     int nitems, nfull, parts;     // work items; items < nfull are whole tiles
     uint32_t pmul;                // ceil(2^32 / parts): u / parts as one multiply-high (no division per tile)
@@ -742,7 +736,7 @@ __device__ long long g_hop_ltrace[kTraceCtas * 4 * kLtIters * kLtEv];  // up to 
 // LSE: whether p.lse is written (a template parameter: its fp32 row sums cost registers the loop needs otherwise)
 template <int D, typename T, bool LSE, int NWG>
 __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const __grid_constant__ SageAttnParams p,
-                                                                           const __grid_constant__ HopWs w) {
+                                                                           const HopWs w) {
 #if SAGE_HOP_DEVICE
     using S = HopSmem<D, NWG>;
     constexpr int BM = hop_bm(NWG);
@@ -806,11 +800,9 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 const int s = it % kHopStages;
                 const uint32_t ph = (uint32_t)(it / kHopStages) & 1u;
                 mbar_wait(bar_empty + 8 * s, ph ^ 1u);
-                mbar_expect_tx(bar_full + 8 * s, S::KBYTES + S::VBYTES + kHopRecBytes);
+                mbar_expect_tx(bar_full + 8 * s, S::KBYTES + S::VBYTES);
                 bulk_g2s(sbase + S::K_OFF + s * S::KBYTES, w.kimg + (blk0 + kb) * S::KBYTES, S::KBYTES, bar_full + 8 * s);
                 bulk_g2s(sbase + S::V_OFF + s * S::VSTRIDE, w.vimg + (blk0 + kb) * S::VBYTES, S::VBYTES, bar_full + 8 * s);
-                bulk_g2s(sbase + S::REC_OFF + s * kHopRecBytes, w.krec + (blk0 + kb) * kHopRecFloats, kHopRecBytes,
-                         bar_full + 8 * s);
             }
             t = tn;
         }
@@ -882,7 +874,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         const int nkb = hop_num_kv_blocks(p, q0, BM, sq, skv);
         // this item's blocks (a whole tile: 0 .. nkb - 1); the 2-consumer loop below runs whole tiles only (hop_plan)
         const int kb0 = hop_part_kb0(itm, w), kb1 = hop_part_kb1(itm, nkb, w);
-        const int64_t bhq = (int64_t)b * p.Hq + h;
+        const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + h / group;
         const int row0 = q0 + cw * 64 + lrow0, row1 = row0 + 8;
         HOP_TRACE(0, clock64());
         HOP_TRACE(6, nkb);
@@ -951,9 +943,9 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
 
         const int diag = skv - sq;
         const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
-        // the block records of the stages (kHopRecFloats each): K scales, vfac (V's power-of-two factor over the
-        // base scale), masked-key flag
-        const float* srec = reinterpret_cast<const float*>(hsmem + S::REC_OFF);
+        const float* ksc = w.kscale + bhk * w.nkb * 4;
+        const float* vfc = w.vfac + bhk * w.nkb;  // per block: V's power-of-two factor over the base scale
+        const int* kmf = mrow ? w.kmflag + (int64_t)b * w.nkb : nullptr;
         float o[D / 2];
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
@@ -1132,6 +1124,9 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         if constexpr (NWG != 2) {
             // serial blocks: S(kb), softmax, P~V(kb), merge. While one warpgroup runs its softmax the other two
             // keep the tensor cores busy; no wgmma of its own is in flight during its ALU work (which would slow it)
+            float kscale_next = kb1 > kb0 ? ksc[kb0 * 4 + t4] : 0.f;
+            float vfac_next = kb1 > kb0 ? vfc[kb0] : 1.f;
+            int kmask_next = kmf && kb1 > kb0 ? kmf[kb0] : 0;
             // causal: the tile's last blocks may lie wholly past this warpgroup's diagonal (nkb_own <= kb < nkb);
             // a warpgroup whose rows all lie past the sequence's end (the last tile) computes nothing
             const int nkb_own = wrow_min < sq ? hop_num_kv_blocks(p, wrow_min, 64, sq, skv) : 0;
@@ -1140,14 +1135,19 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             for (; kb < kend; ++kb, ++it) {
                 uint32_t ph;
                 const int s = stage_of(it, ph);
+                const float kscale_cur = kscale_next, vfac_cur = vfac_next;
+                const int kmask_cur = kmask_next;
+                if (kb + 1 < kb1) {  // in flight during this block
+                    kscale_next = ksc[(kb + 1) * 4 + t4];
+                    vfac_next = vfc[kb + 1];
+                    if (kmf) kmask_next = kmf[kb + 1];
+                }
                 int acc[64];
                 uint32_t pa[4][4];
                 float al0, al1;
                 HOP_LTRACE(kb, 0);
                 mbar_wait(bar_full + 8 * s, ph);
                 HOP_LTRACE(kb, 1);
-                const float kscale_cur = srec[kHopRecFloats * s + t4], vfac_cur = srec[kHopRecFloats * s + 4];
-                const int kmask_cur = mrow ? __float_as_int(srec[kHopRecFloats * s + 5]) : 0;
                 wg_fence();
                 issue_qk(acc, s);
                 wg_wait<0>();
@@ -1245,10 +1245,13 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             float al0, al1;
             uint32_t ph;
             int s = stage_of(it, ph);
+            float kscale_cur = ksc[t4];
+            float kscale_next = nkb > 1 ? ksc[4 + t4] : 0.f;
+            float vfac_next = nkb > 1 ? vfc[1] : 1.f;
+            vfac_prev = vfc[0];  // O is 0 before block 0: no rescale
+            int kmask_cur = kmf ? kmf[0] : 0;
+            int kmask_next = kmf && nkb > 1 ? kmf[1] : 0;
             mbar_wait(bar_full + 8 * s, ph);
-            float kscale_cur = srec[kHopRecFloats * s + t4];
-            vfac_prev = srec[kHopRecFloats * s + 4];  // O is 0 before block 0: no rescale
-            int kmask_cur = mrow ? __float_as_int(srec[kHopRecFloats * s + 5]) : 0;
             wg_fence();
             issue_qk(acc, s);
             wg_wait<0>();
@@ -1262,12 +1265,17 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             for (int kb = 1; kb < nkb; ++kb) {
                 uint32_t phn;
                 const int sn = stage_of(it + 1, phn);
+                kscale_cur = kscale_next;
+                kmask_cur = kmask_next;
+                const float vfac_cur = vfac_next;
+                if (kb + 1 < nkb) {  // in flight during this block
+                    kscale_next = ksc[(kb + 1) * 4 + t4];
+                    vfac_next = vfc[kb + 1];
+                    if (kmf) kmask_next = kmf[kb + 1];
+                }
                 HOP_LTRACE(kb, 0);
                 mbar_wait(bar_full + 8 * sn, phn);
                 HOP_LTRACE(kb, 1);
-                kscale_cur = srec[kHopRecFloats * sn + t4];
-                kmask_cur = mrow ? __float_as_int(srec[kHopRecFloats * sn + 5]) : 0;
-                const float vfac_cur = srec[kHopRecFloats * sn + 4];
                 wg_fence();
                 issue_qk(acc, sn);
                 issue_pv(blk, pa, s);
@@ -1520,9 +1528,10 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     const HopLayout L = make_hop_layout(p);
     uint8_t* ws = static_cast<uint8_t*>(p.workspace);
     int8_t* kimg = reinterpret_cast<int8_t*>(ws + L.kimg);
-    float* krec = reinterpret_cast<float*>(ws + L.krec);
+    float* kscale = reinterpret_cast<float*>(ws + L.kscale);
     uint8_t* vimg = ws + L.vimg;
     float* vscale = reinterpret_cast<float*>(ws + L.vscale);
+    float* vfac = reinterpret_cast<float*>(ws + L.vfac);
     float* kmean = reinterpret_cast<float*>(ws + L.kmean);
     float* vmean = reinterpret_cast<float*>(ws + L.vmean);
     const int bhk = p.B * p.Hkv, nkb = (int)L.nkb;
@@ -1531,8 +1540,10 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
                                                                        reinterpret_cast<int*>(ws + L.tilectr), L.nzero);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
+    int* kmflag = reinterpret_cast<int*>(ws + L.kmflag);
     e = hop_launch_pdl(hopper_quant_kv_kernel<D, T>, dim3(nkb, p.Hkv, p.B), dim3(hop_kv_threads(D)), 0, st, p,
-                       (const float*)kmean, (const float*)vscale, (const float*)vmean, kimg, vimg, krec, nkb);
+                       (const float*)kmean, (const float*)vscale, (const float*)vmean, kimg, kscale, vimg, vfac,
+                       kmflag, nkb);
     if (e != cudaSuccess) return (int)e;
 
     constexpr int NWG = hop_nwg(D);
@@ -1549,7 +1560,8 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
         }
     }
     HopWs w;
-    w.kimg = kimg; w.krec = krec; w.vimg = vimg; w.vscale = vscale; w.kmean = kmean; w.vmean = vmean;
+    w.kmflag = kmflag;
+    w.kimg = kimg; w.kscale = kscale; w.vimg = vimg; w.vscale = vscale; w.vfac = vfac; w.kmean = kmean; w.vmean = vmean;
     w.tilectr = reinterpret_cast<int*>(ws + L.tilectr);
     w.nkb = nkb;
     const HopPlan P = hop_plan(p);  // the same plan as the workspace layout's
