@@ -153,11 +153,14 @@ inline HopLayout make_hop_layout(const SageAttnParams& p) {
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// Pre-pass: one CTA per (128-key block, b * kv-head). Each thread owns 4 keys and 8 channels: owner o = tid / (D/8)
+// Pre-pass: one CTA per (128-key block, kv-head, batch). Each thread owns 4 keys and 8 channels: owner o = tid / (D/8)
 // (0..31) holds the keys of V^T slots 4o..4o+3 (hop_kv_key), so per channel its 4 e4m3 bytes are one 32-bit word of the
 // V^T image (one shared store per channel instead of 4 byte stores and their shifts), and its 4 keys are in one K
 // scale group (Grouping(128, 8, 2): group (key % 8) / 2 = o % 4, one running max). A key row is read by D/8 adjacent
 // lanes, 16 bytes each, so every warp load covers whole rows (256 or 128 contiguous bytes per row).
+#ifndef SAGE_HOP_KV_FMA
+#define SAGE_HOP_KV_FMA 1  // V as one FFMA per value: v (1 / scale) + (-mean / scale); 0: (v - mean) (1 / scale)
+#endif
 __host__ __device__ constexpr int hop_kv_threads(int D) { return 4 * D; }  // 32 owners x D / 8 lanes
 // 64 registers per thread: 2 CTAs per SM at D = 128, 4 at D = 64
 __host__ __device__ constexpr int hop_kv_ctas(int D) { return 1024 / hop_kv_threads(D); }
@@ -165,9 +168,20 @@ __host__ __device__ constexpr int hop_kv_ctas(int D) { return 1024 / hop_kv_thre
 __host__ __device__ constexpr int hop_kv_key(int o, int i) {
     return 32 * (o >> 3) + 16 * ((o >> 2) & 1) + 2 * (o & 3) + (i & 1) + 8 * (i >> 1);
 }
-#ifndef SAGE_HOP_KV_FMA
-#define SAGE_HOP_KV_FMA 1  // V as one FFMA per value: v (1 / scale) + (-mean / scale); 0: (v - mean) (1 / scale)
-#endif
+__host__ __device__ constexpr bool hop_kv_keys_ok() {  // (checked at compile time)
+    for (int o = 0; o < 32; ++o)
+        for (int i = 0; i < 4; ++i) {
+            const int k = hop_kv_key(o, i);
+            if ((k & ~31) + hop_slot_of_key(k & 31) != 4 * o + i) return false;
+        }
+    return true;
+}
+static_assert(hop_kv_keys_ok(), "owner o's keys are V^T slots 4o..4o+3");
+// V's quantized value before the e4m3 rounding: v (1 / scale) + (-mean / scale) with the shift precomputed, or
+// (v - mean) (1 / scale) (SAGE_HOP_KV_FMA = 0: the previous arithmetic, for bitwise comparisons)
+__device__ __forceinline__ float hop_kv_vq(float v, float inv, float shift) {
+    return SAGE_HOP_KV_FMA ? fmaf(v, inv, shift) : (v - shift) * inv;
+}
 // 8 raw values (16 bytes) -> floats; bf16 by shifts (exact, as __bfloat1622float2, but without the temporaries that
 // made the bf16 pre-pass spill at 64 registers)
 template <typename T> __device__ __forceinline__ void raw8_to_float(const uint4& u, float (&x)[8]) {
@@ -367,7 +381,7 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const float x = s ? y[i].y : y[i].x;
-                    z[i] = ok(i) ? (SAGE_HOP_KV_FMA ? fmaf(x, m, a) : (x - a) * m) : 0.f;
+                    z[i] = ok(i) ? hop_kv_vq(x, m, a) : 0.f;
                 }
                 wd[s] = cvt_e4m3x4(z[0], z[1], z[2], z[3]);
                 // a byte's magnitude bits >= 0x7e (448, or NaN): + 2 sets its bit 7 (no carry into the next byte)
@@ -456,7 +470,7 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
                 raw8_to_float<T>(reload(i), y);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
-                    const float z = SAGE_HOP_KV_FMA ? fmaf(y[e], vi[e], vs[e]) : (y[e] - vs[e]) * vi[e];
+                    const float z = hop_kv_vq(y[e], vi[e], vs[e]);
                     r = valid(i) ? fmaxf(r, fabsf(z)) : r;
                 }
             }
