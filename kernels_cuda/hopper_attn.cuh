@@ -47,9 +47,6 @@ constexpr int kHopStages = SAGE_HOP_STAGES;
 #ifndef SAGE_HOP_DIAG  // diagnostics for timing only: 1 = no softmax, 2 = no P~V GEMM (wrong results)
 #define SAGE_HOP_DIAG 0
 #endif
-#ifndef SAGE_HOP_SINGLE  // probe: 1 = single-level accumulation (P~V straight into O), to measure what two-level costs
-#define SAGE_HOP_SINGLE 0
-#endif
 
 // P~V accumulator columns: D, plus 8 columns (V^T rows of e4m3 ones) that hold the row sums of P~: the tensor cores
 // sum exactly the quantized P~ the output is made of (one FADD per score less; the output normalised by the sum of
@@ -963,16 +960,9 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         const float* ksc = w.kscale + bhk * w.nkb * 4;
         const float* vfc = w.vfac + bhk * w.nkb;  // per block: V's power-of-two factor over the base scale
         const int* kmf = mrow ? w.kmflag + (int64_t)b * w.nkb : nullptr;
-#if SAGE_HOP_SINGLE
-        float oacc[kBlk];  // O and the row-sum columns as one wgmma accumulator
-#pragma unroll
-        for (int i = 0; i < kBlk; ++i) oacc[i] = 0.f;
-        float(&o)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(oacc);
-#else
         float o[D / 2];
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-#endif
         float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // l: tensor-core row sums of P~ (whole rows)
         float ls0 = 0.f, ls1 = 0.f;  // fp32 sums of 448 p over this lane's keys, for the LSE only
         const int wrow_min = q0 + cw * 64;  // first row of this warpgroup
@@ -1182,9 +1172,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                     softmax_block(acc, kb, kscale_cur, kmask_cur, sf, al0, al1);
                     pack_p(sf, pa);
                 }
-#if SAGE_HOP_SINGLE
-                const float sa0 = al0, sa1 = al1;  // the row sums are kept undivided by vfac
-#endif
                 {
                     const float r = pow2_div(vfac_prev, vfac_cur);
                     al0 *= r;
@@ -1194,41 +1181,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 HOP_LFENCE(pa);
                 HOP_LTRACE(kb, 3);
                 const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
-#if SAGE_HOP_SINGLE
-                {
-#pragma unroll
-                    for (int i = 0; i < D / 8; ++i) {
-                        o[4 * i] *= al0;
-                        o[4 * i + 1] *= al0;
-                        o[4 * i + 2] *= al1;
-                        o[4 * i + 3] *= al1;
-                    }
-                    oacc[D / 2] *= sa0;
-                    oacc[D / 2 + 1] *= sa0;
-                    oacc[D / 2 + 2] *= sa1;
-                    oacc[D / 2 + 3] *= sa1;
-                    wg_fence();
-                    if constexpr (D == 128) {
-                        float(&oa)[32] = *reinterpret_cast<float(*)[32]>(oacc);
-                        float(&ob)[36] = *reinterpret_cast<float(*)[36]>(oacc + 32);
-                        const uint32_t dvb = dv + ((64 * kHopBN) >> 4);
-#pragma unroll
-                        for (int kk = 0; kk < 4; ++kk) {
-                            wgmma_pv64<true>(oa, pa[kk], hop_desc_make(dv + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
-                            wgmma_pv72<true>(ob, pa[kk], hop_desc_make(dvb + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
-                        }
-                    } else {
-#pragma unroll
-                        for (int kk = 0; kk < 4; ++kk)
-                            wgmma_pv<D, true>(oacc, pa[kk], hop_desc_make(dv + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
-                    }
-                    wg_commit();
-                    wg_wait<0>();
-                    reg_fence(oacc);
-                    reg_fence(pa);
-                    if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-                }
-#else
                 if constexpr (D == 128) {
                     // P~V in two column halves: 32 + 36 accumulator registers (all 68 live at once do not fit)
                     float ba[32], bb[36];
@@ -1286,7 +1238,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                     if (lane == 0) mbar_arrive(bar_empty + 8 * s);
                     merge(blk, al0, al1, pow2_inv(vfac_prev));
                 }
-#endif
             }
             // blocks past the diagonal: only released, after they landed (an early arrival would count towards the
             // stage's previous use). A separate loop keeps the main loop's code as it is without causal masks.
@@ -1374,10 +1325,6 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             ++it;
         }
 
-#if SAGE_HOP_SINGLE
-        l0 = oacc[D / 2] * pow2_inv(vfac_prev);
-        l1 = oacc[D / 2 + 2] * pow2_inv(vfac_prev);
-#endif
         // ---- split tail: a part's rows as normalised partial output + log2 row sum; the last part to arrive
         // combines all parts (in part order: deterministic) into o, l and stores below; the others store nothing
         bool skip = false;
