@@ -20,7 +20,9 @@ Semantics (each item is tested in tests/test_transformers_integration.py):
 - `scaling` is the module's; `dropout` applies only while `module.training` (then full, reported);
 - `softcap` (Gemma 2) and `s_aux` (attention sinks) run an exact fp32 eager attention ("full", impl "eager");
   `position_bias` and a paged `cache` are delegated to transformers' own sdpa function ("full", impl "sdpa");
-- any other keyword with a value that may change the result raises TypeError instead of being dropped.
+- keywords that cannot change the result (`ignored_kwargs()`: derived from transformers' TransformersKwargs,
+  FlashAttentionKwargs and loss-function signatures, e.g. `shift_labels`) are ignored, as transformers' sdpa and
+  eager functions ignore them; any other keyword with a non-None value raises TypeError instead of being dropped.
 """
 from __future__ import annotations
 
@@ -44,13 +46,55 @@ _WRAPPED = "_sage_patch_wrapped"
 # config.model_type -> shipped policy family (configs/<family>.yaml); anything else uses DEFAULT_FAMILY[None].
 DEFAULT_FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "llama", None: "llama"}
 
-# Keywords models pass that do not change the attention result here (masks already encode packing; the rest
-# is bookkeeping). Everything else with a non-None value is handled explicitly or rejected.
-_IGNORED_KWARGS = frozenset({
-    "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "output_hidden_states",
-    "output_router_logits", "num_items_in_batch", "return_dict", "cu_seq_lens_q", "cu_seq_lens_k",
-    "max_length_q", "max_length_k", "seq_idx", "layer_idx", "target_dtype", "deterministic",
-})
+# Keywords handled explicitly by sage_attention_forward (each can change the result).
+_HANDLED_KWARGS = frozenset({"is_causal", "sliding_window", "softcap", "s_aux", "output_attentions",
+                             "position_bias", "cache"})
+# Names that change attention wherever they appear (masks, biases, dropout): never ignored, even if a typed dict
+# or a loss signature of some transformers version were to list them.
+_RESULT_CHANGING = frozenset({"attention_mask", "attn_mask", "dropout", "dropout_p", "scaling", "scale",
+                              "head_mask", "layer_head_mask", "attn_bias", "alibi", "block_mask", "score_mod"})
+# Bookkeeping that models and generate() pass down and that no typed dict lists (caches are updated by the
+# attention module before the call; flash-only dtype/determinism switches do not apply here).
+_BOOKKEEPING_KWARGS = frozenset({"cache_position", "use_cache", "past_key_values", "past_key_value",
+                                 "return_dict", "layer_idx", "target_dtype", "deterministic", "logits_to_keep",
+                                 "labels", "inputs_embeds", "token_type_ids"})
+
+
+@functools.lru_cache(maxsize=None)
+def ignored_kwargs() -> frozenset:
+    """Keywords that transformers' own sdpa/eager attention functions ignore and that cannot change the
+    attention result, derived from the installed transformers:
+
+    - every key of `TransformersKwargs` (the `**kwargs` a model's forward passes down to its attention modules)
+      and of `FlashAttentionKwargs` (packing metadata: with a non-flash implementation the mask already encodes
+      packed sequences, built from position_ids by masking_utils);
+    - every parameter of the loss functions in `transformers.loss.loss_utils.LOSS_MAPPING`: a causal-LM forward
+      hands the same **kwargs to its loss and to its decoder (e.g. `shift_labels`, `ignore_index`);
+    - `_BOOKKEEPING_KWARGS`.
+
+    Minus the keywords handled explicitly (`_HANDLED_KWARGS`) and `_RESULT_CHANGING`."""
+    names = set(_BOOKKEEPING_KWARGS)
+    try:
+        from transformers.utils.generic import TransformersKwargs
+        names |= set(TransformersKwargs.__optional_keys__) | set(TransformersKwargs.__required_keys__)
+    except ImportError:
+        pass
+    try:
+        from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
+        names |= set(FlashAttentionKwargs.__optional_keys__) | set(FlashAttentionKwargs.__required_keys__)
+    except ImportError:
+        pass
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, fixed_cross_entropy
+        for fn in {*LOSS_MAPPING.values(), fixed_cross_entropy}:
+            try:
+                params = inspect.signature(fn).parameters.values()
+            except (TypeError, ValueError):
+                continue
+            names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    except ImportError:
+        pass
+    return frozenset(names - _HANDLED_KWARGS - _RESULT_CHANGING)
 
 
 # ---- registration ----------------------------------------------------------------------------------------------
@@ -182,10 +226,14 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
             return _delegate_sdpa(binding, k, module, query, key, value, attention_mask, scaling, dropout,
                                   is_causal=is_causal, sliding_window=sliding_window, softcap=softcap,
                                   s_aux=s_aux, **kwargs)
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS)
+    ignored = ignored_kwargs()
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in ignored)
     if unknown:
-        raise TypeError(f"sage_patch attention got keyword(s) {unknown} from {type(module).__name__}, which it "
-                        f"does not know how to honour; use attn_implementation='eager' for this model, or report it")
+        raise TypeError(f"sage_patch attention: keyword(s) {unknown} from {type(module).__name__} may change the "
+                        f"attention result and are not supported; supported: attention_mask, scaling, dropout, "
+                        f"{', '.join(sorted(_HANDLED_KWARGS))}, and ignored bookkeeping keywords "
+                        f"(sage_patch.integrations.transformers.ignored_kwargs()); use attn_implementation='eager' "
+                        f"for this model, or report it")
 
     dropout_p = float(dropout) if module.training else 0.0
     q_len, kv_len = query.shape[2], key.shape[2]

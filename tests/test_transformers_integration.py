@@ -5,6 +5,7 @@ Every model is built from a config in milliseconds; the reference is the same we
 `_from_config(cfg, attn_implementation=...)` writes the implementation into the config object it is given.
 """
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -362,6 +363,49 @@ def test_unknown_semantic_kwarg_raises_and_bookkeeping_kwargs_pass():
     out, _ = hf.sage_attention_forward(mod, q, k, v, None, position_ids=torch.arange(12)[None], use_cache=True,
                                        cu_seq_lens_q=None, output_attentions=False, unknown_but_none=None)
     assert out.shape == (2, 12, 4, 16)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_forward_only_kwargs_reach_attention_and_are_ignored_as_by_sdpa(kind):
+    # A causal-LM forward hands its **kwargs both to the loss (shift_labels, ignore_index, num_items_in_batch)
+    # and down to every attention call; transformers' sdpa ignores them, so must "sage".
+    sage, ref = pair(kind, policy="full")
+    torch.manual_seed(1)
+    x = torch.randint(1, 128, (2, 20))
+    y = torch.randint(1, 128, (2, 20))
+    z = torch.randint(1, 128, (2, 20))
+    kw = dict(labels=y, shift_labels=z, ignore_index=-100, num_items_in_batch=torch.tensor(40),
+              output_hidden_states=True, output_router_logits=False)
+    got, want = sage(x, **kw), ref(x, **kw)
+    torch.testing.assert_close(got.logits, want.logits)
+    torch.testing.assert_close(got.loss, want.loss)
+    # shift_labels really reached the loss (else the loss would be computed from labels)
+    assert not torch.allclose(got.loss, sage(x, labels=y).loss)
+    assert sage.model.layers[0].self_attn._sage_patch_binding.stats.calls > 0
+
+
+def test_ignored_kwargs_follow_transformers_typed_dicts_and_losses():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
+    from transformers.utils.generic import TransformersKwargs
+
+    ignored = hf.ignored_kwargs()
+    handled = {"is_causal", "output_attentions"}
+    assert set(TransformersKwargs.__optional_keys__) - handled <= ignored
+    assert set(FlashAttentionKwargs.__optional_keys__) <= ignored
+    assert {"shift_labels", "ignore_index", "num_items_in_batch"} <= ignored
+    assert set(inspect.signature(ForCausalLMLoss).parameters) - {"kwargs"} <= ignored
+    # never ignored: these change the attention result
+    for name in ("sliding_window", "softcap", "s_aux", "position_bias", "is_causal", "attention_mask",
+                 "head_mask", "scaling", "dropout"):
+        assert name not in ignored
+
+
+@pytest.mark.parametrize("name", ["head_mask", "attn_bias", "block_indices"])
+def test_result_changing_kwargs_are_still_refused(name):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=f"{name}.*may change the attention result"):
+        hf.sage_attention_forward(FakeAttention(), q, k, v, None, **{name: torch.ones(1)})
 
 
 def test_position_bias_is_delegated_to_transformers_sdpa():
