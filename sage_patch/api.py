@@ -6,15 +6,14 @@ import math
 import torch
 
 from . import kernels
-from .masks import classify_mask, combined_bool_mask
+from .full import full_attention
+from .masks import classify_mask
 from .precisions import check_precision
-from .reference import exact_attention, simulate
+from .reference import simulate
 from .report import GLOBAL_STATS, log_fallback_once
 from .resolve import resolve
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Captured at import: routing may replace torch.nn.functional.scaled_dot_product_attention while active.
-torch_sdpa = torch.nn.functional.scaled_dot_product_attention
 MAX_HEAD_DIM = 256
 
 
@@ -46,12 +45,14 @@ def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_m
     if decision.reason and not torch.compiler.is_compiling():
         log_fallback_once(decision.reason)
 
-    if decision.impl == "sdpa":
-        return _full(q, k, v, layout, bool(is_causal), scale, mask, dropout_p, return_lse)
-    if decision.impl == "reference":
+    if decision.impl in ("sdpa", "reference"):
         qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if layout == "bshd" else (q, k, v)
-        res = simulate(qb, kb, vb, decision.precision, is_causal=bool(is_causal), scale=scale,
-                       attn_mask=mask.mask, return_lse=return_lse, smooth_v=smooth_v)
+        if decision.impl == "sdpa":
+            res = full_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, mask=mask,
+                                 dropout_p=dropout_p, return_lse=return_lse)
+        else:
+            res = simulate(qb, kb, vb, decision.precision, is_causal=bool(is_causal), scale=scale,
+                           attn_mask=mask.mask, return_lse=return_lse, smooth_v=smooth_v)
         out, lse = res if return_lse else (res, None)
         out = out.to(q.dtype)
         out = out.transpose(1, 2) if layout == "bshd" else out
@@ -85,6 +86,9 @@ def _validate(q, k, v, layout, scale, is_causal, dropout_p):
         raise ValueError(f"batch sizes differ: q {b}, k {ks[0]}, v {vs[0]}")
     if vs[hd] != hkv or vs[sd] != skv:
         raise ValueError(f"k and v must have the same heads and length, got k {tuple(ks)}, v {tuple(vs)}")
+    if b < 1 or hq < 1 or hkv < 1:
+        raise ValueError(f"batch and head counts must be >= 1, got B={b}, q heads {hq}, k/v heads {hkv} "
+                         f"(q {tuple(qs)}, k {tuple(ks)}, layout {layout!r})")
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA/MQA")
     if ks[-1] != d:
@@ -101,37 +105,6 @@ def _validate(q, k, v, layout, scale, is_causal, dropout_p):
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     return b, hq, sq, skv
-
-
-def _full(q, k, v, layout, is_causal, scale, mask, dropout_p, return_lse):
-    """Full precision: torch SDPA in the input dtype, with bottom-right causal and zeros on empty rows."""
-    qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if layout == "bshd" else (q, k, v)
-    sq, skv = qb.shape[-2], kb.shape[-2]
-    gqa = qb.shape[1] != kb.shape[1]
-    if mask.kind == "none" and (not is_causal or sq == skv):
-        out = torch_sdpa(
-            qb, kb, vb, dropout_p=dropout_p, is_causal=is_causal and sq > 1, scale=scale, enable_gqa=gqa)
-        bool_mask = None
-    else:
-        if mask.kind == "float":
-            sdpa_mask, bool_mask = mask.mask.to(qb.dtype), None
-            if is_causal:
-                sdpa_mask = sdpa_mask.masked_fill(~combined_bool_mask(None, True, sq, skv, q.device), -math.inf)
-                bool_mask = combined_bool_mask(None, True, sq, skv, q.device)
-        else:
-            bool_mask = combined_bool_mask(mask.mask, is_causal, sq, skv, q.device)
-            sdpa_mask = bool_mask
-        out = torch_sdpa(
-            qb, kb, vb, attn_mask=sdpa_mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-        if bool_mask is not None:  # rows with no visible key: SDPA may give NaN, we give 0
-            out = torch.where(bool_mask.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype,
-                                                                                device=out.device))
-    out = out.transpose(1, 2) if layout == "bshd" else out
-    if not return_lse:
-        return out
-    _, lse = exact_attention(qb, kb, vb, is_causal=is_causal, scale=scale, return_lse=True, dtype=torch.float32,
-                             attn_mask=mask.mask if mask.kind != "none" else None)
-    return out, lse
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
@@ -153,8 +126,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if attn_mask is not None and is_causal:
         raise ValueError("sdpa: pass either attn_mask or is_causal=True, not both (as torch does)")
     sq, skv = query.shape[-2], key.shape[-2]
-    if attn_mask is not None and isinstance(attn_mask, torch.Tensor) and attn_mask.dim() < 4:
-        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if isinstance(attn_mask, torch.Tensor):
+        attn_mask = _torch_broadcast_mask(attn_mask, query, key)
     if is_causal and sq != skv:  # torch aligns is_causal top-left
         attn_mask = torch.ones(sq, skv, dtype=torch.bool, device=query.device).tril()[None, None]
         is_causal = False
@@ -166,6 +139,21 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         out = run_attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scale,
                             attn_mask=attn_mask, precision=precision or "8b", dropout_p=dropout_p)
     return out.squeeze(1) if squeeze else out
+
+
+def _torch_broadcast_mask(attn_mask, query, key):
+    """torch's rule: a mask of fewer than 4 dims broadcasts from the right against (B, H, Sq, Skv); errors name the
+    shape the caller passed, not the 4-D view of it."""
+    full = (query.shape[0], query.shape[1], query.shape[-2], key.shape[-2])
+    try:
+        if attn_mask.dim() > 4 or torch.broadcast_shapes(attn_mask.shape, full) != full:
+            raise RuntimeError
+    except RuntimeError:
+        hint = (" (a 2-D mask is (Sq, Skv) in torch's rule; for a (B, Skv) key-padding mask pass mask[:, None, None, :]"
+                " or use sage_patch.attention)" if attn_mask.dim() == 2 else "")
+        raise ValueError(f"sdpa: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Sq, Skv) = "
+                         f"{full}{hint}") from None
+    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
 
 
 def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *, attn_mask=None,

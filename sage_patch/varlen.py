@@ -29,13 +29,16 @@ def _validate(q, k, v, cu_q, cu_k):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor (total, H, D), got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same tokens and heads, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"GQA needs Hq % Hkv == 0 (Hq={q.shape[1]}, Hkv={k.shape[1]})")
+        raise ValueError(f"q heads must be a positive multiple of k/v heads (GQA), got q {q.shape[1]}, k/v {k.shape[1]}")
     for name, c in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(c, torch.Tensor) or c.dim() != 1 or c.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be a 1-D int32 tensor")
+            raise ValueError(f"{name} must be a 1-D int32 or int64 tensor, got "
+                             f"{tuple(c.shape) + (c.dtype,) if isinstance(c, torch.Tensor) else type(c).__name__}")
     if cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must both have B+1 >= 2 entries")
 
@@ -50,7 +53,7 @@ def _reference_loop(q, k, v, cu_q, cu_k, *, is_causal, scale, precision, return_
     cq, ck = [int(x) for x in cu_q.tolist()], [int(x) for x in cu_k.tolist()]
     _check_offsets("cu_seqlens_q", cq, q.shape[0])
     _check_offsets("cu_seqlens_k", ck, k.shape[0])
-    out = torch.zeros_like(q)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # the output has V's head dim
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, device=q.device, dtype=torch.float32)
     for b in range(len(cq) - 1):
         q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]

@@ -24,18 +24,26 @@ def exact_attention(q, k, v, *, is_causal=False, scale=None, attn_mask=None, ret
     kd = k.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else k.to(dtype)
     vd = v.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else v.to(dtype)
     float_mask = attn_mask if attn_mask is not None and attn_mask.dtype != torch.bool else None
-    bool_mask = combined_bool_mask(None if float_mask is not None else attn_mask, is_causal, sq, skv, q.device)
+    visible = combined_bool_mask(None if float_mask is not None else attn_mask, is_causal, sq, skv, q.device)
+    fm = None
+    if float_mask is not None:
+        fm = float_mask.to(dtype)
+        fm = fm.reshape((1,) * (4 - fm.dim()) + tuple(fm.shape)).expand(*fm.shape[:-2], sq, skv)
+        visible = fm > -math.inf if visible is None else visible & (fm > -math.inf)
+    if visible is not None:  # broadcast the query dim before slicing rows: a (.., 1, Skv) mask holds for every row
+        visible = visible.expand(*visible.shape[:-2], sq, skv)
     outs, lses = [], []
     for i0 in range(0, sq, block_q):
         i1 = min(i0 + block_q, sq)
         s = (q[..., i0:i1, :].to(dtype) @ kd.transpose(-1, -2)) * scale
-        if float_mask is not None:
-            fm = torch.broadcast_to(float_mask.to(dtype), (*q.shape[:2], sq, skv))
+        if fm is not None:
             s = s + fm[..., i0:i1, :]
-        if bool_mask is not None:
-            s = s.masked_fill(~bool_mask[..., i0:i1, :], -math.inf)
+        if visible is not None:
+            s = s.masked_fill(~visible[..., i0:i1, :], -math.inf)
         lse = torch.logsumexp(s, dim=-1)
-        nonempty = torch.isfinite(lse)
+        # Empty means no visible key (a structural fact), so a NaN or Inf input still poisons its rows.
+        nonempty = (visible[..., i0:i1, :].any(-1) if visible is not None
+                    else torch.ones((), dtype=torch.bool, device=q.device)).expand_as(lse)
         p = torch.exp(s - torch.where(nonempty, lse, 0.0).unsqueeze(-1))
         o = torch.where(nonempty.unsqueeze(-1), p @ vd, 0.0)
         outs.append(o)

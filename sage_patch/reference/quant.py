@@ -101,9 +101,10 @@ def quantize_fp8_sampled_blocks(v: torch.Tensor, sample: torch.Tensor, block: in
     r = xb.abs().amax(dim=(-2, -1), keepdim=True)                        # (..., nblk, 1, 1)
     mant, ex = torch.frexp(r / FP8_E4M3_MAX)                              # r / 448 = mant 2^ex, mant in [0.5, 1)
     e = torch.where(mant == 0.5, ex - 1, ex)                              # ceil(log2(r / 448))
-    e = torch.where(torch.isinf(r), SAMPLED_V_MAX_EXP, e)
     e = torch.where(r > FP8_E4M3_MAX, e.clamp(max=SAMPLED_V_MAX_EXP), torch.zeros_like(e)).float()
-    c = torch.exp2(e)
+    # A non-finite value would saturate to a finite 448 c: its block's factor is NaN instead, so it propagates.
+    c = torch.where(torch.isfinite(r), torch.exp2(e), torch.nan)
+    e = torch.where(torch.isfinite(r), e, 0.0)
     q = round_fp8_e4m3(xb * torch.exp2(-e)) * c
     return q.reshape(*x.shape[:-2], -1, x.shape[-1])[..., :s, :], base
 
@@ -127,8 +128,8 @@ def quantize_nvfp4(x: torch.Tensor, block: int = 16, global_scale: torch.Tensor 
     s = round_fp8_e4m3(xb.abs().amax(dim=-1, keepdim=True) / FP4_E2M1_MAX)
     safe = torch.where(s > 0, s, torch.ones_like(s))
     deq = (round_fp4_e2m1(xb / safe) * s).reshape(x.shape)[..., :n]
-    if global_scale is not None:
-        deq = deq * gs
+    if global_scale is not None:  # the raw scale: a NaN or Inf one must reach the values (0 only scales zeros)
+        deq = deq * global_scale
     return deq
 
 

@@ -224,7 +224,9 @@ def simulate(q, k, v, precision, *, is_causal=False, scale=None, attn_mask=None,
         else:  # one narrow accumulator for the whole row: the error two-level accumulation avoids
             acc = round_mantissa(acc * alpha.unsqueeze(-1) + blk, cfg.pv_accum_bits)
         m = m_new
-    nonempty = l > 0
+    # l == 0 exactly when no key is visible (the row maximum contributes exp(0) = 1 otherwise); a NaN reached from
+    # a non-finite input is not 0, so it propagates instead of becoming an empty (zero) row. The kernels test the same.
+    nonempty = l != 0
     norm = l_op if cfg.row_sum == "operand" else l
     out = torch.where(nonempty.unsqueeze(-1), acc / torch.where(nonempty, norm, 1.0).unsqueeze(-1), 0.0)
     out = qt.finish(out, nonempty)
