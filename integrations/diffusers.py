@@ -27,10 +27,15 @@ How it works (per layer, no global monkey-patching of torch or diffusers):
   and each `scheduler.step(...)` call advances it. The pipeline class's `__call__` is wrapped (pass-through for
   pipelines without sage) so that a scheduler swapped after enabling is hooked too, and so that after the call
   the step is cleared. A custom loop can call `set_step(model_or_pipe, step, num_steps)`.
-- `disable_sage_attention()` puts back the original processor objects (identity preserved) and removes hooks
-  and stats. Enabling twice only updates the policy.
+- `disable_sage_attention()` unwraps every layer (the processor under each wrapper comes back, identity
+  preserved) and removes hooks and stats. Enabling twice only updates the policy.
 - nn.Module processors (IP-Adapter) stay registered as submodules (state_dict and .to() unchanged); the wrapper
-  shadows them. Setting a plain processor on such a layer while enabled fails as nn.Module requires: disable first.
+  shadows them.
+- diffusers' loaders keep working while enabled (IP-Adapter load/unload, `set_attn_processor`): a wrapper presents
+  the wrapped processor's class (`__class__`, isinstance, `p.__class__()` builds a plain processor), and each
+  layer's `set_processor` is hooked while enabled so that the processor diffusers sets is routed in turn with
+  the layer's stats. A processor set before enabling is simply wrapped; after disabling, the layers keep
+  whatever diffusers set last.
 
 Public helpers: `enable(model, policy)`, `disable(model)`, `enable_pipeline(pipe, policy, components=...,
 include_vae=...)`, `disable_pipeline(pipe)`, `set_step(obj, step, num_steps)`, `sage_skipped(model)`,
@@ -272,15 +277,39 @@ class _Route:
 class SageAttnProcessor:
     """Wraps one layer's original processor (kept in `.inner`, shared objects stay shared). Attribute reads,
     and writes of `_attention_backend` / `_parallel_config` (diffusers' set_attention_backend and
-    enable_parallelism), go to the original."""
+    enable_parallelism), go to the original.
+
+    The wrapper is a transparent proxy of the processor it wraps, as far as diffusers' loaders can tell:
+    - `wrapper.__class__` is the wrapped processor's class, so `isinstance(p, FluxIPAdapterAttnProcessor)` and
+      `p.__class__()` (how `load_ip_adapter` / `unload_ip_adapter` rebuild processors) behave as without sage;
+    - calling the wrapper's own type with the wrapped class's arguments (`type(p)()`) builds a plain processor of
+      the wrapped class, as it would without sage; wrappers themselves are made only by `enable()`;
+    - copying or pickling a wrapper gives a copy of the wrapped processor (routing belongs to the model).
+    The new processors diffusers sets while sage is enabled are wrapped by the layer's `set_processor` hook
+    (see `_hook_set_processor`), so a layer stays routed across IP-Adapter loading and unloading."""
 
     _sage_wrapper = True
+    _sage_inner_cls: type | None = None   # set on each generated subclass
 
-    def __init__(self, inner, route: _Route, fn, name: str):
+    def __new__(cls, *args, **kwargs):
+        inner_cls = cls.__dict__.get("_sage_inner_cls")
+        if inner_cls is None:
+            raise TypeError("SageAttnProcessor is created by enable_sage_attention(), not directly; to build a "
+                            "processor, call its wrapped class (e.g. FluxAttnProcessor())")
+        return inner_cls(*args, **kwargs)
+
+    @classmethod
+    def _wrap(cls, inner, route: _Route, fn, name: str) -> "SageAttnProcessor":
+        self = object.__new__(cls)
         object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "route", route)
         object.__setattr__(self, "_sage_fn", fn)
         object.__setattr__(self, "layer_name", name)
+        return self
+
+    @property
+    def __class__(self):
+        return type(object.__getattribute__(self, "inner"))
 
     def __call__(self, *args, **kwargs):  # replaced per inner class by _wrapper_class (same signature)
         return self._sage_fn(self.inner, *args, **kwargs)
@@ -296,8 +325,12 @@ class SageAttnProcessor:
         else:
             object.__setattr__(self, name, value)
 
+    def __reduce_ex__(self, protocol):
+        return self.inner.__reduce_ex__(protocol)
+
     def __repr__(self):
-        return f"{type(self).__name__}({self.layer_name}, precision={self.route.precision!r}, inner={self.inner!r})"
+        return (f"Sage{type(self.inner).__name__}({self.layer_name}, precision={self.route.precision!r}, "
+                f"inner={self.inner!r})")
 
 
 _WRAPPER_CLASSES: dict[type, type] = {}
@@ -312,21 +345,57 @@ def _call_function(proc):
     return call if isinstance(call, types.FunctionType) else None
 
 
+def _forwarding_call(fn):
+    """`__call__(self, <fn's parameters>)` that calls `self._sage_fn(self.inner, ...)`, with fn's parameter names,
+    kinds and default values: diffusers filters processor kwargs by `inspect.signature(processor.__call__)`, and
+    torch.compile guards on the real `__defaults__` of the function it inlines, so both must be genuine."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[1:]   # drop the processor's own self
+    except (TypeError, ValueError):
+        params = None
+    if params is None or any(not p.name.isidentifier() or p.name in ("self", "_d") for p in params):
+        def __call__(self, *args, **kwargs):
+            return self._sage_fn(self.inner, *args, **kwargs)
+        return __call__
+    head, call, star_seen = ["self"], [], False
+    for p in params:
+        if p.kind is p.POSITIONAL_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD:
+            head.append(p.name if p.default is p.empty else f"{p.name}=_d")
+            call.append(p.name)
+        elif p.kind is p.VAR_POSITIONAL:
+            head.append(f"*{p.name}")
+            call.append(f"*{p.name}")
+            star_seen = True
+        elif p.kind is p.KEYWORD_ONLY:
+            if not star_seen:
+                head.append("*")
+                star_seen = True
+            head.append(p.name if p.default is p.empty else f"{p.name}=_d")
+            call.append(f"{p.name}={p.name}")
+        else:
+            head.append(f"**{p.name}")
+            call.append(f"**{p.name}")
+    if any(p.kind is p.POSITIONAL_ONLY for p in params):
+        last = max(i for i, p in enumerate(params) if p.kind is p.POSITIONAL_ONLY)
+        head.insert(last + 2, "/")
+    src = f"def __call__({', '.join(head)}):\n    return self._sage_fn(self.inner, {', '.join(call)})\n"
+    ns: dict = {"_d": None}
+    exec(compile(src, f"<sage_patch wrapper of {fn.__qualname__}>", "exec"), ns)
+    call_fn = ns["__call__"]
+    call_fn.__defaults__ = fn.__defaults__
+    call_fn.__kwdefaults__ = fn.__kwdefaults__
+    call_fn.__annotations__ = dict(getattr(fn, "__annotations__", {}))
+    call_fn.__doc__ = fn.__doc__
+    return call_fn
+
+
 def _wrapper_class(inner) -> type:
     inner_cls = type(inner)
     cls = _WRAPPER_CLASSES.get(inner_cls)
     if cls is None:
-        fn = _call_function(inner)
-
-        def __call__(self, *args, **kwargs):
-            return self._sage_fn(self.inner, *args, **kwargs)
-
-        try:  # diffusers filters processor kwargs by inspect.signature(processor.__call__)
-            __call__.__signature__ = inspect.signature(fn)
-        except (TypeError, ValueError):
-            pass
-        cls = type(f"Sage{inner_cls.__name__}", (SageAttnProcessor,), {"__call__": __call__,
-                                                                       "__module__": __name__})
+        cls = type(f"Sage{inner_cls.__name__}", (SageAttnProcessor,),
+                   {"__call__": _forwarding_call(_call_function(inner)), "_sage_inner_cls": inner_cls,
+                    "__module__": __name__})
         _WRAPPER_CLASSES[inner_cls] = cls
     return cls
 
@@ -377,7 +446,6 @@ class _ModelState:
     def __init__(self, policy: Policy, tracker: StepTracker):
         self.policy = policy
         self.tracker = tracker
-        self.originals: dict[str, object] = {}   # layer name -> original processor object
         self.wrappers: dict[str, SageAttnProcessor] = {}
         self.skipped: dict[str, str] = {}        # layer name -> why it is not routed
         self.module_names: list[str] = []        # sys.modules entries of routed processors' globals
@@ -396,23 +464,90 @@ def _attention_modules(model):
             yield name, mod
 
 
-def _set_processor(module, proc) -> None:
-    cur = module.__dict__.get("processor", None)
-    if isinstance(proc, SageAttnProcessor) and "processor" in module._modules:
-        # An nn.Module processor (e.g. IP-Adapter) stays registered as a submodule (state_dict, .to());
-        # the wrapper shadows it in the instance dict.
-        object.__setattr__(module, "processor", proc)
+def _install_wrapper(module, wrapper: SageAttnProcessor) -> None:
+    """Put `wrapper` in front of the layer's processor. An nn.Module processor (e.g. IP-Adapter) stays registered
+    as a submodule (state_dict, .to()); the wrapper shadows it in the instance dict, as a plain processor's own
+    instance-dict entry is replaced."""
+    module.__dict__["processor"] = wrapper
+
+
+def _remove_wrapper(module) -> None:
+    """Undo `_install_wrapper`: the wrapped processor is the layer's processor again (identity preserved)."""
+    cur = module.__dict__.get("processor")
+    if not isinstance(cur, SageAttnProcessor):
         return
-    if isinstance(cur, SageAttnProcessor) and "processor" in module._modules:
+    if module._modules.get("processor") is cur.inner:
         del module.__dict__["processor"]
-        if proc is module._modules["processor"]:
-            return
-    module.set_processor(proc)
+    else:
+        module.__dict__["processor"] = cur.inner
+
+
+_HOOK_ATTR = "set_processor"   # instance attribute shadowing the class's set_processor while enabled
+
+
+def _hook_set_processor(model, name: str, module) -> None:
+    """While sage is enabled, diffusers (IP-Adapter load/unload, set_attn_processor, set_default_attn_processor)
+    sets processors through `module.set_processor`. The hook runs diffusers' own set_processor on the unwrapped
+    processor (its bookkeeping of nn.Module processors applies unchanged), then routes the new processor with
+    this layer's stats, policy and step state, so the layer stays routed and the report stays one entry."""
+    if _HOOK_ATTR in module.__dict__:
+        return
+    model_ref = weakref.ref(model)
+    cls_set = type(module).set_processor
+
+    def set_processor(processor, *args, **kwargs):
+        _remove_wrapper(module)
+        cls_set(module, _unwrap(processor), *args, **kwargs)
+        m = model_ref()
+        st = getattr(m, _STATE_ATTR, None) if m is not None else None
+        if st is not None:
+            _route_layer(st, name, module)
+
+    set_processor.__doc__ = cls_set.__doc__
+    module.__dict__[_HOOK_ATTR] = set_processor
+
+
+def _unhook_set_processor(module) -> None:
+    module.__dict__.pop(_HOOK_ATTR, None)
+
+
+def _route_layer(st: _ModelState, name: str, mod) -> None:
+    """Wrap the layer's current processor (unwrapped first) with a route under `st`'s policy, or record why not."""
+    inner = _unwrap(mod.processor)
+    fn = _call_function(inner)
+    old = st.wrappers.pop(name, None)
+    if old is not None:  # the old route's globals can go
+        _drop_modules(old.route.modules)
+        st.module_names[:] = [n for n in st.module_names if n not in old.route.modules]
+    if fn is None:
+        st.skipped[name] = f"{type(inner).__name__}: no Python __call__ to route"
+        return
+    stats = getattr(mod, STATS_ATTR, None)
+    if not isinstance(stats, LayerStats):
+        stats = LayerStats(name)
+        setattr(mod, STATS_ATTR, stats)
+    binding = LayerBinding(name, layer_index(name), st.policy, stats, st.tracker.state)
+    route = _Route(binding, _orig_dispatch())
+    routed = _routed_function(fn, route)
+    if routed is None:
+        st.skipped[name] = (f"{type(inner).__name__}.__call__ calls neither F.scaled_dot_product_attention "
+                            f"nor dispatch_attention_fn directly: left as is")
+        _drop_modules(route.modules)
+        if getattr(mod, STATS_ATTR, None) is stats and stats.calls == 0:
+            delattr(mod, STATS_ATTR)
+        return
+    st.skipped.pop(name, None)
+    st.module_names.extend(route.modules)
+    wrapper = _wrapper_class(inner)._wrap(inner, route, routed, name)
+    st.wrappers[name] = wrapper
+    st.tracker.add(route)
+    _install_wrapper(mod, wrapper)
+    setattr(mod, BINDING_ATTR, binding)  # found by sage_patch.calibrate (bindings_of)
 
 
 def enable(model, policy=None, *, tracker: StepTracker | None = None) -> dict:
     """Route every attention layer of a diffusers model through sage_patch. Returns {layer name: wrapper}.
-    Enabling again updates the policy (and wraps processors set since); originals are kept from the first time."""
+    Enabling again updates the policy (and wraps processors assigned directly since, bypassing set_processor)."""
     pol = Policy.from_any(policy) if policy is not None else default_policy_for(model)
     st: _ModelState | None = getattr(model, _STATE_ATTR, None)
     if st is None:
@@ -423,46 +558,16 @@ def enable(model, policy=None, *, tracker: StepTracker | None = None) -> dict:
         st.policy = pol
         if tracker is not None and tracker is not st.tracker:
             st.tracker = tracker
-    dispatch = _orig_dispatch()
     for name, mod in _attention_modules(model):
-        proc = mod.processor
         w = st.wrappers.get(name)
-        if w is not None and proc is w:  # already ours: new policy / tracker
+        if w is not None and mod.processor is w:  # already ours: new policy / tracker
             w.route.binding.policy = pol
             w.route.binding.steps = st.tracker.state
             st.tracker.add(w.route)
             w.route.refresh()
-            continue
-        inner = _unwrap(proc)
-        fn = _call_function(inner)
-        if fn is None:
-            st.skipped[name] = f"{type(inner).__name__}: no Python __call__ to route"
-            continue
-        stats = getattr(mod, STATS_ATTR, None)
-        if not isinstance(stats, LayerStats):
-            stats = LayerStats(name)
-            setattr(mod, STATS_ATTR, stats)
-        binding = LayerBinding(name, layer_index(name), pol, stats, st.tracker.state)
-        route = _Route(binding, dispatch)
-        routed = _routed_function(fn, route)
-        if routed is None:
-            st.skipped[name] = (f"{type(inner).__name__}.__call__ calls neither F.scaled_dot_product_attention "
-                                f"nor dispatch_attention_fn directly: left as is")
-            _drop_modules(route.modules)
-            if getattr(mod, STATS_ATTR, None) is stats and stats.calls == 0:
-                delattr(mod, STATS_ATTR)
-            continue
-        st.skipped.pop(name, None)
-        st.module_names.extend(route.modules)
-        old = st.wrappers.get(name)
-        if old is not None:  # a processor set over our wrapper since: the old route's globals can go
-            _drop_modules(old.route.modules)
-        wrapper = _wrapper_class(inner)(inner, route, routed, name)
-        st.originals[name] = inner
-        st.wrappers[name] = wrapper
-        st.tracker.add(route)
-        _set_processor(mod, wrapper)
-        setattr(mod, BINDING_ATTR, binding)  # found by sage_patch.calibrate (bindings_of)
+        else:
+            _route_layer(st, name, mod)
+        _hook_set_processor(model, name, mod)
     if st.skipped:
         logger.info("sage_patch: %d attention layer(s) of %s not routed: %s", len(st.skipped),
                     type(model).__name__, "; ".join(f"{k}: {v}" for k, v in list(st.skipped.items())[:3]))
@@ -470,21 +575,18 @@ def enable(model, policy=None, *, tracker: StepTracker | None = None) -> dict:
 
 
 def disable(model) -> None:
-    """Put back the original processor objects, remove the stats. Layers whose processor was replaced by
-    someone else since enabling keep that processor."""
+    """Unwrap every layer: each gets back the processor it had under the wrapper (the original object, or the
+    one diffusers set while enabled, e.g. an IP-Adapter processor), and loses its stats and hook."""
     st: _ModelState | None = getattr(model, _STATE_ATTR, None)
     if st is None:
         return
-    mods = dict(_attention_modules(model))
-    for name, orig in st.originals.items():
-        mod = mods.get(name)
-        if mod is None:
-            continue
-        if mod.processor is st.wrappers.get(name):
-            _set_processor(mod, orig)
-        for attr in (STATS_ATTR, BINDING_ATTR):
-            if hasattr(mod, attr):
-                delattr(mod, attr)
+    for name, mod in _attention_modules(model):
+        _unhook_set_processor(mod)
+        if name in st.wrappers or name in st.skipped:
+            _remove_wrapper(mod)
+            for attr in (STATS_ATTR, BINDING_ATTR):
+                if hasattr(mod, attr):
+                    delattr(mod, attr)
     _drop_modules(st.module_names)
     object.__delattr__(model, _STATE_ATTR)
 

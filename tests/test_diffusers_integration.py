@@ -271,7 +271,10 @@ def test_generic_sdpa_processor_and_unroutable_processor():
     n = len(unet.attn_processors)
     unet.enable_sage_attention("8b")
     try:
-        assert getattr(unet, sd._STATE_ATTR).policy.name == "diffusers-default" or True
+        # the policy passed by name is the one in force: 8b everywhere, no layer rules, no fallback
+        pol = getattr(unet, sd._STATE_ATTR).policy
+        assert pol.default == "8b" and pol.layers == () and pol.min_seq_len == 0 and pol.name is None
+        assert all(w.route.binding.policy is pol for w in getattr(unet, sd._STATE_ATTR).wrappers.values())
         out = run(unet, inputs)
         assert cos(out, ref) >= MIN_COS
         rep = sage_patch.report(unet).to_dict()
@@ -587,3 +590,126 @@ def test_module_processor_stays_registered(flux_pipe):
     finally:
         model.disable_sage_attention()
     assert attn.processor is ip and "processor" not in attn.__dict__
+
+
+# ---- IP-Adapter: diffusers rebuilds processors with proc.__class__() and checks isinstance -------------------
+
+def _flux_ip_state_dict(model, seed=0):
+    """IP-Adapter weights in the layout `_load_ip_adapter_weights` reads, from freshly initialised modules."""
+    from diffusers.models.embeddings import ImageProjection
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    torch.manual_seed(seed)
+    cfg = model.config
+    ip = {}
+    dual = [n for n in model.attn_processors if not n.startswith("single_transformer_blocks")]
+    for i, _ in enumerate(dual):
+        w = FluxIPAdapterAttnProcessor(hidden_size=cfg.num_attention_heads * cfg.attention_head_dim,
+                                       cross_attention_dim=cfg.joint_attention_dim, scale=1.0).state_dict()
+        for part in ("to_k_ip", "to_v_ip"):
+            for t in ("weight", "bias"):
+                ip[f"{i}.{part}.{t}"] = w[f"{part}.0.{t}"] * 20  # large enough that the adapter visibly matters
+    proj = ImageProjection(cross_attention_dim=cfg.joint_attention_dim, image_embed_dim=cfg.pooled_projection_dim,
+                           num_image_text_embeds=4).state_dict()
+    image_proj = {"proj.weight": proj["image_embeds.weight"], "proj.bias": proj["image_embeds.bias"],
+                  "norm.weight": proj["norm.weight"], "norm.bias": proj["norm.bias"]}
+    return {"image_proj": image_proj, "ip_adapter": ip}
+
+
+def _with_ip(inputs, model):
+    g = torch.Generator().manual_seed(5)
+    embeds = torch.randn(2, 1, model.config.pooled_projection_dim, generator=g)
+    return dict(inputs, joint_attention_kwargs={"ip_adapter_image_embeds": [embeds]})
+
+
+def _unload_ip_adapter(model):
+    """FluxIPAdapterMixin.unload_ip_adapter on a pipeline holding `model` (it only needs .transformer)."""
+    from diffusers.loaders.ip_adapter import FluxIPAdapterMixin
+
+    class _Holder:
+        transformer = model
+    FluxIPAdapterMixin.unload_ip_adapter(_Holder())
+
+
+def test_wrapper_presents_the_wrapped_class_and_builds_plain_processors():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    model, _ = tiny_flux()
+    model.enable_sage_attention({"default": "full"})
+    try:
+        p = model.attn_processors["single_transformer_blocks.0.attn.processor"]
+        assert type(p) is not FluxAttnProcessor and isinstance(p, sd.SageAttnProcessor)
+        assert p.__class__ is FluxAttnProcessor and isinstance(p, FluxAttnProcessor)
+        fresh = type(p)()                      # the issue's repro: a TypeError before
+        assert type(fresh) is FluxAttnProcessor
+        assert type(p.__class__()) is FluxAttnProcessor
+        import copy
+        assert type(copy.copy(p)) is FluxAttnProcessor and type(copy.deepcopy(p)) is FluxAttnProcessor
+        with pytest.raises(TypeError, match="created by enable_sage_attention"):
+            sd.SageAttnProcessor()
+    finally:
+        model.disable_sage_attention()
+
+
+def test_ip_adapter_load_and_unload_while_enabled_match_no_sage():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxIPAdapterAttnProcessor
+
+    model, inputs = tiny_flux()
+    twin, _ = tiny_flux()                                   # same weights, never enabled
+    state = _flux_ip_state_dict(model)
+    base = run(model, inputs)
+    model.enable_sage_attention({"default": "full"})
+    try:
+        model._load_ip_adapter_weights([state], low_cpu_mem_usage=False)
+        twin._load_ip_adapter_weights([_flux_ip_state_dict(twin)], low_cpu_mem_usage=False)
+        procs = processors(model)
+        assert all(isinstance(p, sd.SageAttnProcessor) for p in procs.values())     # every layer still routed
+        dual = [n for n in procs if not n.startswith("single_")]
+        assert dual and all(isinstance(procs[n], FluxIPAdapterAttnProcessor) for n in dual)
+        assert all(type(procs[n].inner) is FluxAttnProcessor for n in procs if n.startswith("single_"))
+        # the adapter's weights stay registered where diffusers put them
+        assert any(k.startswith("transformer_blocks.0.attn.processor.to_k_ip") for k in model.state_dict())
+        calls = {k: v["calls"] for k, v in sage_patch.report(model).to_dict().items()}
+        out = run(model, _with_ip(inputs, model))
+        ref = run(twin, _with_ip(inputs, twin))
+        assert (out - ref).abs().max().item() <= FULL_TOL
+        assert (out - base).abs().max().item() > 1e-3                            # the adapter is in effect
+        rep = sage_patch.report(model).to_dict()
+        # one report entry per layer; the adapter's image attention is routed too (a second call in dual blocks)
+        assert len(rep) == 4
+        assert all(rep[k]["calls"] == calls[k] + (1 if k.startswith("single_") else 2) for k in rep)
+        _unload_ip_adapter(model)
+        procs = processors(model)
+        assert all(isinstance(p, sd.SageAttnProcessor) and type(p.inner) is FluxAttnProcessor for p in procs.values())
+        assert not any(".processor." in k for k in model.state_dict())
+        assert (run(model, inputs) - base).abs().max().item() <= FULL_TOL
+    finally:
+        model.disable_sage_attention()
+    assert all(type(p) is FluxAttnProcessor for p in processors(model).values())
+    assert not any("set_processor" in m.__dict__ for m in model.modules())
+
+
+def test_ip_adapter_loaded_before_enabling_unloads_and_disable_keeps_latest():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxIPAdapterAttnProcessor
+
+    model, inputs = tiny_flux()
+    base = run(model, inputs)
+    model._load_ip_adapter_weights([_flux_ip_state_dict(model)], low_cpu_mem_usage=False)
+    ip_procs = {k: p for k, p in processors(model).items() if isinstance(p, FluxIPAdapterAttnProcessor)}
+    with_ip = run(model, _with_ip(inputs, model))
+    model.enable_sage_attention({"default": "full"})
+    try:
+        assert all(processors(model)[k].inner is p for k, p in ip_procs.items())
+        assert (run(model, _with_ip(inputs, model)) - with_ip).abs().max().item() <= FULL_TOL
+        _unload_ip_adapter(model)           # isinstance(wrapper, FluxIPAdapterAttnProcessor) must hold here
+        procs = processors(model)
+        assert all(isinstance(p, sd.SageAttnProcessor) and type(p.inner) is FluxAttnProcessor for p in procs.values())
+        assert (run(model, inputs) - base).abs().max().item() <= FULL_TOL
+        assert all(st["calls"] >= 2 for st in sage_patch.report(model).to_dict().values())
+    finally:
+        model.disable_sage_attention()
+    # disabling keeps what diffusers set last (the plain processors from unloading), unwrapped
+    assert all(type(p) is FluxAttnProcessor for p in processors(model).values())
+    # and loading again after disabling works as without sage
+    model._load_ip_adapter_weights([_flux_ip_state_dict(model)], low_cpu_mem_usage=False)
+    assert sum(isinstance(p, FluxIPAdapterAttnProcessor) for p in processors(model).values()) == len(ip_procs)
