@@ -120,12 +120,14 @@ class Policy:
         if isinstance(policy, str) and policy in PRECISIONS:
             return cls(default=policy, source=f"precision {policy!r}")
         if isinstance(policy, str):
-            return cls.from_yaml(policy, source="<string>")
+            return cls.from_yaml(policy, source="<string>", argument=policy)
         raise PolicyError(f"policy must be a Policy, dict, YAML path or string, or a precision name; "
                           f"got {type(policy).__name__}")
 
     @classmethod
-    def from_yaml(cls, text: str, source: str = "<string>") -> "Policy":
+    def from_yaml(cls, text: str, source: str = "<string>", argument: str | None = None) -> "Policy":
+        """Parse YAML text. `argument`: the string a caller passed as its policy argument, for the message
+        when it is neither a file, a precision name nor a YAML mapping."""
         try:
             node = yaml.compose(text, Loader=yaml.SafeLoader)
             data = yaml.safe_load(text)
@@ -134,6 +136,11 @@ class Policy:
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
             problem = getattr(e, "problem", None) or str(e)
             raise PolicyError(f"policy {source}: malformed YAML{where}: {problem}") from None
+        if argument is not None and not isinstance(data, dict):
+            raise PolicyError(f"policy {argument!r}: not a file (no such path), not a precision name (allowed: "
+                              f"{', '.join(PRECISIONS)}) and not a YAML mapping; pass a policy file path, a "
+                              f"precision name, a dict or YAML text such as 'default: 8b'")
+        _check_duplicate_keys(node, source)
         if data is None:
             data = {}
         return cls.from_dict(data, source=source, lines=_line_map(node))
@@ -233,6 +240,24 @@ def shipped_policy_path(family: str) -> str:
 
 # ---- parsing helpers -------------------------------------------------------------------------------------------
 
+def _check_duplicate_keys(node, source: str, path: str = "") -> None:
+    """PyYAML keeps the last of duplicate mapping keys silently; a policy with two `default:` lines (or two
+    `fallback:` blocks) would then not mean what it says. Raise naming the key path and both lines."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for k, v in node.value:
+            key = k.value
+            p = f"{path}.{key}" if path else str(key)
+            if key in seen:
+                raise PolicyError(f"policy {source}: key '{p}' (line {k.start_mark.line + 1}): duplicate key, "
+                                  f"already given at line {seen[key]}; each key may appear once per mapping")
+            seen[key] = k.start_mark.line + 1
+            _check_duplicate_keys(v, source, p)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _check_duplicate_keys(v, source, f"{path}[{i}]")
+
+
 def _line_map(node, path: str = "", out: dict | None = None) -> dict:
     """Map 'a.b[2].c' key paths to 1-based line numbers from a composed YAML node tree."""
     out = {} if out is None else out
@@ -257,7 +282,8 @@ class _Parser:
     def fail(self, key: str, msg: str):
         line = self.lines.get(key)
         where = f" (line {line})" if line else ""
-        raise PolicyError(f"policy {self.source}: key '{key}'{where}: {msg}")
+        what = f"key '{key}'" if key else "the top level"
+        raise PolicyError(f"policy {self.source}: {what}{where}: {msg}")
 
     def precision(self, value, key: str) -> str:
         if value not in PRECISIONS:
@@ -266,7 +292,8 @@ class _Parser:
 
     def mapping(self, value, key: str, allowed: set) -> dict:
         if not isinstance(value, dict):
-            self.fail(key, f"must be a mapping with keys from {sorted(allowed)}; got {type(value).__name__}")
+            got = {list: "a list", str: f"the string {value!r}"}.get(type(value), type(value).__name__)
+            self.fail(key, f"must be a mapping with keys from {', '.join(sorted(allowed))}; got {got}")
         unknown = sorted(set(map(str, value)) - allowed)
         if unknown:
             self.fail(f"{key}.{unknown[0]}" if key else unknown[0],

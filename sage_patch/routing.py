@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,8 @@ import torch
 from .guard import Guard
 from .policy import Policy
 from .report import STATS_ATTR, LayerStats
+
+logger = logging.getLogger("sage_patch")
 
 BINDING_ATTR = "_sage_patch_binding"  # attribute holding a LayerBinding on each routed attention module
 
@@ -71,9 +75,30 @@ def layer_index(name: str) -> int | None:
     return int(nums[-1]) if nums else None
 
 
+ATTENTION_CLASS_SUFFIXES = ("Attention", "SelfAttention")
+
+
 def is_attention_module(name: str, module: torch.nn.Module) -> bool:
-    cls = type(module).__name__
-    return cls.endswith(("Attention", "SelfAttention")) or cls == "Attention"
+    """The default `select` of route_sdpa: the module's class name ends in one of ATTENTION_CLASS_SUFFIXES."""
+    return type(module).__name__.endswith(ATTENTION_CLASS_SUFFIXES)
+
+
+def _nothing_selected(model: torch.nn.Module, select) -> None:
+    """route_sdpa found no module to route: warn (logger and warnings), naming what it looked for and the
+    modules that look like attention by name, so the caller can pass `select=`. A warning, not an error: the
+    context manager stays a no-op on a model without attention, as it always was."""
+    if select is is_attention_module:
+        looked_for = f"module classes whose name ends in {' or '.join(repr(x) for x in ATTENTION_CLASS_SUFFIXES)}"
+    else:
+        looked_for = f"modules accepted by select={getattr(select, '__qualname__', repr(select))}"
+    candidates = sorted({f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+                         if n and re.search(r"attn|attention", f"{n}.{type(m).__name__}", re.I)})
+    hint = (f"; modules that look like attention: {', '.join(candidates[:5])}"
+            f"{' ...' if len(candidates) > 5 else ''}") if candidates else ""
+    msg = (f"sage_patch.route_sdpa: no module of {type(model).__name__} matched ({looked_for}), so no "
+           f"attention call is routed{hint}; pass select=lambda name, module: ... to choose them")
+    logger.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
 @contextlib.contextmanager
@@ -103,6 +128,8 @@ def route_sdpa(model: torch.nn.Module, policy=None, *, select=is_attention_modul
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post, always_call=True))
 
+    if not bindings:
+        _nothing_selected(model, select)
     original = torch.nn.functional.scaled_dot_product_attention
 
     def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -128,3 +128,58 @@ def test_every_config_in_repo_is_shipped():
     here = os.path.join(os.path.dirname(__file__), "..", "configs")
     names = sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(here, "*.yaml")))
     assert names == sorted(SHIPPED)
+
+
+def test_unknown_string_policy_says_not_a_file_not_a_precision_and_lists_precisions():
+    with pytest.raises(PolicyError) as e:
+        Policy.from_any("8bit")
+    msg = str(e.value)
+    assert "'8bit'" in msg and "not a file" in msg and "not a precision name" in msg
+    assert "8b, 4b, fp4, full" in msg and "key ''" not in msg
+
+
+def test_set_policy_on_a_model_reports_the_bad_name():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import sage_patch
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM._from_config(cfg, attn_implementation="sage")
+    with pytest.raises(PolicyError, match=r"policy '8bit': not a file .*allowed: 8b, 4b, fp4, full"):
+        sage_patch.set_policy(model, "8bit")
+
+
+@pytest.mark.parametrize("text,key,line,first", [
+    ("default: 8b\nfallback:\n  min_seq_len: 64\ndefault: 4b\n", "default", 4, 1),
+    ("default: 8b\nfallback:\n  min_seq_len: 64\n  min_seq_len: 128\n", "fallback.min_seq_len", 4, 3),
+    ("layers:\n  - match: 'a.*'\n    precision: full\n    precision: 8b\n", "layers[0].precision", 4, 3),
+])
+def test_duplicate_yaml_keys_are_rejected_naming_file_key_and_lines(tmp_path, text, key, line, first):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(PolicyError) as e:
+        load_policy(path)
+    msg = str(e.value)
+    assert str(path) in msg and f"key '{key}' (line {line})" in msg and f"already given at line {first}" in msg
+
+
+def test_top_level_list_is_reported_as_the_top_level(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- default: 8b\n- precision: full\n")
+    with pytest.raises(PolicyError) as e:
+        load_policy(path)
+    msg = str(e.value)
+    assert msg.startswith(f"policy {path}: the top level (line 1): must be a mapping")
+    assert "got a list" in msg and "default" in msg and "key ''" not in msg
+
+
+def test_cli_validate_reports_duplicate_key(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "dup.yaml"
+    path.write_text("default: 8b\ndefault: full\n")
+    r = subprocess.run([sys.executable, "-m", "sage_patch.cli", "validate", str(path)], capture_output=True,
+                       text=True)
+    assert r.returncode != 0 and "duplicate key" in (r.stdout + r.stderr)

@@ -6,6 +6,8 @@ import sage_patch
 from sage_patch.report import LayerStats, Report
 from sage_patch.resolve import Decision
 
+TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention  # torch's own, captured before any routing
+
 
 class TinyAttention(torch.nn.Module):
     def __init__(self, d=32, heads=2):
@@ -58,7 +60,7 @@ def test_route_sdpa_per_layer_rules_and_report():
     assert rep["layers.1"]["used"] == {"full": 1}
     assert rep["layers.2"]["calls"] == 1
     # after the context, SDPA is torch's own again and nothing is routed
-    assert torch.nn.functional.scaled_dot_product_attention is sage_patch.api.torch_sdpa
+    assert torch.nn.functional.scaled_dot_product_attention is TORCH_SDPA
     with torch.no_grad():
         torch.testing.assert_close(net(x), base)
     assert sage_patch.report(net).to_dict()["layers.0"]["calls"] == 1
@@ -75,3 +77,49 @@ def test_policy_min_seq_len_is_reported_as_fallback():
 def test_report_rejects_other_objects():
     with pytest.raises(TypeError, match="nn.Module or a diffusers pipeline"):
         sage_patch.report(42)
+
+
+
+def test_route_sdpa_warns_naming_the_patterns_when_nothing_matches(caplog):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mixer = torch.nn.Linear(32, 32)
+            self.attn_proj = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.attn_proj(self.mixer(x))
+
+    model = Block()
+    x = torch.randn(1, 8, 32)
+    with caplog.at_level("WARNING", logger="sage_patch"):
+        with pytest.warns(RuntimeWarning) as rec:
+            with sage_patch.route_sdpa(model, "8b") as bindings:
+                model(x)
+    assert bindings == {}
+    msg = str(rec[0].message)
+    assert "no module of Block matched" in msg
+    assert "'Attention' or 'SelfAttention'" in msg          # the patterns it looked for
+    assert "attn_proj (Linear)" in msg and "select=" in msg   # candidates by name, and the way out
+    assert any("no module of Block matched" in r.getMessage() for r in caplog.records)
+
+
+def test_route_sdpa_custom_select_routes_and_does_not_warn(recwarn):
+    net = TinyNet()
+    with sage_patch.route_sdpa(net, "8b") as bindings:
+        net(torch.randn(1, 8, 32))
+    assert len(bindings) == 3
+    custom = torch.nn.Sequential(torch.nn.Identity(), TinyAttention())
+    with sage_patch.route_sdpa(custom, "8b", select=lambda n, m: n == "1") as bindings:
+        custom(torch.randn(1, 8, 32))
+    assert list(bindings) == ["1"] and bindings["1"].stats.calls == 1
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning) and "route_sdpa" in str(w.message)]
+
+
+def test_route_sdpa_warning_names_a_custom_select():
+    def only_mixers(name, module):
+        return name.endswith("mixer")
+
+    with pytest.warns(RuntimeWarning, match="modules accepted by select=.*only_mixers"):
+        with sage_patch.route_sdpa(TinyNet(), "8b", select=only_mixers):
+            pass
