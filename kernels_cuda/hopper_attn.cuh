@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(kHopStatThreads) hopper_sample_stats_kernel(Sa
         raw8_to_float<T>(vr[i], y);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            ks[e] += x[e]; vs[e] += y[e]; vmx[e] = fmaxf(vmx[e], y[e]); vmn[e] = fminf(vmn[e], y[e]);
+            ks[e] += x[e]; vs[e] += y[e]; vmx[e] = fmax_nan(vmx[e], y[e]); vmn[e] = fmin_nan(vmn[e], y[e]);
         }
     }
 #pragma unroll
@@ -267,21 +267,23 @@ __global__ void __launch_bounds__(kHopStatThreads) hopper_sample_stats_kernel(Sa
     const int d = threadIdx.x;
     float sk = 0.f, sv = 0.f, mx = -INFINITY, mn = INFINITY;
     for (int j = 0; j < RPP; ++j) {
-        sk += red[0][j][d]; sv += red[1][j][d]; mx = fmaxf(mx, red[2][j][d]); mn = fminf(mn, red[3][j][d]);
+        sk += red[0][j][d]; sv += red[1][j][d]; mx = fmax_nan(mx, red[2][j][d]); mn = fmin_nan(mn, red[3][j][d]);
     }
     const float km = ns > 0 ? sk / (float)ns : 0.f;
     const float vm = ns > 0 && p.smooth_v ? sv / (float)ns : 0.f;
     // max |V - vm| over the sample, exactly (rounding is monotone); 0 for an empty sequence
-    const float a = ns > 0 ? fmaxf(0.f, fmaxf(mx - vm, vm - mn)) : 0.f;
+    const float a = ns > 0 ? fmax_nan(0.f, fmax_nan(mx - vm, vm - mn)) : 0.f;
     float am = a;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+    for (int o = 16; o > 0; o >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, o));
     if ((d & 31) == 0) wmx[d >> 5] = am;
     asm volatile("bar.sync 1, %0;\n" ::"n"(D) : "memory");  // the D threads still running
     am = wmx[0];
 #pragma unroll
-    for (int w = 1; w < D / 32; ++w) am = fmaxf(am, wmx[w]);
-    const float base = fmaxf(fmaxf(kHopVHeadroom * a, kHopVHeadroom * am * kHopVRelFloor), kHopVAbsFloor) / kFp8Max;
+    for (int w = 1; w < D / 32; ++w) am = fmax_nan(am, wmx[w]);
+    // a non-finite sampled value: NaN base (every V value of the head then quantizes to NaN, see hopper_quant_kv_kernel)
+    const float base = finite_or_nan(fmax_nan(fmax_nan(kHopVHeadroom * a, kHopVHeadroom * am * kHopVRelFloor),
+                                              kHopVAbsFloor)) / kFp8Max;
     kmean[(int64_t)bh * D + d] = km;
     vmean[(int64_t)bh * D + d] = vm;
     vscale[(int64_t)bh * D + d] = base;
@@ -407,13 +409,13 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 kd[i][e] = ok(i) ? x[e] - m[e] : 0.f;  // padded keys: 0 (they load as 0; |0 - mean| must not count)
-                am = fmaxf(am, fabsf(kd[i][e]));
+                am = fmax_nan(am, fabsf(kd[i][e]));
             }
         }
     };
     if (full) kdiff(always); else kdiff(valid);
 #pragma unroll
-    for (int s = LPK / 2; s > 0; s >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, s));
+    for (int s = LPK / 2; s > 0; s >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, s));
     if (cc == 0) omax[o] = am;
     // key-padding mask: one flag per (batch, block), "some key of this block is masked", so the attention kernel
     // masks (reads the mask) only in those blocks
@@ -429,8 +431,8 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
         const int g = threadIdx.x;
         float m = 0.f;
 #pragma unroll
-        for (int r = 0; r < 8; ++r) m = fmaxf(m, omax[g + 4 * r]);
-        const float sc = m / 127.f;
+        for (int r = 0; r < 8; ++r) m = fmax_nan(m, omax[g + 4 * r]);
+        const float sc = finite_or_nan(m) / 127.f;  // non-finite group: NaN scale, the scores using it are NaN
         gscale[g] = sc;
         gscale[4 + g] = sc > 0.f ? 1.f / sc : 0.f;
         kscale[blk * 4 + g] = sc;
@@ -455,7 +457,11 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
         }
     }
     if (any_sat) {  // rare (a value beyond the sampled range): V reloaded (from L2) here, where K's registers are
-        // free; vfac = 2^e, the least e >= 0 with max |V - mean| / base <= 448 vfac (e <= kHopVMaxExp)
+        // free; vfac = 2^e, the least e >= 0 with max |V - mean| / base <= 448 vfac (e <= kHopVMaxExp). A
+        // non-finite value in the block (NaN, or Inf, which the first pass saturated to 448: both flag the block)
+        // makes the maximum NaN: the block is requantized with a NaN factor, so its V^T image is NaN and so are
+        // P~V and O of every row that runs the block (vfac itself stays a power of two: the attention kernel
+        // divides by it with integer arithmetic on the exponent)
         auto reload = [&](int i) {
             return valid(i) ? *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss)) : make_uint4(0u, 0u, 0u, 0u);
         };
@@ -471,25 +477,26 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const float z = hop_kv_vq(y[e], vi[e], vs[e]);
-                    r = valid(i) ? fmaxf(r, fabsf(z)) : r;
+                    r = valid(i) ? fmax_nan(r, fabsf(z)) : r;
                 }
             }
         }
 #pragma unroll
-        for (int s = 16; s > 0; s >>= 1) r = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, s));
+        for (int s = 16; s > 0; s >>= 1) r = fmax_nan(r, __shfl_xor_sync(0xffffffffu, r, s));
         if ((threadIdx.x & 31) == 0) omax[threadIdx.x >> 5] = r;  // (omax was last read before the barrier above)
         __syncthreads();
         if (threadIdx.x == 0) {
             r = 0.f;
 #pragma unroll
-            for (int w = 0; w < NT / 32; ++w) r = fmaxf(r, omax[w]);
+            for (int w = 0; w < NT / 32; ++w) r = fmax_nan(r, omax[w]);
+            r = finite_or_nan(r);
             int e = 0;
-            if (r > kFp8Max) {
-                const uint32_t u = __float_as_uint(r / kFp8Max);  // >= 1 (inf: e = 128, clamped)
+            if (r > kFp8Max) {  // (false for NaN)
+                const uint32_t u = __float_as_uint(r / kFp8Max);  // >= 1
                 e = min((int)(u >> 23) - 127 + ((u & 0x7fffffu) != 0u), kHopVMaxExp);
             }
             vfac[blk] = __uint_as_float((uint32_t)(127 + e) << 23);
-            gscale[8] = __uint_as_float((uint32_t)(127 - e) << 23);
+            gscale[8] = r == r ? __uint_as_float((uint32_t)(127 - e) << 23) : r;  // NaN: the block's V^T image NaN
         }
         __syncthreads();
         quant_v(reload, gscale[8], valid);  // rewrites this thread's own image words
@@ -919,17 +926,18 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                     qshift0 = fmaf(x0[j], m, qshift0);
                     qshift1 = fmaf(x1[j], m, qshift1);
                 }
-                am = fmaxf(am, fmaxf(fabsf(x0[j]), fabsf(x1[j])));
+                am = fmax_nan(am, fmax_nan(fabsf(x0[j]), fabsf(x1[j])));
             }
 #pragma unroll
             for (int o = 1; o <= 2; o <<= 1) {
-                am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+                am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, o));
                 if constexpr (kQShift) {
                     qshift0 += __shfl_xor_sync(0xffffffffu, qshift0, o);
                     qshift1 += __shfl_xor_sync(0xffffffffu, qshift1, o);
                 }
             }
-            const float sc = am / 127.f, inv = sc > 0.f ? 1.f / sc : 0.f;
+            // a non-finite value in the two rows: NaN scale, so every score (and the output) of both rows is NaN
+            const float sc = finite_or_nan(am) / 127.f, inv = sc > 0.f ? 1.f / sc : 0.f;
             qs = sc * p.sm_scale * kLog2e;
             // the previous tile's Q reads (wgmma) are complete: every consumer waited on its last wgmma group
 #pragma unroll
@@ -1334,14 +1342,14 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             const int64_t pstride = (int64_t)NWG * kSlot;
             float4* mine = w.part + ((int64_t)sit.split * w.parts * NWG + cw) * kSlot + ltid;
             {
-                const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+                const float i0 = l0 != 0.f ? 1.f / l0 : 0.f, i1 = l1 != 0.f ? 1.f / l1 : 0.f;  // NaN l stays NaN
                 float4* dst = mine + sit.part * pstride;
 #pragma unroll
                 for (int i = 0; i < D / 8; ++i)
                     dst[i * 128] = make_float4(o[4 * i] * i0, o[4 * i + 1] * i0, o[4 * i + 2] * i1, o[4 * i + 3] * i1);
                 // l is kept divided by the last block's vfac: the row's sum of 2^(score - m) is l vfac / 448
-                dst[(D / 8) * 128] = make_float4(l0 > 0.f ? m0 + log2f(l0 * vfac_prev) : -INFINITY,
-                                                 l1 > 0.f ? m1 + log2f(l1 * vfac_prev) : -INFINITY, 0.f, 0.f);
+                dst[(D / 8) * 128] = make_float4(l0 != 0.f ? m0 + log2f(l0 * vfac_prev) : -INFINITY,
+                                                 l1 != 0.f ? m1 + log2f(l1 * vfac_prev) : -INFINITY, 0.f, 0.f);
             }
             __threadfence();  // the partial is visible before the arrival is counted
             named_sync(1 + cw, 128);
@@ -1365,7 +1373,8 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 for (int q = 0; q < w.parts; ++q) {
                     const float4* src = mine + q * pstride;
                     const float4 lq = __ldcg(src + (D / 8) * 128);
-                    const float a0 = exp2f(lq.x - mu0), a1 = exp2f(lq.y - mu1);  // 0 for a part without keys
+                    // 0 for a part without keys; NaN for a NaN part (fmaxf above skipped it: mu is another's)
+                    const float a0 = exp2f(lq.x - mu0), a1 = exp2f(lq.y - mu1);
                     l0 += a0;
                     l1 += a1;
 #pragma unroll
@@ -1388,13 +1397,14 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
 
         // ---- epilogue
 
-        const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+        // empty row (no visible key): l == 0 exactly; a NaN l (non-finite input) must not pass as empty
+        const float inv0 = l0 != 0.f ? 1.f / l0 : 0.f, inv1 = l1 != 0.f ? 1.f / l1 : 0.f;
         T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh + tok0_q(p, b) * p.o_ss;
         T* O0 = O + (int64_t)row0 * p.o_ss + 8 * t4;
         T* O1 = O + (int64_t)row1 * p.o_ss + 8 * t4;
         const bool st0 = row0 < sq && !skip, st1 = row1 < sq && !skip;
         // smooth V: + mean(V) on rows that attended to something (the staged mean is 0 without smooth V)
-        const float f0 = l0 > 0.f ? 1.f : 0.f, f1 = l1 > 0.f ? 1.f : 0.f;
+        const float f0 = l0 != 0.f ? 1.f : 0.f, f1 = l1 != 0.f ? 1.f : 0.f;
 #pragma unroll
         for (int c = 0; c < D / 32; ++c) {  // o[4i ..] with i = 4c + q holds channels 32c + 8 t4 + 2q, + 1 (hop_vcol)
             uint32_t r0[4], r1[4];
@@ -1418,8 +1428,8 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         if (LSE && t4 == 0 && !skip) {
             float* L = p.cu_seqlens_q ? p.lse + h * p.lse_sh + tok0_q(p, b) : p.lse + bhq * p.Sq;
             const float ss = p.sm_scale;
-            if (row0 < sq) L[row0] = ls0 > 0.f ? m0 * kLn2 + (logf(ls0) - kLnFp8Max) + qshift0 * ss : -INFINITY;
-            if (row1 < sq) L[row1] = ls1 > 0.f ? m1 * kLn2 + (logf(ls1) - kLnFp8Max) + qshift1 * ss : -INFINITY;
+            if (row0 < sq) L[row0] = ls0 != 0.f ? m0 * kLn2 + (logf(ls0) - kLnFp8Max) + qshift0 * ss : -INFINITY;
+            if (row1 < sq) L[row1] = ls1 != 0.f ? m1 * kLn2 + (logf(ls1) - kLnFp8Max) + qshift1 * ss : -INFINITY;
         }
         HOP_TRACE(4, clock64());
 

@@ -132,6 +132,26 @@ __device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint3
 }
 __host__ __device__ __forceinline__ int qk_max(const SageAttnParams& p) { return p.qk_bits == 4 ? 7 : 127; }
 
+// Non-finite inputs (issue 28): a NaN or Inf in Q, K or V must reach the output rows that use it, never turn into
+// finite garbage. It would vanish in the pre-passes' maxima (fmaxf drops NaN), in scales (an infinite maximum gives
+// 1 / scale = 0 or a saturated e4m3 value) and in the epilogues' "l > 0" tests. So every maximum that builds a
+// quantization scale or statistic propagates NaN (fmax_nan), a non-finite maximum becomes a NaN scale
+// (finite_or_nan), and NaN then flows through the products with that scale into every row that uses it; a row is
+// empty (output 0, LSE -inf) only when its row sum is exactly 0. For finite values fmax_nan / fmin_nan are fmaxf /
+// fminf (the same FMNMX, with .NAN) and finite_or_nan is the identity: finite outputs stay bitwise the same.
+__device__ __forceinline__ float fmax_nan(float a, float b) {  // max, NaN if either operand is NaN (sm_80+)
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float fmin_nan(float a, float b) {  // min, NaN if either operand is NaN (sm_80+)
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;\n" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+// x for finite x, NaN for +-Inf and NaN (x * 0 + x: one FFMA, exact for finite x; never folded without fast math)
+__device__ __forceinline__ float finite_or_nan(float x) { return fmaf(x, 0.f, x); }
+
 // sequence b: its lengths (the max lengths Sq/Skv unless varlen) and the token offset of its first row
 __device__ __forceinline__ int len_q(const SageAttnParams& p, int b) {
     if (!p.cu_seqlens_q) return p.Sq;
@@ -299,11 +319,11 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float
             } else if (sv) {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
-                    acc[i] += x[i]; amx[i] = fmaxf(amx[i], x[i]); amn[i] = fminf(amn[i], x[i]);
+                    acc[i] += x[i]; amx[i] = fmax_nan(amx[i], x[i]); amn[i] = fmin_nan(amn[i], x[i]);
                 }
             } else {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[i] = fmaxf(acc[i], fabsf(x[i]));
+                for (int i = 0; i < 8; ++i) acc[i] = fmax_nan(acc[i], fabsf(x[i]));
             }
         }
     }
@@ -322,12 +342,14 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float
             kpart[((int64_t)bh * nsplit + split) * D + d] = r;
         } else if (sv) {
             float r = 0.f, mx = -INFINITY, mn = INFINITY;
-            for (int j = 0; j < NR; ++j) { r += red[0][j][d]; mx = fmaxf(mx, red[1][j][d]); mn = fminf(mn, red[2][j][d]); }
+            for (int j = 0; j < NR; ++j) {
+                r += red[0][j][d]; mx = fmax_nan(mx, red[1][j][d]); mn = fmin_nan(mn, red[2][j][d]);
+            }
             float* out = vpart + ((int64_t)bh * nsplit + split) * 3 * D;
             out[d] = r; out[D + d] = mx; out[2 * D + d] = mn;
         } else {
             float r = 0.f;
-            for (int j = 0; j < NR; ++j) r = fmaxf(r, red[0][j][d]);
+            for (int j = 0; j < NR; ++j) r = fmax_nan(r, red[0][j][d]);
             vpart[((int64_t)bh * nsplit + split) * 3 * D + d] = r;
         }
     }
@@ -351,16 +373,16 @@ __global__ void __launch_bounds__(D) finalize_stats_kernel(SageAttnParams p, con
         float sum = 0.f, mx = -INFINITY, mn = INFINITY;
         for (int j = 0; j < nsplit; ++j) {
             sum += vp[j * 3 * D + d];
-            mx = fmaxf(mx, vp[j * 3 * D + D + d]);
-            mn = fminf(mn, vp[j * 3 * D + 2 * D + d]);
+            mx = fmax_nan(mx, vp[j * 3 * D + D + d]);
+            mn = fmin_nan(mn, vp[j * 3 * D + 2 * D + d]);
         }
         const float mean = skv > 0 ? sum / (float)skv : 0.f;
         vmean[bh * D + d] = mean;
-        vmax[bh * D + d] = skv > 0 ? fmaxf(0.f, fmaxf(mx - mean, mean - mn)) : 0.f;
+        vmax[bh * D + d] = skv > 0 ? finite_or_nan(fmax_nan(0.f, fmax_nan(mx - mean, mean - mn))) : 0.f;
     } else {
         float m = 0.f;
-        for (int j = 0; j < nsplit; ++j) m = fmaxf(m, vp[j * 3 * D + d]);
-        vmax[bh * D + d] = m;
+        for (int j = 0; j < nsplit; ++j) m = fmax_nan(m, vp[j * 3 * D + d]);
+        vmax[bh * D + d] = finite_or_nan(m);  // NaN: the channel's V scale is NaN (quant_v_kernel, epilogue)
     }
 }
 
@@ -447,11 +469,12 @@ __global__ void __launch_bounds__(kThreads) quant_q_kernel(SageAttnParams p, int
 #pragma unroll
         for (int i = 0; i < CPL; ++i)
 #pragma unroll
-            for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(x[r][i][e]));
-    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
-    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+            for (int e = 0; e < 8; ++e) am = fmax_nan(am, fabsf(x[r][i][e]));
+    am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, 1));
+    am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, 2));
     const int qmax = qk_max(p);
-    const float sc = am / (float)qmax;
+    // non-finite group: NaN scale (its values quantize to 0, the attention's scores of these rows are NaN)
+    const float sc = finite_or_nan(am) / (float)qmax;
     if (t == 0) qscale[((int64_t)bh * (sq_pad / WQ) + tile) * 8 + g] = sc;
     if (p.qk_mma && p.qk_bits == 4) {  // packed INT4 rows of D/2 bytes
 #pragma unroll
@@ -517,17 +540,17 @@ __global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, con
             for (int e = 0; e < 8; ++e) x[j][e] = 0.f;
         }
 #pragma unroll
-        for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(x[j][e]));
+        for (int e = 0; e < 8; ++e) am = fmax_nan(am, fabsf(x[j][e]));
     }
-    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+    am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, 1));
     if (hh == 0) rowmax[c] = am;
     __syncthreads();
     const int grp = (c & 7) >> 1;
     float gm = 0.f;
 #pragma unroll
-    for (int a = 0; a < 8; ++a) gm = fmaxf(gm, fmaxf(rowmax[8 * a + 2 * grp], rowmax[8 * a + 2 * grp + 1]));
+    for (int a = 0; a < 8; ++a) gm = fmax_nan(gm, fmax_nan(rowmax[8 * a + 2 * grp], rowmax[8 * a + 2 * grp + 1]));
     const int qmax = qk_max(p);
-    const float sc = gm / (float)qmax;
+    const float sc = finite_or_nan(gm) / (float)qmax;  // non-finite group: NaN scale (its scores are NaN)
     if (hh == 0 && c < 8 && (c & 1) == 0) kscale[((int64_t)bh * (skv_pad / kBK) + kb) * 4 + grp] = sc;
     if (p.qk_mma && p.qk_bits == 4) {  // packed INT4 rows of D/2 bytes
         uint8_t* dst4 = reinterpret_cast<uint8_t*>(ki8) + ((int64_t)bh * skv_pad + key) * (D / 2) + hh * (H / 2);
@@ -611,6 +634,7 @@ __global__ void __launch_bounds__(kThreads) quant_v_kernel(SageAttnParams p, con
                     const int slot = sg * 16 + i + u;
                     const int s = slot & 31;
                     const int key = (slot >> 5) * 32 + (s >> 4) * 16 + ((s & 3) >> 1) * 8 + ((s & 15) >> 2) * 2 + (s & 1);
+                    // (a NaN scale, non-finite channel: 0 here, NaN in the epilogue's multiply by vscale)
                     x2[u] = sc > 0.f ? tile[key][d] / sc : 0.f;
                 }
                 w[i >> 2] |= cvt_e4m3x2(x2[0], x2[1]) << (8 * (i & 3));
@@ -1009,8 +1033,9 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs&
         l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-        const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
-        const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+        // empty row (no visible key): l == 0 exactly; a NaN l (non-finite input) must not pass as empty
+        const float inv0 = l0 != 0.f ? 1.f / l0 : 0.f;
+        const float inv1 = l1 != 0.f ? 1.f / l1 : 0.f;
         const int row0 = wrow + mt * 16 + g, row1 = row0 + 8;
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt) {
@@ -1024,8 +1049,8 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs&
             float a10 = o[mt][nt][2] * inv1 * v0, a11 = o[mt][nt][3] * inv1 * v1;
             if (vmn) {  // smooth_v: the mean comes back on rows with a visible key
                 const float m0 = vmn[col], m1 = vmn[col + 1];
-                if (l0 > 0.f) { a00 += m0; a01 += m1; }
-                if (l1 > 0.f) { a10 += m0; a11 += m1; }
+                if (l0 != 0.f) { a00 += m0; a01 += m1; }
+                if (l1 != 0.f) { a10 += m0; a11 += m1; }
             }
             if (row0 < sq) *reinterpret_cast<uint32_t*>(O + (int64_t)row0 * p.o_ss + col) = pack2<T>(a00, a01);
             if (row1 < sq) *reinterpret_cast<uint32_t*>(O + (int64_t)row1 * p.o_ss + col) = pack2<T>(a10, a11);
@@ -1035,8 +1060,8 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs&
             float* L = p.cu_seqlens_q ? p.lse + h * p.lse_sh + tok0_q(p, b) : p.lse + bhq * p.Sq;
             const float* sh = qshift + bhq * sq_pad;
             const float lo = PV == PV_FP16 ? 0.f : kLnFp8Max;
-            if (row0 < sq) L[row0] = l0 > 0.f ? m[mt][0] * kLn2 + (logf(l0) - lo) + sh[row0] : -INFINITY;
-            if (row1 < sq) L[row1] = l1 > 0.f ? m[mt][1] * kLn2 + (logf(l1) - lo) + sh[row1] : -INFINITY;
+            if (row0 < sq) L[row0] = l0 != 0.f ? m[mt][0] * kLn2 + (logf(l0) - lo) + sh[row0] : -INFINITY;
+            if (row1 < sq) L[row1] = l1 != 0.f ? m[mt][1] * kLn2 + (logf(l1) - lo) + sh[row1] : -INFINITY;
         }
     }
 }
