@@ -89,3 +89,36 @@ def check_kernel_case(precision, b, hq, hkv, sq, skv, d, *, sim_l1, lse_atol, dt
     elif check_exact:
         assert res["exact_cos"] >= 0.9995 and res["exact_l1"] <= 0.03 and res["exact_lse_maxdiff"] <= 0.05, res
     return out, lse
+
+
+# ---- non-finite inputs (test_nonfinite_gpu.py)
+
+def fill_next(shape, dtype, value):
+    """Like poison, with any fill value (a finite one makes unwritten outputs look finite, which a test that expects
+    non-finite rows must see as a failure)."""
+    t = torch.full(shape, value, device=DEV, dtype=dtype)
+    del t
+
+
+def set_at(x, layout, b, h, s, c, value):
+    """x[b, h, s, c] = value in (B, H, S, D) terms, whatever the layout ("bshd": x[b, s, h, c])."""
+    if layout == "bshd":
+        x[b, s, h, c] = value
+    else:
+        x[b, h, s, c] = value
+
+
+def bits_equal(a, b) -> bool:
+    """Bitwise equality (NaN payloads included; torch.equal says NaN != NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype in (torch.float16, torch.bfloat16):
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+    if a.dtype == torch.float32:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return torch.equal(a, b)
+
+
+def rows_nonfinite(x):
+    """Per row (last dim reduced): whether the row holds a non-finite value."""
+    return ~torch.isfinite(x.float()).all(dim=-1)
