@@ -2,7 +2,13 @@
 """Bit-identity check of two kernel builds: `--save F` runs the compiled kernel (SAGE_PATCH_KERNELS_LIB picks the
 build) on fixed-seed inputs over the feature matrix (D, dtype, causal, GQA, key padding, varlen, smooth V, BSHD, odd
 lengths) and saves outputs and LSEs; `--compare A B` reports per case whether they are bitwise equal. Exit 1 if not.
-For refactors that must not change results (pre-pass rewrites, scheduling), checked on the device."""
+For refactors that must not change results (pre-pass rewrites, scheduling), checked on the device. Covers the sm_90a
+Hopper kernel (pv "wgmma", on an sm_90 GPU with an sm_90a build) and the portable mma.sync kernel: "8b" in each
+P~V mode the GPU has (fp8-f16, fp8-mma: sm_89+; fp16) and "4b" with INT8 and INT4 MMA (case names
+"<case>/<pv>/<precision>[/<qk>]"). Old vs new build in one run:
+    SAGE_PATCH_KERNELS_LIB=old/libsage_kernels.so python scripts/kernel_fingerprint.py --save old.pt
+    SAGE_PATCH_KERNELS_LIB=new/libsage_kernels.so python scripts/kernel_fingerprint.py --save new.pt
+    python scripts/kernel_fingerprint.py --compare old.pt new.pt"""
 import argparse
 import os
 import sys
@@ -38,23 +44,37 @@ def inputs(case, seed):
     return q, k, v, mask
 
 
+# portable kernel variants: (pv, precision, qk); the FP8 P~V modes need sm_89+
+PORTABLE = [("fp8-f16", "8b", None), ("fp8-mma", "8b", None), ("fp16", "8b", None), ("fp8-f16", "4b", "int8"),
+            ("fp8-f16", "4b", "int4"), ("fp16", "4b", "int8")]
+
+
 def run_all():
     import sage_patch.kernels as K
 
+    cc = torch.cuda.get_device_capability()
+    hopper = cc == (9, 0) and "90a" in K.status()["archs"]
+    variants = ([("wgmma", "8b", None)] if hopper else []) + [x for x in PORTABLE if x[0] == "fp16" or cc >= (8, 9)]
     res = {}
-    for i, case in enumerate(CASES):
-        q, k, v, mask = inputs(case, 1234 + i)
-        o, l = K.attention(q, k, v, layout=case[11], is_causal=case[8], attn_mask=mask, pv="wgmma",
-                           smooth_v=case[10])
-        res[case[0]] = (o.cpu(), l.cpu())
-    # varlen: three packed sequences of different lengths (one shorter than a block)
-    g = torch.Generator(device="cuda").manual_seed(99)
-    lens = [700, 90, 1333]
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-    tot = int(cu[-1])
-    q, k, v = (torch.randn(tot, 4, 128, device="cuda", generator=g).half() for _ in range(3))
-    o, l = K.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), is_causal=True, pv="wgmma")
-    res["varlen-causal"] = (o.cpu(), l.cpu())
+    for pv, prec, qk in variants:
+        for i, case in enumerate(CASES):
+            if pv != "wgmma" and case[0] == "d128-long":
+                continue  # (the portable kernels: the short cases are enough)
+            q, k, v, mask = inputs(case, 1234 + i)
+            o, l = K.attention(q, k, v, layout=case[11], is_causal=case[8], attn_mask=mask, pv=pv, precision=prec,
+                               qk=qk, smooth_v=case[10])
+            name = case[0] if pv == "wgmma" else "/".join([case[0], pv, prec] + ([qk] if qk else []))
+            res[name] = (o.cpu(), l.cpu())
+        # varlen: three packed sequences of different lengths (one shorter than a block)
+        g = torch.Generator(device="cuda").manual_seed(99)
+        lens = [700, 90, 1333]
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+        tot = int(cu[-1])
+        q, k, v = (torch.randn(tot, 4, 128, device="cuda", generator=g).half() for _ in range(3))
+        o, l = K.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), is_causal=True, pv=pv, precision=prec,
+                                  qk=qk)
+        res["varlen-causal" if pv == "wgmma" else "/".join(["varlen-causal", pv, prec] + ([qk] if qk else []))] = (
+            o.cpu(), l.cpu())
     return res
 
 
@@ -64,17 +84,25 @@ def main():
     ap.add_argument("--compare", nargs=2)
     a = ap.parse_args()
     if a.save:
-        torch.save(run_all(), a.save)
-        print(f"saved {a.save}")
+        import sage_patch.kernels as K
+
+        res = run_all()
+        torch.save(res, a.save)
+        print(f"saved {a.save}: {len(res)} cases, library {K.status().get('path')}")
         return 0
     x, y = (torch.load(f) for f in a.compare)
     ok = True
+    for name in sorted(set(x) ^ set(y)):
+        print(f"{name:40s} MISSING in {'the second' if name in x else 'the first'} file")
+        ok = False
     for name in x:
+        if name not in y:
+            continue
         (o1, l1), (o2, l2) = x[name], y[name]
         same = torch.equal(o1, o2) and torch.equal(l1, l2)
         nd = int((o1 != o2).sum())
         dmax = float((o1.float() - o2.float()).abs().max())
-        print(f"{name:24s} {'identical' if same else f'DIFFERENT: {nd} outputs differ, max {dmax:.3g}'}")
+        print(f"{name:40s} {'identical' if same else f'DIFFERENT: {nd} outputs differ, max {dmax:.3g}'}")
         ok &= same
     return 0 if ok else 1
 
