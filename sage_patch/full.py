@@ -95,12 +95,15 @@ def _attention_with_lse(q, k, v, is_causal, scale, mask, dropout_p):
     # Both kernels need one head dim for Q, K and V (the CUDA one a multiple of 8): zero channels change no score.
     dp = -(-max(d, dv) // 8) * 8 if q.is_cuda else max(d, dv)
     qp, kp, vp = _pad_last(q, dp), _pad_last(k, dp), _pad_last(v, dp)
-    if q.is_cuda:  # causal in the kernel itself (bottom-right): the bias carries only the caller's mask
-        bias = _additive_bias(mask, False, sq, skv, q.dtype, q.device)
+    if q.is_cuda:
+        # The kernel's own bottom-right causal rule holds for Sq <= Skv (its offset Skv - Sq is clamped at 0, so
+        # taller calls take the causal rule in the bias); the bias otherwise carries only the caller's mask.
+        kernel_causal = is_causal and sq <= skv
+        bias = _additive_bias(mask, is_causal and not kernel_causal, sq, skv, q.dtype, q.device)
         out, lse = torch.ops.aten._efficient_attention_forward(
             qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
             None if bias is None else bias.expand(b, hq, sq, skv), None, None, None, None, float(dropout_p),
-            _CAUSAL_BOTTOM_RIGHT if is_causal else _NO_MASK, True, scale=scale)[:2]
+            _CAUSAL_BOTTOM_RIGHT if kernel_causal else _NO_MASK, True, scale=scale)[:2]
         out, lse = out.transpose(1, 2), lse[..., :sq]
     else:
         if dropout_p > 0:

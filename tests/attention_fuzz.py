@@ -23,13 +23,13 @@ from sage_patch.report import GLOBAL_STATS
 from sage_patch.reference import exact_attention
 
 # Tolerances vs float64 on structured inputs, by the precision that ran: relative L1 over visible rows, and the
-# LSE's error relative to the largest |LSE| of the call (quantized scores err in proportion to the scores'
-# magnitude, which the structured inputs' outliers make large). Full precision is bounded by the dtype's rounding; quantized ones by their numerics (the
+# LSE's error relative to the call's largest |LSE|, at least 4 (quantized scores err in proportion to the scores'
+# magnitude, which the structured inputs' outliers make large; calls of a few keys have an LSE near 0). Full precision is bounded by the dtype's rounding; quantized ones by their numerics (the
 # SageAttention papers' figures are cos >= 0.999 for 8b; 4b and fp4 are coarser by design).
 REL_L1 = {"full": {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2},
           "8b": 0.03, "4b": 0.25, "fp4": 0.2}
-LSE_REL = {"full": {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3},
-           "8b": 0.01, "4b": 0.2, "fp4": 0.1}
+LSE_REL = {"full": {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3},
+           "8b": 0.01, "4b": 0.25, "fp4": 0.1}
 PRECISIONS = ("8b", "4b", "fp4", "full")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASKS = ("none", "key_padding", "key_padding_4d", "dense", "float")
@@ -101,11 +101,12 @@ def draw_case(seed: int, device: str = "cpu", budget: float = 3e6) -> Case:
 
 def _structured(g: torch.Generator, shape, dim_bias: float, outliers: bool):
     """randn plus what real attention inputs have: a per-channel bias (K, V) or a few outlier channels (Q)."""
-    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    dev = g.device
+    x = torch.randn(*shape, generator=g, device=dev)
     if dim_bias:
-        x = x + dim_bias * torch.randn(shape[-1], generator=g, dtype=torch.float64)
+        x = x + dim_bias * torch.randn(shape[-1], generator=g, device=dev)
     if outliers:
-        x[..., torch.randperm(shape[-1], generator=g)[: max(1, shape[-1] // 32)]] *= 6.0
+        x[..., torch.randperm(shape[-1], generator=g, device=dev)[: max(1, shape[-1] // 32)]] *= 6.0
     return x
 
 
@@ -119,41 +120,41 @@ def _view(x: torch.Tensor, noncontig: bool) -> torch.Tensor:
 
 
 def make_inputs(c: Case):
-    """float64 canonical tensors (B, H, S, D) and the bool 'visible' mask, plus the arguments of the call."""
-    g = torch.Generator().manual_seed(c.seed)
+    """q, k, v (B, H, S, D) in the case's dtype and the mask argument, drawn on the case's device."""
+    g = torch.Generator(device=c.device).manual_seed(c.seed)
+    dev = c.device
     q = _structured(g, (c.b, c.hq, c.sq, c.d), 0.0, True)
     k = _structured(g, (c.b, c.hkv, c.skv, c.d), 4.0, False)
     v = _structured(g, (c.b, c.hkv, c.skv, c.dv), 4.0, False)
     attn_mask = None
     if c.mask in ("key_padding", "key_padding_4d"):
-        keep = torch.rand(c.b, c.skv, generator=g) < 0.7
+        keep = torch.rand(c.b, c.skv, generator=g, device=dev) < 0.7
         keep[0, -1] = False
         if c.b > 1:
             keep[1] = False  # a fully masked batch entry: every row empty
         attn_mask = keep if c.mask == "key_padding" else keep[:, None, None, :]
     elif c.mask == "dense":
-        hb = c.hq if torch.rand((), generator=g) < 0.5 else 1
-        attn_mask = torch.rand(c.b, hb, c.sq, c.skv, generator=g) < 0.6
+        hb = c.hq if c.seed % 2 else 1
+        attn_mask = torch.rand(c.b, hb, c.sq, c.skv, generator=g, device=dev) < 0.6
         attn_mask[..., 0, :] = False  # an empty row
     elif c.mask == "float":
-        attn_mask = torch.randn(1, c.hq, c.sq, c.skv, generator=g, dtype=torch.float64)
-        attn_mask = attn_mask.masked_fill(torch.rand(1, c.hq, c.sq, c.skv, generator=g) < 0.2, -math.inf)
-        attn_mask = attn_mask.to(c.dtype).double()  # the values the call will see
-    qx, kx, vx = (x.to(c.dtype) for x in (q, k, v))
-    return qx, kx, vx, attn_mask
+        attn_mask = torch.randn(1, c.hq, c.sq, c.skv, generator=g, device=dev)
+        attn_mask = attn_mask.masked_fill(torch.rand(1, c.hq, c.sq, c.skv, generator=g, device=dev) < 0.2, -math.inf)
+        attn_mask = attn_mask.to(c.dtype)
+    return q.to(c.dtype), k.to(c.dtype), v.to(c.dtype), attn_mask
 
 
 def _visible(c: Case, attn_mask):
     """(B|1, H|1, Sq, Skv) bool: what each row may see under the entry point's own rules."""
     if attn_mask is None:
-        vis = torch.ones(1, 1, c.sq, c.skv, dtype=torch.bool)
+        vis = torch.ones(1, 1, c.sq, c.skv, dtype=torch.bool, device=c.device)
     elif attn_mask.dtype == torch.bool:
         vis = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask
     else:
         vis = attn_mask > -math.inf
     if c.causal:
-        i = torch.arange(c.sq)[:, None]
-        j = torch.arange(c.skv)
+        i = torch.arange(c.sq, device=c.device)[:, None]
+        j = torch.arange(c.skv, device=c.device)
         # sdpa keeps torch's top-left rule; attention and varlen align bottom-right
         vis = vis & (j <= i if c.api == "sdpa" else j <= i + c.skv - c.sq)
     return vis
@@ -188,14 +189,11 @@ def _call(c: Case, q, k, v, attn_mask):
 
 def check_case(c: Case, *, expect_kernel: bool = False) -> tuple[list[tuple[str, str]], dict]:
     """Run one case; returns ([(kind, message)], info). info: the implementation and precision that ran."""
-    q, k, v, attn_mask = make_inputs(c)
-    dev_mask = None if attn_mask is None else (attn_mask.to(c.dtype) if attn_mask.is_floating_point() else
-                                               attn_mask).to(c.device)
-    qd, kd, vd = (x.to(c.device) for x in (q, k, v))
+    qd, kd, vd, attn_mask = make_inputs(c)
     before = [x.clone() for x in (qd, kd, vd)]
     GLOBAL_STATS.reset()
     try:
-        out, lse = _call(c, qd, kd, vd, dev_mask)
+        out, lse = _call(c, qd, kd, vd, attn_mask)
     except Exception as e:  # an accepted call must not raise
         return [("raised", f"{type(e).__name__}: {e}")], {}
     impls, used = dict(GLOBAL_STATS.impls), dict(GLOBAL_STATS.used)
@@ -213,13 +211,12 @@ def check_case(c: Case, *, expect_kernel: bool = False) -> tuple[list[tuple[str,
 
     ref_mask = attn_mask
     if c.api == "sdpa" and c.causal:  # torch's top-left rule, as a dense mask for the bottom-right reference
-        ref_mask = torch.ones(c.sq, c.skv, dtype=torch.bool).tril()[None, None]
+        ref_mask = torch.ones(c.sq, c.skv, dtype=torch.bool, device=c.device).tril()[None, None]
     # float64 of the very values the call saw (rounded to its dtype), on its device
     ref, ref_lse = exact_attention(*(x.double() for x in (qd, kd, vd)), is_causal=c.causal and c.api != "sdpa",
-                                   scale=c.scale, return_lse=True,
-                                   attn_mask=None if ref_mask is None else ref_mask.to(c.device))
+                                   scale=c.scale, return_lse=True, attn_mask=ref_mask)
     outd = out.detach().double()
-    vis = _visible(c, attn_mask).to(c.device).expand(c.b, c.hq, c.sq, c.skv)
+    vis = _visible(c, attn_mask).expand(c.b, c.hq, c.sq, c.skv)
     nonempty = vis.any(-1)
     if not torch.isfinite(outd).all():
         fails.append(("nonfinite", f"{int((~torch.isfinite(outd)).sum())} non-finite outputs from finite inputs"))
@@ -241,23 +238,31 @@ def check_case(c: Case, *, expect_kernel: bool = False) -> tuple[list[tuple[str,
             ltol = LSE_REL[precision] if precision != "full" else LSE_REL["full"][c.dtype]
             lerr = 0.0
             if nonempty.any():
-                lerr = ((lsed - ref_lse)[nonempty].abs().max() / ref_lse[nonempty].abs().max().clamp_min(1)).item()
+                lerr = ((lsed - ref_lse)[nonempty].abs().max() / ref_lse[nonempty].abs().max().clamp_min(4)).item()
             info["lse_rel"] = lerr
             if not lerr <= ltol:
                 fails.append(("lse", f"LSE error {lerr:.3g} of max |LSE| > {ltol} ({precision})"))
     return fails, info
 
 
-def run_grid(seeds, device="cpu", budget=3e6, expect_kernel=None):
-    """Run many cases; returns (counts by failure kind, [(case, kind, message)], infos)."""
+def run_grid(seeds, device="cpu", budget=3e6, expect_kernel=None, seconds=None, progress=0):
+    """Run many cases (until `seconds` have passed, if given); returns (counts by failure kind,
+    [(case, kind, message)], [(case, info)])."""
+    import time
     from collections import Counter
 
     kinds, failures, infos = Counter(), [], []
-    for s in seeds:
+    t0 = time.perf_counter()
+    for n, s in enumerate(seeds, 1):
         c = draw_case(s, device, budget)
         fails, info = check_case(c, expect_kernel=bool(expect_kernel and expect_kernel(c)))
         infos.append((c, info))
         for kind, msg in fails:
             kinds[kind] += 1
             failures.append((c, kind, msg))
+        elapsed = time.perf_counter() - t0
+        if progress and n % progress == 0:
+            print(f"fuzz: {n} cases, {elapsed:.0f} s, failures {dict(kinds)}", flush=True)
+        if seconds is not None and elapsed > seconds:
+            break
     return kinds, failures, infos
