@@ -28,7 +28,8 @@ def exact_attention(q, k, v, *, is_causal=False, scale=None, attn_mask=None, ret
     fm = None
     if float_mask is not None:
         fm = float_mask.to(dtype)
-        fm = fm.reshape((1,) * (4 - fm.dim()) + tuple(fm.shape)).expand(*fm.shape[:-2], sq, skv)
+        fm = fm.reshape((1,) * (4 - fm.dim()) + tuple(fm.shape))
+        fm = fm.expand(*fm.shape[:-2], sq, skv)
         visible = fm > -math.inf if visible is None else visible & (fm > -math.inf)
     if visible is not None:  # broadcast the query dim before slicing rows: a (.., 1, Skv) mask holds for every row
         visible = visible.expand(*visible.shape[:-2], sq, skv)
