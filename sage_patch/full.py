@@ -24,7 +24,7 @@ def full_attention(q, k, v, *, is_causal: bool, scale, mask: MaskInfo, dropout_p
     """q (B, Hq, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv). Returns out (B, Hq, Sq, Dv) [, lse fp32 (B, Hq, Sq)]."""
     if return_lse:
         return _attention_with_lse(q, k, v, is_causal, scale, mask, dropout_p)
-    b, sq, skv = q.shape[0], q.shape[-2], k.shape[-2]
+    sq, skv = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if mask.kind == "none" and (not is_causal or sq == skv):
         return torch_sdpa(q, k, v, dropout_p=dropout_p, is_causal=is_causal and sq > 1, scale=scale, enable_gqa=gqa)
@@ -35,7 +35,7 @@ def full_attention(q, k, v, *, is_causal: bool, scale, mask: MaskInfo, dropout_p
     else:
         sdpa_mask = combined_bool_mask(mask.mask, is_causal, sq, skv, q.device)
     out = torch_sdpa(q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-    return _zero_rows(out, nonempty_rows(mask, is_causal, b, sq, skv, q.device))
+    return _zero_rows(out, nonempty_rows(mask, is_causal, sq, skv, q.device))
 
 
 def _zero_rows(out, nonempty, lse=None):
@@ -46,7 +46,7 @@ def _zero_rows(out, nonempty, lse=None):
     return out if lse is None else (out, torch.where(nonempty, lse, -math.inf))
 
 
-def nonempty_rows(mask: MaskInfo, is_causal: bool, b: int, sq: int, skv: int, device):
+def nonempty_rows(mask: MaskInfo, is_causal: bool, sq: int, skv: int, device):
     """Bool broadcastable to (B, H, Sq): rows that see at least one key; None when every row does. Key-padding and
     causal rows are derived from the first visible key, without building an (Sq, Skv) mask."""
     shift = skv - sq  # bottom-right: row i sees keys j <= i + shift
@@ -114,4 +114,4 @@ def _attention_with_lse(q, k, v, is_causal, scale, mask, dropout_p):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qp, kp, vp, 0.0, top_left, attn_mask=bias, scale=scale)
     out, lse = out[..., :dv], lse.float()
-    return _zero_rows(out, nonempty_rows(mask, is_causal, b, sq, skv, q.device), lse)
+    return _zero_rows(out, nonempty_rows(mask, is_causal, sq, skv, q.device), lse)
