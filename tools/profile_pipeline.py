@@ -1,9 +1,9 @@
-"""Where a diffusers forward spends GPU time, with the original attention and with sage (issue 4: why attention
-inside the Flux forward measured 0.95x of cuDNN while the kernel alone is 1.02-1.03x at that shape).
+"""Where a diffusers forward spends GPU time, with the original attention and with sage: attention inside a pipeline
+can run slower than the same shape alone (pre-passes, the pipeline's bf16 BSHD views), and this shows which kernels.
 
 One forward per policy under torch.profiler: GPU time per kernel name (top rows), the attention kernels' total, and
 the q/k/v shapes, strides and dtypes of the first routed call. Full-size config, random bf16 weights.
-  python3 scripts/profile_pipeline.py --case flux-1024 [--policy 8b] [--top 12]
+  python3 tools/profile_pipeline.py --case flux-1024 [--policy 8b] [--top 12]
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_diffusers as bd  # noqa: E402
 
 
@@ -68,6 +68,8 @@ def main(argv=None):
     ap.add_argument("--policy", default="8b")
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
     import sage_patch  # noqa: F401
 
     family, h, w, frames = bd.CASES[args.case]

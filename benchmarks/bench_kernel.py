@@ -12,61 +12,19 @@ Accuracy: cos / rel L1 / rmse of each implementation against float64 exact atten
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import bench_ms, kernel_split, require_cuda_kernels, run_meta, sdpa_fn, tops  # noqa: E402
 
 import sage_patch.kernels as K  # noqa: E402
 from sage_patch.accuracy import compare  # noqa: E402
 from sage_patch.reference import exact_attention  # noqa: E402
-
-
-def bench_ms(fn, warmup_ms=25.0, rep_ms=100.0) -> float:
-    try:
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    except ImportError:
-        pass
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(3):
-        fn()
-    e.record()
-    e.synchronize()
-    est = max(s.elapsed_time(e) / 3, 1e-3)
-    for _ in range(max(1, int(warmup_ms / est))):
-        fn()
-    times = []
-    for _ in range(max(3, int(rep_ms / est))):
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def sdpa_fn(backend, q, k, v, causal):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-
-    def f():
-        with sdpa_kernel([be]):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    return f
 
 
 # sage8b: what a user call runs (the Hopper wgmma kernel on H100/H200, no LSE: the integrations never ask for it);
@@ -85,11 +43,6 @@ def api_fn(q, k, v, causal):
 def ours_fn(q, k, v, causal, name="sage8b"):
     pv = OURS[name]
     return lambda: K.attention(q, k, v, is_causal=causal, pv=pv, return_lse=False)
-
-
-def tops(b, h, n, d, causal, ms):
-    ops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
-    return ops / (ms * 1e-3) / 1e12
 
 
 def run_one(b, h, n, d, causal, impls):
@@ -113,29 +66,9 @@ def run_one(b, h, n, d, causal, impls):
 
 def profile_split(n, b=4, h=32, d=128):
     """Device time of each kernel of one whole call (pre-passes vs attention), from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
-    for _ in range(3):
-        K.attention(q, k, v, return_lse=False)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            K.attention(q, k, v, return_lse=False)
-        torch.cuda.synchronize()
-    import re
-
-    out = {}
-    for ev in prof.events():
-        if not str(ev.device_type).endswith("CUDA") or "kernel" not in ev.name:
-            continue
-        t = ev.device_time_total
-        m = re.search(r"(\w+_kernel)", ev.name)
-        name = m.group(1) if m else ev.name[:40]
-        out[name] = out.get(name, 0.0) + t / 5 / 1000.0  # ms per call
-    out = {k: round(v, 4) for k, v in out.items()}
-    out["total"] = round(sum(out.values()), 4)
-    return {"shape": f"B={b} H={h} N={n} D={d} fp16 non-causal", "ms_per_call": out}
+    ms = kernel_split(lambda: K.attention(q, k, v, return_lse=False))
+    return {"shape": f"B={b} H={h} N={n} D={d} fp16 non-causal", "ms_per_call": ms}
 
 
 def accuracy(impls, b=2, h=8, n=4096, d=128):
@@ -229,15 +162,11 @@ def main():
                     help="also profile one call at B=4 H=32 D=128 N (comma list; torch.profiler): time per kernel of our "
                          "call")
     a = ap.parse_args()
-    if not torch.cuda.is_available() or not K.status()["loaded"]:
-        sys.exit(f"kernels not usable: {K.status()['reason']}")
+    require_cuda_kernels()
     ns = [int(x) for x in a.ns.split(",")] if a.ns else ([1024, 4096, 16384] if a.quick else
                                                          [1024, 2048, 4096, 8192, 16384, 32768])
     impls = a.impls.split(",")
-    cc = "".join(map(str, torch.cuda.get_device_capability()))
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name(), "cc": cc, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "impl": K.status()["reason"], "host": platform.node(), "command": " ".join(sys.argv)}
+    meta = run_meta(impl=K.status()["reason"])
     rows = []
     t0 = time.time()
     for d in [int(x) for x in a.ds.split(",")]:

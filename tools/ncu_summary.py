@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Summarise an `ncu --page source --csv --print-source sass` export: stall reasons over the kernel, the hottest
-instructions with their main stall reasons, and executed instructions per opcode. Usage: ncu_source_summary.py CSV [top]"""
+instructions with their main stall reasons, and executed instructions per opcode. Usage: python tools/ncu_summary.py CSV [top]"""
+import argparse
 import collections
 import csv
-import sys
 
-rows = list(csv.reader(open(sys.argv[1])))
-top = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+ap = argparse.ArgumentParser(description=__doc__)
+ap.add_argument("csv", help="ncu --page source --csv --print-source sass export")
+ap.add_argument("top", nargs="?", type=int, default=40, help="hottest instructions to list")
+args = ap.parse_args()
+rows = list(csv.reader(open(args.csv)))
+top = args.top
 hdr = rows[1]
 data = [dict(zip(hdr, r)) for r in rows[2:] if len(r) == len(hdr)]
 num = lambda x: float(x.replace(",", "")) if x not in ("", "-") else 0.0  # noqa: E731

@@ -1,40 +1,34 @@
 """Measure the runtime guard's cost: time per routed attention call with the guard off and every N calls.
 
-    python scripts/guard_cost.py [--device cuda] [--n 4096] [--heads 24] [--dim 128]
+    python benchmarks/guard_cost.py [--device cuda] [--n 4096] [--heads 24] [--dim 128]
 
-Prints a Markdown table (median of repeated calls; CUDA events on GPU, perf_counter on CPU).
+Prints a Markdown table (mean ms per call after a warm-up fifth; CUDA events on GPU, perf_counter on CPU).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
-import time
+import sys
 
 import torch
 
-from sage_patch.policy import Policy
-from sage_patch.routing import LayerBinding
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import Timer  # noqa: E402
+
+from sage_patch.policy import Policy  # noqa: E402
+from sage_patch.routing import LayerBinding  # noqa: E402
 
 
 def time_calls(binding, q, k, v, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        if q.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            binding.attention(q, k, v)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            binding.attention(q, k, v)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.mean(times[calls // 5:])  # mean, not median: the guard's cost is one call in N
+    """Mean ms per call after the first fifth (mean, not median: the guard's cost is one call in N)."""
+    warm = calls // 5
+    times = Timer(q.device)(lambda: binding.attention(q, k, v), warm, calls - warm)
+    return statistics.mean(times)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=8)

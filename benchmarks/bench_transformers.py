@@ -2,9 +2,9 @@
 """Time to first token of the Llama-3.1-8B architecture (random bf16 weights): attn_implementation "sage" vs
 "sdpa" in the same run, plus the share of the prefill spent in attention and the Amdahl bound it implies.
 
-    python scripts/bench_transformers.py --out out/bench_tf                  # H200: 8K, 32K, 128K
-    python scripts/bench_transformers.py --out out/bench_tf --seqs 8192      # one length
-    python scripts/bench_transformers.py --tiny --out /tmp/bench_tf_tiny     # CPU smoke test, tiny Llama
+    python benchmarks/bench_transformers.py --out out/bench_tf                  # H200: 8K, 32K, 128K
+    python benchmarks/bench_transformers.py --out out/bench_tf --seqs 8192      # one length
+    python benchmarks/bench_transformers.py --tiny --out /tmp/bench_tf_tiny     # CPU smoke test, tiny Llama
 
 Per sequence length, on ONE model switched with `model.set_attn_implementation(...)`:
 - TTFT: one prefill forward (batch 1, DynamicCache filled as generate() would, logits_to_keep=1 so the LM head
@@ -20,7 +20,6 @@ compiled kernels are not loaded (it would time the PyTorch reference simulation)
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -30,7 +29,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import Timer, run_meta  # noqa: E402
 
 import sage_patch  # noqa: E402
 import sage_patch.kernels as K  # noqa: E402
@@ -72,34 +72,6 @@ def register_stub() -> None:
 
     AttentionInterface.register(STUB, stub)
     AttentionMaskInterface.register(STUB, sdpa_mask)
-
-
-class Timer:
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn, warmup: int, iters: int) -> list[float]:
-        for _ in range(warmup):
-            fn()
-        self.sync()
-        times = []
-        for _ in range(iters):
-            if self.cuda:
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return times
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
 
 
 def _summed(model, field: str) -> dict:
@@ -241,12 +213,12 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-            "sage_patch": sage_patch.__version__, "kernels": kstat, "dtype": str(dtype).replace("torch.", ""),
-            "model": "tiny Llama" if a.tiny else "Llama-3.1-8B architecture, random weights",
-            "policy": policy.to_dict(), "warmup": warmup, "iters": iters, "use_cache": not a.no_cache}
+    meta = run_meta(
+            device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            transformers=__import__("transformers").__version__,
+            sage_patch=sage_patch.__version__, kernels=kstat, dtype=str(dtype).replace("torch.", ""),
+            model="tiny Llama" if a.tiny else "Llama-3.1-8B architecture, random weights",
+            policy=policy.to_dict(), warmup=warmup, iters=iters, use_cache=not a.no_cache)
     with open(os.path.join(a.out, "bench_transformers.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
     md = to_markdown(meta, results)

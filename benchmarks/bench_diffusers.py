@@ -17,8 +17,8 @@ attention call (CUDA events around each call) to give the share of time in atten
 speed-up; from those, the Amdahl bound of the end-to-end speed-up and the fraction of it that was reached.
 The sage output's cosine similarity to the original is recorded as a sanity check.
 
-    python scripts/bench_diffusers.py --cases flux-1024 sd35-1024 --json out.json --md out.md
-    python scripts/bench_diffusers.py --tiny          # CPU smoke test: tiny configs, reference numerics
+    python benchmarks/bench_diffusers.py --cases flux-1024 sd35-1024 --json out.json --md out.md
+    python benchmarks/bench_diffusers.py --tiny          # CPU smoke test: tiny configs, reference numerics
 
 Imports only torch, sage_patch and the diffusers transformer model classes (no pipelines, no text encoders).
 Without loaded CUDA kernels the quantized path would be the PyTorch reference simulation, which is not a
@@ -29,11 +29,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import Clock, run_meta  # noqa: E402
 
 # ---- real configs (diffusers transformer/config.json of each release) ------------------------------------------
 
@@ -192,24 +196,6 @@ def build(family, h, w, frames, device, dtype, tiny, seed=0):
 
 # ---- timing -------------------------------------------------------------------------------------------------
 
-class Clock:
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, a, b):
-        if self.cuda:
-            b.synchronize()
-            return a.elapsed_time(b)
-        return (b - a) * 1e3
-
-
 def time_forward(model, inputs, clock, warmup, reps):
     with torch.no_grad():
         for _ in range(warmup):
@@ -364,7 +350,7 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny configs (fp32)")
     ap.add_argument("--allow-reference", action="store_true",
                     help="time the PyTorch reference simulation on GPU when kernels are not loaded")
-    ap.add_argument("--json", default=None, help="write the records here")
+    ap.add_argument("--json", default=None, help="write the records here ({meta, records})")
     ap.add_argument("--md", default=None, help="write the Markdown table here")
     args = ap.parse_args(argv)
 
@@ -404,7 +390,7 @@ def main(argv=None):
     print(md)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+            json.dump({"meta": run_meta(policy=args.policy or "shipped default"), "records": records}, f, indent=1)
     if args.md:
         with open(args.md, "w") as f:
             f.write(md + "\n")

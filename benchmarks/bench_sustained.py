@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Sustained-load speed: each implementation runs back to back for --secs seconds (as in a long diffusion or prefill
-job), next to the short-burst median that scripts/bench_kernel.py reports (triton do_bench: L2 flush between calls,
+job), next to the short-burst median that benchmarks/bench_kernel.py reports (triton do_bench: L2 flush between calls,
 ~100 ms of repeats). Under sustained load the H200 reaches its power cap (700 W) and lowers the SM clock, by a
 different amount for each kernel; nvidia-smi is sampled every 100 ms for the SM clock, the power and the clock event
 reasons (0x4: software power cap). Needs a GPU and nvidia-smi.
 
-    python scripts/bench_sustained.py --secs 5
-    python scripts/bench_sustained.py --shapes "4,32,2048,128,1;1,24,4608,128,0"
+    python benchmarks/bench_sustained.py --secs 5
+    python benchmarks/bench_sustained.py --shapes "4,32,2048,128,1;1,24,4608,128,0"
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernel import bench_ms, ours_fn, sdpa_fn, tops  # noqa: E402
+from bench_kernel import ours_fn  # noqa: E402
+from timing import bench_ms, require_cuda_kernels, sdpa_fn, tops  # noqa: E402
 
 SHAPES = [(4, 32, 4096, 128, False), (4, 32, 16384, 128, False), (4, 32, 16384, 128, True),
           (4, 32, 16384, 64, False), (1, 24, 4608, 128, False)]
@@ -55,11 +56,12 @@ def sustained(fn, secs):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--secs", type=float, default=5.0)
     ap.add_argument("--impls", default="sage8b,cudnn")
     ap.add_argument("--shapes", default=None, help="B,H,N,D,causal(0/1) entries separated by ';' (default: 5 shapes)")
     args = ap.parse_args()
+    require_cuda_kernels()
     impls = args.impls.split(",")
     shapes = SHAPES if not args.shapes else [
         (*map(int, e.split(",")[:4]), e.split(",")[4] == "1") for e in args.shapes.split(";")]

@@ -6,9 +6,9 @@ For refactors that must not change results (pre-pass rewrites, scheduling), chec
 Hopper kernel (pv "wgmma", on an sm_90 GPU with an sm_90a build) and the portable mma.sync kernel: "8b" in each
 P~V mode the GPU has (fp8-f16, fp8-mma: sm_89+; fp16) and "4b" with INT8 and INT4 MMA (case names
 "<case>/<pv>/<precision>[/<qk>]"). Old vs new build in one run:
-    SAGE_PATCH_KERNELS_LIB=old/libsage_kernels.so python scripts/kernel_fingerprint.py --save old.pt
-    SAGE_PATCH_KERNELS_LIB=new/libsage_kernels.so python scripts/kernel_fingerprint.py --save new.pt
-    python scripts/kernel_fingerprint.py --compare old.pt new.pt"""
+    SAGE_PATCH_KERNELS_LIB=old/libsage_kernels.so python tools/kernel_fingerprint.py --save old.pt
+    SAGE_PATCH_KERNELS_LIB=new/libsage_kernels.so python tools/kernel_fingerprint.py --save new.pt
+    python tools/kernel_fingerprint.py --compare old.pt new.pt"""
 import argparse
 import os
 import sys
@@ -79,10 +79,14 @@ def run_all():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--save")
-    ap.add_argument("--compare", nargs=2)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--save", help="run every case with this build and save outputs + LSEs here")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two saved files bitwise")
     a = ap.parse_args()
+    if not a.save and not a.compare:
+        ap.error("give --save FILE or --compare A B")
+    if a.save and not torch.cuda.is_available():
+        sys.exit("--save needs a CUDA GPU")
     if a.save:
         import sage_patch.kernels as K
 
