@@ -182,9 +182,10 @@ def text_windows(tok, n: int, length: int, *, from_end: bool = False, text: str 
 
 def run_real_demo(precisions=("8b", "4b", "fp4"), windows: int = 2, tokens: int = 1024,
                   calib_windows: int = 2, calib_tokens: int = 1024, max_ppl_increase: float = 0.005,
-                  seed: int = 0) -> int:
+                  seed: int = 0, loaded=None) -> int:
     """Perplexity of SmolLM2 on held-out stdlib text: SDPA, each precision at every layer, and the policy
-    calibrated (objective perplexity) on other windows of the same text."""
+    calibrated (objective perplexity) on other windows of the same text. loaded: (model, tokenizer) from
+    load_smollm2("sage") to reuse."""
     from tqdm.auto import tqdm
 
     from . import set_policy
@@ -192,7 +193,7 @@ def run_real_demo(precisions=("8b", "4b", "fp4"), windows: int = 2, tokens: int 
 
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    model, tok = load_smollm2("sage")
+    model, tok = load_smollm2("sage") if loaded is None else loaded
     _, source = stdlib_text()
     held_out = text_windows(tok, windows, tokens, from_end=True)
     calib = text_windows(tok, calib_windows, calib_tokens)
@@ -225,10 +226,8 @@ def run_real_demo(precisions=("8b", "4b", "fp4"), windows: int = 2, tokens: int 
     print(f"calibrated: objective perplexity, target +{100 * max_ppl_increase:g}%, searched within "
           f"+{100 * max_ppl_increase * (1 - res.margin):g}% per calibration window ({res.ppl:.4f} vs "
           f"{res.ppl_full:.4f} there); calibration took {t_cal:.0f} s")
-    by_prec: dict = {}
-    for name, p in res.choice.items():
-        by_prec.setdefault(p, []).append(name.split(".")[2] if name.count(".") >= 2 else name)
-    for p, layers in by_prec.items():
+    for p in res.counts():
+        layers = [n.split(".")[2] if n.count(".") >= 2 else n for n, c in res.choice.items() if c == p]
         print(f"  {p:4s}: layers {', '.join(layers)}")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0

@@ -5,6 +5,7 @@ CPU: quantized precisions run the reference simulation, so these numbers are the
 windows are short (512 tokens) to keep the module near a minute on two cores; `sage-patch demo --real` runs the
 same measurement on 1,024-token windows.
 """
+import re
 import time
 
 import pytest
@@ -32,7 +33,7 @@ def smollm2():
     calib = text_windows(tok, 2, TOKENS)                 # the text's start
     held_out = text_windows(tok, 2, TOKENS, from_end=True)  # its end: not seen by calibration
     print(f"\nloaded SmolLM2 and the text in {time.perf_counter() - t0:.1f} s")
-    return model, calib, held_out
+    return model, calib, held_out, tok
 
 
 def _ppl(model, policy, windows):
@@ -52,7 +53,7 @@ def _ppl(model, policy, windows):
 def test_text_windows_are_disjoint_real_english(smollm2):
     from sage_patch.demo import stdlib_text
 
-    _, calib, held_out = smollm2
+    _, calib, held_out, _ = smollm2
     text, source = stdlib_text()
     assert source.endswith(")") and "topics.py" in source
     assert len(text) > 50_000 and "the " in text and " ::= " not in text
@@ -62,7 +63,7 @@ def test_text_windows_are_disjoint_real_english(smollm2):
 
 
 def test_8b_perplexity_is_within_one_percent_of_sdpa(smollm2):
-    model, _, held_out = smollm2
+    model, _, held_out, _ = smollm2
     full, used_full = _ppl(model, "full", held_out)
     q8, used_8b = _ppl(model, "8b", held_out)
     assert used_full == {"full"} and used_8b == {"8b"}  # every call ran what was asked
@@ -75,7 +76,7 @@ def test_8b_perplexity_is_within_one_percent_of_sdpa(smollm2):
 def test_calibrated_policy_meets_its_target_on_held_out_text(smollm2):
     from sage_patch.calibrate import calibrate
 
-    model, calib, held_out = smollm2
+    model, calib, held_out, _ = smollm2
     t0 = time.perf_counter()
     policy, res = calibrate(model, calib, objective="perplexity", max_ppl_increase=MAX_PPL_INCREASE,
                             precisions=["8b", "4b"], progress=False, return_details=True)
@@ -93,3 +94,20 @@ def test_calibrated_policy_meets_its_target_on_held_out_text(smollm2):
     # the held-out check is not vacuous: 4b everywhere misses the same target there
     q4, _ = _ppl(model, "4b", held_out)
     assert torch.tensor([p for p, _ in q4]).log().mean().exp() > ppl_full * (1 + MAX_PPL_INCREASE)
+
+
+def test_demo_real_prints_the_table(smollm2, capsys):
+    from sage_patch.demo import run_real_demo
+
+    model, _, _, tok = smollm2
+    assert run_real_demo(precisions=("8b", "4b"), windows=1, tokens=256, calib_windows=1, calib_tokens=256,
+                         loaded=(model, tok)) == 0
+    out = capsys.readouterr().out
+    assert "pydoc_data" in out and "SmolLM2-135M-Instruct" in out
+    rows = {m[1]: (float(m[2]), m[3]) for m in re.finditer(r"^(\w+) +(\d+\.\d+) +([+-]\d+\.\d+%)", out, re.M)}
+    assert set(rows) == {"sdpa", "8b", "4b", "calibrated"}
+    base = rows["sdpa"][0]
+    assert rows["sdpa"][1] == "+0.00%"
+    assert abs(rows["8b"][0] / base - 1) < 0.01 and rows["8b"][1] == f"{100 * (rows['8b'][0] / base - 1):+.2f}%"
+    assert rows["calibrated"][0] < rows["4b"][0]
+    assert re.search(r"^ +8b +: layers \d", out, re.M)
