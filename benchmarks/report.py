@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Render docs/benchmarks.md from the benchmark JSON in docs/data/: one section per GPU (kernel table with its peers,
+then sustained-load and end-to-end tables where measured), each with date, command and peers of the run.
+
+    python benchmarks/report.py                      # rewrite docs/benchmarks.md from docs/data/*.json
+    python benchmarks/report.py --check              # exit 1 if docs/benchmarks.md is not what the data renders
+    cp out/bench/bench.json docs/data/h200_kernel.json && python benchmarks/report.py   # after a new run
+
+Input kinds (recognised by their keys):
+- kernel: `benchmarks/bench_kernel.py`'s bench.json ({meta, rows, accuracy}); rows hold TOPS per implementation.
+- sustained ({"kind": "sustained", meta, rows}): per shape and implementation burst / sustained TOPS and SM clock.
+- end_to_end ({"kind": "end_to_end", meta, runs: [{gpu, date, command, rows}]}), and `bench_diffusers.py --json`
+  output ({meta, records}) and `bench_transformers.py`'s bench_transformers.json ({meta, results}).
+The page is regenerated, never appended to: a new run replaces the file of its GPU and kind.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LABELS = {"sage8b": "sage 8b", "sage_api": "sage 8b (public call)", "cudnn": "SDPA cuDNN", "flash": "SDPA flash (FA2)",
+          "sa2_sm90": "public SageAttention2 sm90", "cudnn_fp8": "cuDNN FP8 (kernel only)",
+          "sage8b_portable": "sage 8b portable", "sage8b_wgmma": "sage 8b wgmma"}
+SHAPE_KEYS = {"B", "H", "N", "D", "causal"}
+OURS = ("sage8b", "sage_api")
+RATIO_PEERS = ("flash", "cudnn", "sa2_sm90")
+
+
+def kind_of(data: dict) -> str:
+    if "kind" in data:
+        return data["kind"]
+    if "records" in data:
+        return "diffusers"
+    if "results" in data:
+        return "transformers"
+    return "kernel"
+
+
+def gpu_of(data: dict, k: str) -> str:
+    meta = data.get("meta", {})
+    return meta.get("gpu") or meta.get("device") or "unknown GPU"
+
+
+def table(columns, rows) -> list:
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + [
+        "| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def run_lines(meta: dict) -> list:
+    """Date, machine, command and method of one run, as the lines above its table."""
+    out = []
+    bits = [f"**Date**: {meta['date']}"] if meta.get("date") else []
+    soft = ", ".join(x for x in (f"torch {meta['torch']}" if meta.get("torch") else "",
+                                 f"CUDA {meta['cuda']}" if meta.get("cuda") else "",
+                                 f"commit {meta['commit']}" if meta.get("commit") else "") if x)
+    if soft:
+        bits.append(soft)
+    if meta.get("impl"):
+        bits.append(f"kernel: {meta['impl']}")
+    if bits:
+        out.append("- " + "; ".join(bits) + ".")
+    if meta.get("command"):
+        out.append(f"- **Command**: `{meta['command']}`" if "not recorded" not in meta["command"]
+                   else f"- **Command**: {meta['command']}.")
+    if meta.get("reproduce"):
+        out.append(f"- **To reproduce**: `{meta['reproduce']}`")
+    if meta.get("method"):
+        out.append(f"- **Method**: {meta['method']}")
+    for key in ("spread", "checks"):
+        if meta.get(key):
+            out.append(f"- **{key.capitalize()}**: {meta[key]}.")
+    return out
+
+
+def render_kernel(data: dict) -> list:
+    rows = data["rows"]
+    impls = [k for k in rows[0] if k not in SHAPE_KEYS and not k.endswith(("_ms", "_error"))]
+    for r in rows[1:]:
+        impls += [k for k in r if k not in SHAPE_KEYS and not k.endswith(("_ms", "_error")) and k not in impls]
+    ours = next((o for o in OURS if o in impls), None)
+    peers = [p for p in RATIO_PEERS if p in impls and ours]
+    cols = ["B", "H", "D", "causal", "N"] + [LABELS.get(i, i) for i in impls] + [
+        f"{LABELS.get(ours, ours)} / {LABELS.get(p, p)}" for p in peers]
+
+    def cell(x):
+        return f"{x:.1f}" if isinstance(x, (int, float)) else "n/a"
+
+    body = []
+    for r in rows:
+        line = [r["B"], r["H"], r["D"], "yes" if r["causal"] else "no", r["N"]] + [cell(r.get(i)) for i in impls]
+        line += [f"{r[ours] / r[p]:.2f}" if r.get(ours) and r.get(p) else "n/a" for p in peers]
+        body.append(line)
+    out = [f"Attention TOPS (4·B·H·N²·D / time, halved for causal), whole call; peers: "
+           f"{', '.join(LABELS.get(i, i) for i in impls if i not in OURS)}.", ""]
+    out += run_lines(data.get("meta", {})) + [""] + table(cols, body)
+    acc = data.get("accuracy") or {}
+    accs = [f"{LABELS.get(k, k)} cos {v['cos']:.6f}, rel. L1 {v['rel_l1']:.5f}" for k, v in acc.items()
+            if isinstance(v, dict) and "cos" in v]
+    if accs:
+        out += ["", f"Accuracy ({acc.get('shape', '')}): " + "; ".join(accs) + "."]
+    if data.get("accuracy_table"):
+        t = data["accuracy_table"]
+        out += ["", t["title"] + ":", ""] + table(t["columns"], t["rows"])
+    for prof in data.get("meta", {}).get("profile") or []:
+        if isinstance(prof, dict):
+            parts = ", ".join(f"{k} {v * 1000:.1f} us" for k, v in prof["ms_per_call"].items())
+            out += ["", f"Device time per kernel of one call ({prof['shape']}): {parts}."]
+    return out
+
+
+def render_sustained(data: dict) -> list:
+    rows = data["rows"]
+    impls = [k for k in rows[0] if k not in SHAPE_KEYS]
+    for r in rows[1:]:
+        impls += [k for k in r if k not in SHAPE_KEYS and k not in impls]
+    cols = ["B", "H", "N", "D", "causal"] + [f"{LABELS.get(i, i)} burst / sustained (SM MHz)" for i in impls]
+    has_ratio = "sage8b" in impls and "cudnn" in impls
+    if has_ratio:
+        cols.append("sustained sage 8b / cuDNN")
+
+    def cell(m):
+        if not m:
+            return ""
+        s = f"{m['burst']:.1f} / {m['sustained']:.1f}"
+        return s + (f" ({m['sm_mhz']})" if m.get("sm_mhz") else "")
+
+    body = []
+    for r in rows:
+        line = [r["B"], r["H"], r["N"], r["D"], "yes" if r["causal"] else "no"] + [cell(r.get(i)) for i in impls]
+        if has_ratio:
+            line.append(f"{r['sage8b']['sustained'] / r['cudnn']['sustained']:.2f}")
+        body.append(line)
+    return ["Speed under sustained load (TOPS): the same calls run back to back for seconds, as a long job does.", ""] \
+        + run_lines(data.get("meta", {})) + [""] + table(cols, body)
+
+
+def e2e_rows_from(data: dict, k: str) -> list:
+    """end_to_end runs from any of the three end-to-end formats."""
+    if k == "end_to_end":
+        return data["runs"]
+    meta = data.get("meta", {})
+    run = {"gpu": gpu_of(data, k), "date": meta.get("date"), "command": meta.get("command"), "rows": []}
+    if k == "diffusers":
+        for r in data["records"]:
+            if "speedup" in r:
+                run["rows"].append({"model": r["case"], "tokens": r.get("tokens"), "speedup": r["speedup"],
+                                    "attn_speedup": r.get("attn_speedup"), "attn_share": r.get("attn_share")})
+    else:
+        for r in data["results"]:
+            if "speedup" in r:
+                run["rows"].append({"model": "Llama-3.1-8B architecture, prefill TTFT", "tokens": r["seq"],
+                                    "speedup": r["speedup"], "attn_speedup": r.get("op_speedup"),
+                                    "attn_share": r.get("attention_share")})
+    return [run]
+
+
+def render_e2e(runs: list, method: str | None) -> list:
+    out = ["End to end (original = torch SDPA in the same process; speed-up = original time / sage time)."]
+    if method:
+        out += ["", f"Method: {method}"]
+    for run in runs:
+        out += [""] + run_lines({k: run.get(k) for k in ("date", "command", "reproduce", "commit")})
+        if run.get("note"):
+            out.append(f"- Note: {run['note']}.")
+        body = [[r["model"], r.get("tokens", ""), f"{r['speedup']:.3f}x",
+                 f"{r['attn_speedup']:.2f}x" if r.get("attn_speedup") else "",
+                 f"{100 * r['attn_share']:.1f}%" if r.get("attn_share") else ""] for r in run["rows"]]
+        out += [""] + table(["model", "tokens", "speed-up", "attention speed-up", "attention share"], body)
+    return out
+
+
+def render(data_dir: str) -> str:
+    per_gpu: dict = {}
+    for path in sorted(glob.glob(os.path.join(data_dir, "*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        k = kind_of(data)
+        src = os.path.relpath(path, ROOT)
+        if k in ("end_to_end", "diffusers", "transformers"):
+            method = data.get("meta", {}).get("method")
+            for run in e2e_rows_from(data, k):
+                per_gpu.setdefault(run["gpu"], {}).setdefault("e2e", []).append((src, run, method))
+        else:
+            per_gpu.setdefault(gpu_of(data, k), {}).setdefault(k, []).append((src, data))
+    lines = ["# Benchmarks", "",
+             "Current numbers, one section per GPU. **Generated** by `python benchmarks/report.py` from the JSON in "
+             "`docs/data/` (do not edit by hand: replace the JSON with a new run's and regenerate). Every table names "
+             "its date, command and the peers measured in the same run. Methods: `docs/benchmarks_transformers.md`, "
+             "`docs/benchmarks_diffusers.md`; the kernel design these numbers belong to: `docs/design/kernels.md`. "
+             "Earlier measurements are in git history (`git log -p -- docs/benchmarks.md`).", ""]
+    for gpu in sorted(per_gpu, key=lambda g: ("H200" not in g, g)):
+        sec = per_gpu[gpu]
+        lines += [f"## {gpu}", ""]
+        for src, data in sec.get("kernel", []):
+            lines += [f"### Attention kernel (`{src}`)", ""] + render_kernel(data) + [""]
+        for src, data in sec.get("sustained", []):
+            lines += [f"### Sustained load (`{src}`)", ""] + render_sustained(data) + [""]
+        if sec.get("e2e"):
+            srcs = sorted({s for s, _, _ in sec["e2e"]})
+            lines += [f"### End to end (`{'`, `'.join(srcs)}`)", ""]
+            lines += render_e2e([r for _, r, _ in sec["e2e"]], next((m for _, _, m in sec["e2e"] if m), None)) + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=os.path.join(ROOT, "docs", "data"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    ap.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 when out of date")
+    a = ap.parse_args(argv)
+    text = render(a.data)
+    if a.check:
+        cur = open(a.out).read() if os.path.exists(a.out) else ""
+        if cur != text:
+            print(f"{a.out} is out of date: run python benchmarks/report.py", file=sys.stderr)
+            return 1
+        return 0
+    with open(a.out, "w") as f:
+        f.write(text)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
