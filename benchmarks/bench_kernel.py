@@ -2,12 +2,13 @@
 """Benchmark the compiled "8b" kernel (whole user call, quantization passes included) against torch SDPA's
 cuDNN and flash backends, in the same run. Writes bench.md, bench.json and bench.png into --out.
 
-    python scripts/bench_kernel.py --out out/bench            # B=4 H=32 fp16, D 64/128, causal or not, N 1K..32K + Flux
-    python scripts/bench_kernel.py --out out/bench --quick    # a few sizes
+    python benchmarks/bench_kernel.py --out out/bench            # B=4 H=32 fp16, D 64/128, causal or not, N 1K..32K + Flux
+    python benchmarks/bench_kernel.py --out out/bench --quick    # a few sizes
 
 TOPS = 4*B*H*N*N*D / time, halved for causal. Timing: CUDA events via triton.testing.do_bench (median; 25 ms
 warm-up, 100 ms of repeats) when triton is present, else a CUDA-event loop with the same policy.
 Accuracy: cos / rel L1 / rmse of each implementation against float64 exact attention at one size.
+bench.json is what docs/data/<gpu>_kernel.json holds: copy it there and run benchmarks/report.py.
 """
 from __future__ import annotations
 

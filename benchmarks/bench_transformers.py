@@ -13,7 +13,7 @@ Per sequence length, on ONE model switched with `model.set_attn_implementation(.
   but attention, so the attention share is f = (T_sdpa - T_stub) / T_sdpa.
 - The attention op alone at the model's shapes (1 x 32 q heads, 8 KV heads, D 128, causal, bf16): sdpa vs
   sage_patch under the policy's precision; its ratio s is the kernel speed-up.
-- Amdahl bound 1 / ((1 - f) + f / s); the issue's goal is an end-to-end speed-up >= 90% of it.
+- Amdahl bound 1 / ((1 - f) + f / s): the integration should reach >= 90% of it (anything less is overhead of its own).
 Writes bench_transformers.json and bench_transformers.md into --out. Refuses to time "sage" on CUDA when the
 compiled kernels are not loaded (it would time the PyTorch reference simulation) unless --allow-reference.
 """
