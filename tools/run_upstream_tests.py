@@ -10,8 +10,13 @@ Sources of the upstream test files, at the versions pinned in tests/upstream/req
   ModelTesterMixin on Llama, Mistral and Qwen2 through tests/upstream/sage_upstream_models.py (per-model glue and
   generation checks written here). With --transformers-src (a source checkout of the pinned tag) it runs
   tests/models/{llama,mistral,qwen2}/ from there instead.
-- diffusers: the PyPI sdist ships no tests/models at all (only tests/testing_utils.py). With --diffusers-src (a source
-  checkout) it runs tests/models/transformers/ for Flux, SD3, CogVideoX and HunyuanVideo; without one it says so.
+- diffusers: the PyPI sdist ships no tests/models at all (only tests/testing_utils.py). With --diffusers-src (a
+  folder holding a source checkout's tests/, e.g. `git archive HEAD tests | tar -x -C DIR`) it runs the model tests
+  tests/models/transformers/test_models_transformer_{flux,sd3,cogvideox,hunyuan_video}.py (their LoRA, LoRA
+  hot-swap and IP-Adapter classes included) and the pipeline LoRA tests tests/lora/test_lora_layers_{flux,sd3,
+  cogvideox,hunyuanvideo}.py, whole files by default (what needs CUDA, a quantizer or the Hub skips itself or fails
+  in both runs alike); without one it says so. Upstream's tests/conftest.py puts DIR/src first on sys.path: with a
+  full checkout the tests import that library, with tests/ alone the installed one (summary.json names it).
 
 Each selected suite runs twice in a subprocess: with `-p sage_upstream_plugin` (sage at policy full on every model
 built; calls counted) and with the plugin off (baseline). Exit 1 when a test that passes without the plugin fails
@@ -45,8 +50,11 @@ TRANSFORMERS_DESELECT = ("not multi_gpu and not parallel and not offload and not
 # training loops, output-equivalence sweeps, embedding resizing), which run attention as the kept tests do.
 TRANSFORMERS_CI_DESELECT = (TRANSFORMERS_DESELECT + " and not gradient_checkpointing and not training and not "
                             "outputs_equivalence and not resize_tokens and not require_grads")
-DIFFUSERS_FILES = ("test_models_transformer_flux.py", "test_models_transformer_sd3.py",
-                   "test_models_transformer_cogvideox.py", "test_models_transformer_hunyuan_video.py")
+DIFFUSERS_FILES = tuple(f"tests/models/transformers/test_models_transformer_{m}.py"
+                        for m in ("flux", "sd3", "cogvideox", "hunyuan_video")) + tuple(
+                  f"tests/lora/test_lora_layers_{m}.py" for m in ("flux", "sd3", "cogvideox", "hunyuanvideo"))
+# A smaller diffusers selection (--keyword "$DIFFUSERS_DESELECT"-style); by default the whole files run (about
+# 2 minutes per run on 2 cores: the groups below skip themselves on CPU).
 DIFFUSERS_DESELECT = ("not compile and not cuda and not gpu and not parallel and not offload and not quant and "
                       "not gguf and not single_file and not hub and not memory and not cache")
 
@@ -163,13 +171,29 @@ def summarize(suite: str, on: dict, off: dict) -> tuple[int, list]:
     return t_on["passed"], regressions
 
 
+def per_file(on: dict, off: dict) -> dict:
+    """{test module: {"with": tally, "without": tally}} from the junit class names (module.Class)."""
+    out: dict = {}
+    for tag, r in (("with", on), ("without", off)):
+        for name, outcome in r["outcomes"].items():
+            cls = name.split("::")[0]
+            parts = cls.split(".")
+            mod = next((".".join(parts[:i + 1]) for i in range(len(parts) - 1, -1, -1)
+                        if parts[i].startswith("test_")), cls)
+            t = out.setdefault(mod, {"with": {}, "without": {}})[tag]
+            t[outcome] = t.get(outcome, 0) + 1
+    for mod, t in sorted(out.items()):
+        print(f"  {mod}: with the plugin {t['with']}, without {t['without']}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--install", action="store_true", help="pip install the pinned versions if others are installed")
     ap.add_argument("--only", choices=("transformers", "diffusers"))
     ap.add_argument("--transformers-src", type=Path, help="a source checkout of the pinned transformers tag")
     ap.add_argument("--diffusers-src", type=Path, help="a source checkout of the pinned diffusers tag")
-    ap.add_argument("--keyword", help="pytest -k expression (default: the curated selection)")
+    ap.add_argument("--keyword", help="pytest -k expression (default: the curated transformers selection; diffusers: the whole files)")
     ap.add_argument("--ci", action="store_true", help="the smaller selection CI runs (about 5 minutes on 2 cores)")
     ap.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "SAGE_UPSTREAM_CACHE", Path.home() / ".cache" / "sage_patch" / "upstream")))
@@ -194,9 +218,14 @@ def main(argv=None) -> int:
         suites.append(("transformers", src, targets, args.keyword or (TRANSFORMERS_CI_DESELECT if args.ci else TRANSFORMERS_DESELECT), "transformers_calls"))
     if args.only in (None, "diffusers"):
         if args.diffusers_src:
-            tdir = "tests/models/transformers"
-            suites.append(("diffusers", args.diffusers_src, [f"{tdir}/{f}" for f in DIFFUSERS_FILES],
-                           args.keyword or DIFFUSERS_DESELECT, "diffusers_calls"))
+            src = args.diffusers_src.resolve()
+            targets = [f for f in DIFFUSERS_FILES if (src / f).is_file()]
+            missing = sorted(set(DIFFUSERS_FILES) - set(targets))
+            if missing:
+                print(f"diffusers: not in {src}: {missing}", flush=True)
+            if not targets:
+                sys.exit(f"run_upstream_tests: --diffusers-src {src} holds none of {list(DIFFUSERS_FILES)}")
+            suites.append(("diffusers", src, targets, args.keyword, "diffusers_calls"))
         else:
             src = sdist_tests("diffusers", pinned["diffusers"], args.cache)
             shipped = sorted(p.relative_to(src).as_posix() for p in (src / "tests").rglob("*.py"))
@@ -208,7 +237,7 @@ def main(argv=None) -> int:
     for suite, src, targets, keyword, counter in suites:
         out = out_root / suite
         out.mkdir(parents=True, exist_ok=True)
-        print(f"{suite}=={pinned[suite]}: {' '.join(targets)} -k '{keyword}'", flush=True)
+        print(f"{suite}=={pinned[suite]}: {' '.join(targets)}" + (f" -k '{keyword}'" if keyword else ""), flush=True)
         on = run_pytest(src, targets, keyword, True, out, args.timeout)
         off = run_pytest(src, targets, keyword, False, out, args.timeout)
         n_pass, regs = summarize(suite, on, off)
@@ -229,7 +258,7 @@ def main(argv=None) -> int:
                           "without_plugin": {k: v for k, v in off.items() if k != "outcomes"},
                           "tally_with": {k: list(on["outcomes"].values()).count(k) for k in ("passed", "failed", "skipped")},
                           "tally_without": {k: list(off["outcomes"].values()).count(k) for k in ("passed", "failed", "skipped")},
-                          "regressions": regs}
+                          "per_file": per_file(on, off), "regressions": regs}
     out_root.mkdir(parents=True, exist_ok=True)
     (out_root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"details: {out_root}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 COUNTS = {"transformers_calls": 0, "diffusers_calls": 0, "diffusers_models_enabled": 0,
           "transformers_models_switched": 0}
@@ -89,6 +90,12 @@ def pytest_configure(config):
                 versions[lib] = patch()
             except ImportError:
                 versions[lib] = None
+    else:   # the baseline records what it imported too (upstream's conftest may put a checkout's src/ first)
+        for lib in ("transformers", "diffusers"):
+            try:
+                versions[lib] = __import__(lib).__version__
+            except ImportError:
+                versions[lib] = None
     COUNTS["plugin_active"] = ACTIVE
     COUNTS["versions"] = versions
 
@@ -105,6 +112,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_unconfigure(config):
+    COUNTS["paths"] = {lib: getattr(sys.modules.get(lib), "__file__", None) for lib in ("transformers", "diffusers")}
     path = os.environ.get("SAGE_UPSTREAM_COUNTS")
     if path:
         with open(path, "w") as f:
