@@ -230,7 +230,7 @@ def _call(obj, x):
 
 
 def bench_speedups(data: dict) -> dict:
-    """Per-precision speed-up vs full from a JSON of scripts/bench_kernel.py (rows with "sage<precision>" and
+    """Per-precision speed-up vs full from a JSON of benchmarks/bench_kernel.py (rows with "sage<precision>" and
     "cudnn"/"flash" TOPS: median over rows of ours / the best SDPA backend) or {"speedup_vs_full": {...}}."""
     if "speedup_vs_full" in data:
         return dict(data["speedup_vs_full"])

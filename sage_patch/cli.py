@@ -174,7 +174,7 @@ def _calibrate(args) -> int:
     if args.text not in (None, "stdlib") and not os.path.isfile(args.text):
         raise UsageError("--text", f"{args.text!r} is not a file (allowed: a UTF-8 text file, or 'stdlib')")
     if args.bench is not None and not os.path.isfile(args.bench):
-        raise UsageError("--bench", f"{args.bench!r} is not a file (allowed: a scripts/bench_kernel.py JSON)")
+        raise UsageError("--bench", f"{args.bench!r} is not a file (allowed: a benchmarks/bench_kernel.py JSON)")
     if args.objective == "perplexity" and not args.text and args.model != "smollm2":
         raise UsageError("--objective", "'perplexity' needs real text: add --text FILE or --text stdlib")
     _check_parent("--out", args.out)
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     pc.add_argument("--max-calls", type=_number(int, 1), default=8, help="sampled calls per layer")
     pc.add_argument("--max-heads", type=_number(int, 1), default=4, help="sampled heads per call")
     pc.add_argument("--heatmap", default=None, help="write a layers x precisions PNG here")
-    pc.add_argument("--bench", default=None, help="kernel benchmark JSON (scripts/bench_kernel.py output, or {\"speedup_vs_full\": {...}}) "
+    pc.add_argument("--bench", default=None, help="kernel benchmark JSON (benchmarks/bench_kernel.py output, or {\"speedup_vs_full\": {...}}) "
                          "for the speed-up estimate")
     pc.set_defaults(fn=_calibrate)
     args = p.parse_args(argv)
