@@ -1,6 +1,6 @@
 """Per-layer precision policies, from YAML, a dict or a path.
 
-Schema (first matching layer rule wins; see configs/ for examples):
+Schema (first matching layer rule wins; see sage_patch/configs/ for examples):
 
     default: 8b                      # 8b | 4b | fp4 | full
     layers:

@@ -9,7 +9,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/site
 fi
-ln -sfn ../integrations sage_patch/integrations; ln -sfn ../configs sage_patch/configs
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > $R/gpu.txt 2>&1
 fn='hopper_attn_kernelILi128E6__half'
 for v in ${SASS:-}; do

@@ -14,9 +14,6 @@ PY=python3
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 
 nvidia-smi -L 2>&1 | tee -a "$OUT/summary.txt"
-# run from the source tree: map the package-dir entries of pyproject.toml (installed builds do this themselves)
-[ -e sage_patch/integrations ] || ln -s ../integrations sage_patch/integrations
-[ -e sage_patch/configs ] || ln -s ../configs sage_patch/configs
 if [ -f out/device/libsage_kernels.so ]; then
   cp out/device/libsage_kernels.so sage_patch/kernels/
 else

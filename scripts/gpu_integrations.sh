@@ -11,8 +11,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-[ -e sage_patch/integrations ] || ln -s ../integrations sage_patch/integrations
-[ -e sage_patch/configs ] || ln -s ../configs sage_patch/configs
 if [ -f out/device/libsage_kernels.so ]; then cp out/device/libsage_kernels.so sage_patch/kernels/
 else SAGE_PATCH_CUDA_ARCHS=90a timeout 300 python3 kernels_cuda/build_kernels.py 2>&1 | tail -2; fi
 python3 -c "import sage_patch, torch; from sage_patch import kernels; print(torch.__version__, kernels.status()); print(sage_patch.integrations.STATUS)" 2>&1 | tail -2 | tee "$OUT/summary.txt"

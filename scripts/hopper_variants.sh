@@ -6,7 +6,6 @@ set -u
 OUT=${OUT:-out/hopper}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-ln -sfn ../integrations sage_patch/integrations; ln -sfn ../configs sage_patch/configs
 first=1
 for v in ${VARIANTS:-pp1s3}; do
   export SAGE_PATCH_KERNELS_LIB=$PWD/out/device/$v/libsage_kernels.so

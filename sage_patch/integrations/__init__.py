@@ -1,4 +1,4 @@
-"""Hooks into transformers and diffusers (installed as sage_patch.integrations).
+"""Hooks into transformers and diffusers (the sage_patch.integrations package).
 
 `install()` runs at `import sage_patch`: it registers "sage" with transformers and adds
 enable_sage_attention()/disable_sage_attention() to diffusers pipelines and models, for whichever of the two
