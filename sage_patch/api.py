@@ -109,10 +109,11 @@ def _validate(q, k, v, layout, scale, is_causal, dropout_p):
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-         precision="8b"):
+         precision=None):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, with torch's semantics (sdpa_semantics): (..., H,
     S, D) layout, 2-D masks broadcast as (Sq, Skv), is_causal aligned top-left as torch does. dropout_p > 0 runs in
-    full precision. Inside a model, `route_sdpa` gives each layer its policy's precision."""
+    full precision. precision None means "8b"; per-layer precisions inside a model come from `route_sdpa` or
+    `inject`, which route torch's own SDPA calls (this function knows nothing of layers)."""
     call = from_torch_sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
     return call.finish(run_attention(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal,
                                      scale=scale, attn_mask=call.attn_mask, precision=precision or "8b",

@@ -261,3 +261,24 @@ from diffusers import ModelMixin
 print(["sage" in AttentionInterface._global_mapping, hasattr(ModelMixin, "enable_sage_attention")])
 ''')
     assert out == "[True, True]"
+
+
+def test_sdpa_semantics_one_module_for_api_and_routed_layers():
+    """3-D inputs, (Sq, Skv) masks and top-left causal mean what torch means, through api.sdpa and route_sdpa alike."""
+    f = torch.nn.functional.scaled_dot_product_attention
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 24, 16, generator=g), torch.randn(2, 40, 16, generator=g), torch.randn(2, 40, 16,
+                                                                                                   generator=g)
+    torch.testing.assert_close(sage_patch.sdpa(q, k, v, is_causal=True, precision="full"), f(q, k, v, is_causal=True))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = _Attention()
+
+    net = Net()
+    net.attn.forward = lambda x: torch.nn.functional.scaled_dot_product_attention(x, k, v, is_causal=True)
+    with sage_patch.route_sdpa(net, "full"):
+        routed = net.attn(q)
+    torch.testing.assert_close(routed, f(q, k, v, is_causal=True))
+    assert sage_patch.report(net).to_dict()["attn"]["used"] == {"full": 1}
