@@ -282,3 +282,17 @@ def test_sdpa_semantics_one_module_for_api_and_routed_layers():
         routed = net.attn(q)
     torch.testing.assert_close(routed, f(q, k, v, is_causal=True))
     assert sage_patch.report(net).to_dict()["attn"]["used"] == {"full": 1}
+
+
+@pytest.mark.slow
+def test_reports_of_five_tiny_models_unchanged_since_c347a5f():
+    """tools/dump_reports.py on Flux, SD3.5, CogVideoX, HunyuanVideo and Llama (default policies and 8b, before and after
+    a forward) gives the report recorded on commit c347a5f, before issue 31's refactor: same layers, precisions,
+    implementations and reasons."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import dump_reports
+    finally:
+        sys.path.pop(0)
+    expected = json.loads((ROOT / "tests" / "data" / "reports_c347a5f.json").read_text())
+    assert json.loads(json.dumps(dump_reports.dump(), sort_keys=True)) == expected
