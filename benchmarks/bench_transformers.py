@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny Llama, short sequences")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="prompt lengths (default 8192 32768 131072)")
     p.add_argument("--impls", nargs="+", default=["sdpa", "sage", STUB])
-    p.add_argument("--policy", default=None, help="sage policy (path, precision name); default configs/llama.yaml")
+    p.add_argument("--policy", default=None, help="sage policy (path, precision name); default sage_patch/configs/llama.yaml")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--no-cache", action="store_true", help="prefill without filling a KV cache")

@@ -12,6 +12,7 @@ from .precisions import check_precision
 from .reference import simulate
 from .report import GLOBAL_STATS, log_fallback_once
 from .resolve import resolve
+from .sdpa_semantics import from_torch_sdpa
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -109,51 +110,14 @@ def _validate(q, k, v, layout, scale, is_causal, dropout_p):
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
          precision=None):
-    """Drop-in for torch.nn.functional.scaled_dot_product_attention, with torch's semantics: (..., H, S, D)
-    layout, 2-D masks broadcast as (Sq, Skv), is_causal aligned top-left as torch does. dropout_p > 0 runs in
-    full precision. precision: None means the routed layer's (see routing.route_sdpa) or "8b"."""
-    from .routing import current_binding
-
-    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
-        raise TypeError("query, key and value must be tensors")
-    squeeze = query.dim() == 3
-    if squeeze:
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-    if query.dim() != 4:
-        raise ValueError(f"sdpa takes 3-D or 4-D query/key/value, got query of shape {tuple(query.shape)}")
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True for GQA")
-    if attn_mask is not None and is_causal:
-        raise ValueError("sdpa: pass either attn_mask or is_causal=True, not both (as torch does)")
-    sq, skv = query.shape[-2], key.shape[-2]
-    if isinstance(attn_mask, torch.Tensor):
-        attn_mask = _torch_broadcast_mask(attn_mask, query, key)
-    if is_causal and sq != skv:  # torch aligns is_causal top-left
-        attn_mask = torch.ones(sq, skv, dtype=torch.bool, device=query.device).tril()[None, None]
-        is_causal = False
-    binding = current_binding()
-    if binding is not None and precision is None:  # inside a routed layer: its policy, stats, guard, observer
-        out = binding.attention(query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                                dropout_p=dropout_p)
-    else:
-        out = run_attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scale,
-                            attn_mask=attn_mask, precision=precision or "8b", dropout_p=dropout_p)
-    return out.squeeze(1) if squeeze else out
-
-
-def _torch_broadcast_mask(attn_mask, query, key):
-    """torch's rule: a mask of fewer than 4 dims broadcasts from the right against (B, H, Sq, Skv); errors name the
-    shape the caller passed, not the 4-D view of it."""
-    full = (query.shape[0], query.shape[1], query.shape[-2], key.shape[-2])
-    try:
-        if attn_mask.dim() > 4 or torch.broadcast_shapes(attn_mask.shape, full) != full:
-            raise RuntimeError
-    except RuntimeError:
-        hint = (" (a 2-D mask is (Sq, Skv) in torch's rule; for a (B, Skv) key-padding mask pass mask[:, None, None, :]"
-                " or use sage_patch.attention)" if attn_mask.dim() == 2 else "")
-        raise ValueError(f"sdpa: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Sq, Skv) = "
-                         f"{full}{hint}") from None
-    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention, with torch's semantics (sdpa_semantics): (..., H,
+    S, D) layout, 2-D masks broadcast as (Sq, Skv), is_causal aligned top-left as torch does. dropout_p > 0 runs in
+    full precision. precision None means "8b"; per-layer precisions inside a model come from `route_sdpa` or
+    `inject`, which route torch's own SDPA calls (this function knows nothing of layers)."""
+    call = from_torch_sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+    return call.finish(run_attention(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal,
+                                     scale=scale, attn_mask=call.attn_mask, precision=precision or "8b",
+                                     dropout_p=dropout_p))
 
 
 def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *, attn_mask=None,

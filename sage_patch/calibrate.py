@@ -33,7 +33,8 @@ from .policy import LayerRule, Policy
 from .precisions import check_precision
 from .reference import exact_attention
 from .report import LayerStats
-from .routing import bindings_of, route_sdpa
+from .router import bindings_of
+from .routing import route_sdpa
 
 SPEED_ORDER = ("fp4", "4b", "8b")  # fastest first; "full" is the fallback when none meets the thresholds
 OBJECTIVES = ("thresholds", "perplexity")

@@ -15,7 +15,7 @@ import torch
 
 from .accuracy import compare
 from .policy import Policy
-from .report import report
+from .router import report
 
 
 def _tiny_flux(seed: int):
@@ -66,7 +66,7 @@ def _sage(model, precision: str):
         finally:
             model.disable_sage_attention()
     elif STATUS.get("transformers") == "installed" and hasattr(model, "set_attn_implementation"):
-        from . import set_policy
+        from .router import set_policy
 
         before = model.config._attn_implementation
         model.set_attn_implementation("sage")
@@ -190,7 +190,7 @@ def run_real_demo(precisions=("8b", "4b", "fp4"), windows: int = 2, tokens: int 
     load_smollm2("sage") to reuse."""
     from tqdm.auto import tqdm
 
-    from . import set_policy
+    from .router import set_policy
     from .calibrate import calibrate, perplexity
 
     torch.manual_seed(seed)

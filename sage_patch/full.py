@@ -11,6 +11,7 @@ import math
 import torch
 
 from .masks import MaskInfo, causal_mask, combined_bool_mask
+from .sdpa_semantics import mask_to_4d
 
 # Captured at import: routing may replace torch.nn.functional.scaled_dot_product_attention while active.
 torch_sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -77,7 +78,7 @@ def _additive_bias(mask: MaskInfo, causal: bool, sq: int, skv: int, dtype, devic
         m = combined_bool_mask(mask.mask, causal, sq, skv, device)
     else:
         return None
-    m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+    m = mask_to_4d(m)
     bias = torch.zeros(*m.shape[:-1], -(-skv // 16) * 16, dtype=dtype, device=device)[..., :skv]
     return bias.masked_fill_(~m, -math.inf) if m.dtype == torch.bool else bias.copy_(m)
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sdpa_semantics import mask_to_4d
+
 
 @dataclass
 class MaskInfo:
@@ -33,7 +35,7 @@ def classify_mask(attn_mask, b: int, h: int, sq: int, skv: int) -> MaskInfo:
         return MaskInfo("key_padding", m)
     if m.dim() > 4:
         raise ValueError(f"attn_mask must have at most 4 dims, got shape {tuple(m.shape)}")
-    m4 = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+    m4 = mask_to_4d(m)
     try:
         torch.broadcast_shapes(m4.shape, (b, h, sq, skv))
     except RuntimeError:
@@ -62,7 +64,7 @@ def combined_bool_mask(attn_mask, is_causal: bool, sq: int, skv: int, device=Non
         if attn_mask.dtype != torch.bool:
             raise TypeError("combined_bool_mask takes bool masks only")
         m = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask
-        m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+        m = mask_to_4d(m)
     if is_causal:
         c = causal_mask(sq, skv, device)
         m = c if m is None else (m & c)

@@ -1,6 +1,6 @@
 """Per-layer precision policies, from YAML, a dict or a path.
 
-Schema (first matching layer rule wins; see configs/ for examples):
+Schema (first matching layer rule wins; see sage_patch/configs/ for examples):
 
     default: 8b                      # 8b | 4b | fp4 | full
     layers:
@@ -32,6 +32,7 @@ Precedence: a matching step rule overrides the layer rules and the default, exce
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -236,6 +237,33 @@ def shipped_policy_path(family: str) -> str:
     from importlib import resources
 
     return str(resources.files("sage_patch.configs").joinpath(f"{family}.yaml"))
+
+
+_DEFAULTS: dict = {}
+
+
+def default_policy(library: str, model) -> Policy:
+    """The default policy of `model` for an adapter of `library` ("transformers" or "diffusers"), from the family
+    table sage_patch/configs/families.yaml (config.model_type for transformers, the class name for diffusers)."""
+    from importlib import resources
+
+    if not _DEFAULTS:
+        _DEFAULTS.update(yaml.safe_load(resources.files("sage_patch.configs").joinpath("families.yaml").read_text()))
+    table = _DEFAULTS[library]
+    if library == "transformers":
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        choice = table["model_type"].get(model_type, table["default"])
+    else:
+        cls = type(model).__name__
+        choice = next((fam for key, fam in table["class_contains"].items() if key in cls), table["default"])
+    if isinstance(choice, str):
+        return _shipped(choice)
+    return Policy.from_dict(choice, source=f"<{library} default>")
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped(family: str) -> Policy:
+    return load_policy(shipped_policy_path(family))
 
 
 # ---- parsing helpers -------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""Routing of attention calls from model layers through sage_patch, under a policy.
+"""Routing of attention calls from model layers through sage_patch, under a policy: the layer half of every adapter.
 
-Integrations bind each attention module to a `LayerBinding` (name, index, policy, stats, shared step state) and
-call `binding.attention(...)`. `route_sdpa(model, policy)` is the generic mechanism: while active, every
+Adapters (the generic SDPA one here, transformers' and diffusers' in sage_patch.integrations) pick their modules with
+`select_modules`, bind each to a `LayerBinding` with `attach` (name, index, policy, stats, shared step state; removed
+by `detach`), and call `binding.attention(...)`; a call that goes elsewhere is recorded by `binding.record_fallback`.
+`route_sdpa(model, policy)` is the generic mechanism: while active, every
 `torch.nn.functional.scaled_dot_product_attention` call made inside one of the model's attention modules runs
 through sage_patch with that layer's precision.
 """
@@ -16,9 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .api import run_attention
 from .guard import Guard
 from .policy import Policy
-from .report import STATS_ATTR, LayerStats
+from .report import STATS_ATTR, LayerStats, log_fallback_once
+from .resolve import Decision
+from .sdpa_semantics import from_torch_sdpa
 
 logger = logging.getLogger("sage_patch")
 
@@ -52,8 +57,6 @@ class LayerBinding:
 
     def attention(self, q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, dropout_p=0.0,
                   return_lse=False):
-        from .api import run_attention
-
         precision = self.requested()
         call = {"layout": layout, "is_causal": is_causal, "scale": scale, "attn_mask": attn_mask}
         if self.observer is not None:
@@ -65,8 +68,44 @@ class LayerBinding:
         return res
 
 
-def current_binding() -> "LayerBinding | None":
-    return _current.get()
+    def record_fallback(self, impl: str, reason: str | None = None) -> None:
+        """Record a call that this layer sent to `impl` in full precision instead of sage_patch's attention (the one
+        way adapters report their own fallbacks); a reason is logged once per process."""
+        self.stats.record(Decision(self.requested(), "full", impl, reason))
+        if reason and not torch.compiler.is_compiling():
+            log_fallback_once(reason)
+
+
+def attach(module: torch.nn.Module, name: str, policy: Policy, steps: StepState | None = None,
+           index: int | None = None) -> LayerBinding:
+    """Bind `module` as layer `name` (a binding already there keeps its stats, guard and observer, and takes the new
+    name and policy; otherwise the module's stats, if any, are kept). index None: from the name (layer_index)."""
+    index = layer_index(name) if index is None else index
+    b = getattr(module, BINDING_ATTR, None)
+    if isinstance(b, LayerBinding):
+        b.name, b.index, b.policy, b.stats.name = name, index, policy, name
+        if steps is not None:
+            b.steps = steps
+    else:
+        stats = getattr(module, STATS_ATTR, None)
+        b = LayerBinding(name, index, policy, stats if isinstance(stats, LayerStats) else None, steps)
+        b.stats.name = name
+        setattr(module, BINDING_ATTR, b)
+    setattr(module, STATS_ATTR, b.stats)
+    return b
+
+
+def detach(module: torch.nn.Module) -> None:
+    """Undo `attach`: the module loses its binding and stats."""
+    for attr in (BINDING_ATTR, STATS_ATTR):
+        if attr in module.__dict__:
+            delattr(module, attr)
+
+
+def select_modules(model: torch.nn.Module, is_target) -> list:
+    """The one module selector: (name, module) of every named sub-module accepted by `is_target(name, module)`,
+    in named_modules order (the names policies match)."""
+    return [(n, m) for n, m in model.named_modules() if n and is_target(n, m)]
 
 
 def layer_index(name: str) -> int | None:
@@ -109,13 +148,8 @@ def route_sdpa(model: torch.nn.Module, policy=None, *, select=is_attention_modul
     pol = Policy.from_any(policy)
     bindings, handles = {}, []
     steps = StepState()
-    for name, mod in model.named_modules():
-        if not name or not select(name, mod):
-            continue
-        stats = getattr(mod, STATS_ATTR, None) or LayerStats(name)
-        setattr(mod, STATS_ATTR, stats)
-        b = bindings[name] = LayerBinding(name, layer_index(name), pol, stats, steps)
-        setattr(mod, BINDING_ATTR, b)
+    for name, mod in select_modules(model, select):
+        b = bindings[name] = attach(mod, name, pol, steps)
         tokens = []
 
         def pre(_m, _args, b=b, tokens=tokens):
@@ -137,10 +171,9 @@ def route_sdpa(model: torch.nn.Module, policy=None, *, select=is_attention_modul
         if b is None:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
-        from .api import sdpa
-
-        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                    scale=scale, enable_gqa=enable_gqa)
+        call = from_torch_sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+        return call.finish(b.attention(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal,
+                                       scale=scale, attn_mask=call.attn_mask, dropout_p=dropout_p))
 
     torch.nn.functional.scaled_dot_product_attention = routed
     try:
@@ -151,17 +184,4 @@ def route_sdpa(model: torch.nn.Module, policy=None, *, select=is_attention_modul
             h.remove()
         for name, mod in model.named_modules():
             if name in bindings and getattr(mod, BINDING_ATTR, None) is bindings[name]:
-                delattr(mod, BINDING_ATTR)
-
-
-def bindings_of(obj) -> dict[str, "LayerBinding"]:
-    """Every LayerBinding of a model or pipeline (integrations and route_sdpa store them on the modules)."""
-    from .report import _modules_of
-
-    out = {}
-    for prefix, module in _modules_of(obj):
-        for name, sub in module.named_modules():
-            b = getattr(sub, BINDING_ATTR, None)
-            if isinstance(b, LayerBinding):
-                out[f"{prefix}.{name}" if prefix and name else (prefix or name)] = b
-    return out
+                delattr(mod, BINDING_ATTR)  # the stats stay: the report of a routed run outlives the run

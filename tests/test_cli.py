@@ -6,7 +6,7 @@ from sage_patch.cli import main
 
 
 def test_validate_good_and_bad(tmp_path, capsys):
-    assert main(["validate", "configs/flux.yaml"]) == 0
+    assert main(["validate", "sage_patch/configs/flux.yaml"]) == 0
     assert "valid policy" in capsys.readouterr().out
     bad = tmp_path / "bad.yaml"
     bad.write_text("default: 8b\nlayers:\n  - index: 'x'\n    precision: full\n")
@@ -51,7 +51,7 @@ def test_console_script_is_installed():
 
     exe = shutil.which("sage-patch", path=__import__("os").path.dirname(sys.executable))
     assert exe is not None
-    r = subprocess.run([exe, "validate", "configs/llama.yaml"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([exe, "validate", "sage_patch/configs/llama.yaml"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
 

@@ -8,6 +8,7 @@ pytest.importorskip("diffusers")
 
 import sage_patch  # noqa: E402  (installs enable_sage_attention on diffusers classes)
 from sage_patch.integrations import diffusers as sd  # noqa: E402
+from sage_patch.routing import layer_index  # noqa: E402
 
 FULL_TOL = 1e-6
 MIN_COS = 0.999
@@ -164,7 +165,7 @@ def test_default_policy_from_model_class(built):
         assert cos(out, ref) >= MIN_COS
         for layer, stats in sage_patch.report(model).to_dict().items():
             # no step outside a pipeline: the layer rules of the shipped policy decide
-            assert stats["requested"] == {st.policy.layer_precision(layer, sd.layer_index(layer)): 1}
+            assert stats["requested"] == {st.policy.layer_precision(layer, layer_index(layer)): 1}
             if "token_refiner" in layer:
                 assert stats["used"] == {"full": 1}
     finally:

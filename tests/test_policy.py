@@ -125,9 +125,20 @@ def test_shipped_configs_validate_and_explain_themselves(family):
 
 
 def test_every_config_in_repo_is_shipped():
-    here = os.path.join(os.path.dirname(__file__), "..", "configs")
+    here = os.path.join(os.path.dirname(__file__), "..", "sage_patch", "configs")
     names = sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(here, "*.yaml")))
-    assert names == sorted(SHIPPED)
+    assert names == sorted([*SHIPPED, "families"])  # families.yaml: the family -> default policy table (data)
+
+
+def test_family_table_names_shipped_policies():
+    import yaml
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "sage_patch", "configs", "families.yaml")) as f:
+        table = yaml.safe_load(f)
+    named = {*table["transformers"]["model_type"].values(), table["transformers"]["default"],
+             *table["diffusers"]["class_contains"].values()}
+    assert named <= set(SHIPPED)
+    Policy.from_dict(table["diffusers"]["default"])
 
 
 def test_unknown_string_policy_says_not_a_file_not_a_precision_and_lists_precisions():

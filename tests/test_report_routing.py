@@ -68,7 +68,7 @@ def test_route_sdpa_per_layer_rules_and_report():
 
 def test_policy_min_seq_len_is_reported_as_fallback():
     net = TinyNet().eval()
-    with torch.no_grad(), sage_patch.route_sdpa(net, "configs/llama.yaml"):
+    with torch.no_grad(), sage_patch.route_sdpa(net, "sage_patch/configs/llama.yaml"):
         net(torch.randn(1, 16, 32))
     fb = sage_patch.report(net).to_dict()["layers.0"]["fallbacks"]
     assert any("min_seq_len 128" in r for r in fb)

@@ -25,6 +25,7 @@ from transformers import (
 import sage_patch
 from sage_patch.integrations import transformers as hf
 from sage_patch.policy import Policy, shipped_policy_path
+from sage_patch.routing import attach
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0)
@@ -98,9 +99,8 @@ def test_register_twice_and_reimport_are_harmless():
     mod = importlib.reload(hf)
     mod.register()
     importlib.import_module("sage_patch")
-    post_init = transformers.PreTrainedModel.post_init
-    assert getattr(post_init, hf._WRAPPED)
-    assert not getattr(post_init.__wrapped__, hf._WRAPPED, False)  # wrapped once, not once per register()
+    for meth in ("post_init", "set_attn_implementation"):  # nothing of transformers is wrapped
+        assert not hasattr(getattr(transformers.PreTrainedModel, meth), "__wrapped__")
     sage, ref = pair("llama", "full")
     ids, am = batch([20, 14], 20)
     with torch.no_grad():
@@ -269,9 +269,7 @@ class FakeAttention(torch.nn.Module):
     def __init__(self, policy="full"):
         super().__init__()
         self.layer_idx = 0
-        b = hf.LayerBinding("fake", 0, Policy.from_any(policy))
-        setattr(self, hf.BINDING_ATTR, b)
-        setattr(self, hf.STATS_ATTR, b.stats)
+        attach(self, "fake", Policy.from_any(policy), index=0)
 
 
 def qkv(b=2, hq=4, hkv=2, sq=12, skv=12, d=16, seed=0):

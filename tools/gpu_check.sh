@@ -67,8 +67,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-[ -e sage_patch/integrations ] || ln -s ../integrations sage_patch/integrations
-[ -e sage_patch/configs ] || ln -s ../configs sage_patch/configs
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$OUT/summary.txt"
 [ -z "$LIB" ] && [ -f out/device/libsage_kernels.so ] && LIB=out/device/libsage_kernels.so
 if [ -n "$LIB" ]; then

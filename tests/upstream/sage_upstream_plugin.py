@@ -29,7 +29,7 @@ def _patch_transformers():
     from sage_patch.policy import Policy
 
     full = Policy.from_any("full")
-    hf.default_policy = lambda model_type=None: full   # every layer bound from now on asks for "full"
+    hf.default_policy = lambda *args, **kwargs: full   # every layer bound from now on asks for "full"
 
     forward = hf.sage_attention_forward
 

@@ -1,15 +1,15 @@
 """transformers hook: `attn_implementation="sage"` with per-layer policies.
 
-`register()` (run at `import sage_patch`) registers "sage" with `transformers.AttentionInterface` and, with
-`sdpa_mask`, with `transformers.masking_utils.AttentionMaskInterface` (without the mask function a custom name
-silently receives attention_mask=None). It also wraps `PreTrainedModel.post_init` and
-`PreTrainedModel.set_attn_implementation` so that every attention module of a model that uses "sage" is bound
-to a `LayerBinding` (module name, layer index, policy, stats) as soon as the model is built or switched: the
-report lists every layer before the first forward, and nothing is created inside a compiled graph.
+`register()` registers "sage" with `transformers.AttentionInterface` and, with `sdpa_mask`, with
+`transformers.masking_utils.AttentionMaskInterface` (without the mask function a custom name silently receives
+attention_mask=None); `sage_patch.integrations` runs it when transformers is imported. Nothing of transformers is
+wrapped: layers are bound (module name, layer index, policy, stats) when sage_patch asks about the model
+(`inject`, `set_policy`, `report`, `calibrate`), and a layer called before that binds itself under a provisional name
+(renamed, stats kept, at the next of those). `unload(model)` removes the bindings and switches a model that uses
+"sage" back to the implementation it had before `inject` ("sdpa" for a model built with "sage").
 
-Default policy: chosen from `config.model_type` through `DEFAULT_FAMILY`; every transformers model type,
-Llama, Mistral, Qwen2, Gemma 2 and others, uses the shipped configs/llama.yaml (8b, full below 128 tokens, so
-decode steps run full). Change it with `sage_patch.set_policy(model, policy)`.
+Default policy: from `config.model_type` through sage_patch/configs/families.yaml (every transformers model type
+uses the shipped llama.yaml: 8b, full below 128 tokens, so decode steps run full).
 
 Semantics (each item is tested in tests/test_transformers_integration.py):
 - causal: `q_len > 1 and mask is None and module.is_causal` (or the `is_causal` kwarg), aligned bottom-right; when
@@ -18,7 +18,7 @@ Semantics (each item is tested in tests/test_transformers_integration.py):
 - masks are sdpa_mask's 4-D bool (True = attend); GQA/MQA K/V are passed with their own head count;
 - `sliding_window`: carried by the mask; if the mask is None while the window would cut keys, it is built here;
 - `scaling` is the module's; `dropout` applies only while `module.training` (then full, reported);
-- `softcap` (Gemma 2) and `s_aux` (attention sinks) run an exact fp32 eager attention ("full", impl "eager");
+- `softcap` (Gemma 2) and `s_aux` (attention sinks) run the exact attention in fp32 ("full", impl "eager");
   `position_bias` and a paged `cache` are delegated to transformers' own sdpa function ("full", impl "sdpa");
 - keywords that cannot change the result (`ignored_kwargs()`: derived from transformers' TransformersKwargs,
   FlashAttentionKwargs and loss-function signatures, e.g. `shift_labels`) are ignored, as transformers' sdpa and
@@ -29,22 +29,19 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 
 import torch
 
-from sage_patch.policy import Policy, load_policy, shipped_policy_path
-from sage_patch.report import STATS_ATTR, LayerStats, log_fallback_once
-from sage_patch.resolve import Decision
-from sage_patch.routing import BINDING_ATTR, LayerBinding, StepState, layer_index
+from sage_patch.policy import Policy, default_policy
+from sage_patch.reference import exact_attention
+from sage_patch.report import log_fallback_once
+from sage_patch.routing import BINDING_ATTR, LayerBinding, StepState, attach, detach, select_modules
 
 logger = logging.getLogger("sage_patch")
 
 NAME = "sage"
-_WRAPPED = "_sage_patch_wrapped"
-
-# config.model_type -> shipped policy family (configs/<family>.yaml); anything else uses DEFAULT_FAMILY[None].
-DEFAULT_FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "llama", None: "llama"}
+LIBRARY = "transformers"
+_PREVIOUS_IMPL = "_sage_patch_previous_attn_implementation"  # on a model that inject() switched to "sage"
 
 # Keywords handled explicitly by sage_attention_forward (each can change the result).
 _HANDLED_KWARGS = frozenset({"is_causal", "sliding_window", "softcap", "s_aux", "output_attentions",
@@ -97,48 +94,34 @@ def ignored_kwargs() -> frozenset:
     return frozenset(names - _HANDLED_KWARGS - _RESULT_CHANGING)
 
 
-# ---- registration ----------------------------------------------------------------------------------------------
+# ---- registration and lifecycle --------------------------------------------------------------------------------
 
 def register() -> None:
-    """Register "sage" with transformers. Idempotent: calling it again (or re-importing) changes nothing."""
-    from transformers import AttentionInterface, PreTrainedModel
+    """Register "sage" with transformers. Idempotent."""
+    from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, sage_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
-    for meth in ("post_init", "set_attn_implementation"):
-        orig = getattr(PreTrainedModel, meth)
-        if not getattr(orig, _WRAPPED, False):
-            setattr(PreTrainedModel, meth, _bind_after(orig))
 
 
-def _bind_after(method):
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        out = method(self, *args, **kwargs)
-        if uses_sage(self):
-            bind(self, only_sage=True)
-        return out
+def unregister() -> None:
+    """Undo `register()` (sage_patch.uninstall)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
-    setattr(wrapper, _WRAPPED, True)
-    return wrapper
+    for iface in (AttentionInterface, AttentionMaskInterface):
+        iface._global_mapping.pop(NAME, None)
+
+
+def handles(model) -> bool:
+    return isinstance(model, torch.nn.Module) and hasattr(model, "set_attn_implementation") and \
+        hasattr(model, "config")
 
 
 def uses_sage(model: torch.nn.Module) -> bool:
     """Whether the model or any of its sub-models has attn_implementation "sage"."""
     return any(getattr(getattr(m, "config", None), "_attn_implementation", None) == NAME for m in model.modules())
-
-
-# ---- bindings and policies -------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def _shipped(family: str) -> Policy:
-    return load_policy(shipped_policy_path(family))
-
-
-def default_policy(model_type: str | None) -> Policy:
-    """The shipped policy for a `config.model_type` (see DEFAULT_FAMILY)."""
-    return _shipped(DEFAULT_FAMILY.get(model_type, DEFAULT_FAMILY[None]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,39 +133,51 @@ def _calls_attention_interface(cls) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in src or "attention_interface" in src
 
 
-def attention_modules(model: torch.nn.Module):
-    """(name, module) of every module whose forward calls transformers' attention interface."""
-    return [(n, m) for n, m in model.named_modules() if _calls_attention_interface(type(m))]
+def is_target(name: str, module: torch.nn.Module) -> bool:
+    """A module whose forward calls transformers' attention interface."""
+    return _calls_attention_interface(type(module))
 
 
 def bind(model: torch.nn.Module, policy=None, only_sage: bool = False) -> dict[str, LayerBinding]:
     """Bind every attention module of `model` (names relative to `model`); with `only_sage`, only those whose
     config uses "sage" (a composite model may run its vision tower on another implementation). An existing
-    binding is kept (its stats, guard and observer too) and renamed; its policy is replaced only when `policy`
-    is given, so a policy set before the model is switched to "sage" survives the switch. New bindings get the
-    default policy."""
+    binding keeps its stats, guard, observer and, unless `policy` is given, its policy (so a policy set before
+    the model is switched to "sage" survives the switch). New bindings get the default policy."""
     explicit = None if policy is None else Policy.from_any(policy)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    steps = StepState()
-    out = {}
-    for name, mod in attention_modules(model):
-        impl = getattr(getattr(mod, "config", None), "_attn_implementation", NAME)
-        if only_sage and impl != NAME:
+    steps, out = StepState(), {}
+    for name, mod in select_modules(model, is_target):
+        if only_sage and getattr(getattr(mod, "config", None), "_attn_implementation", NAME) != NAME:
             continue
+        old = getattr(mod, BINDING_ATTR, None)
+        pol = explicit or (old.policy if isinstance(old, LayerBinding) else default_policy(LIBRARY, model))
         idx = getattr(mod, "layer_idx", None)
-        idx = idx if isinstance(idx, int) else layer_index(name)
-        b = getattr(mod, BINDING_ATTR, None)
-        if isinstance(b, LayerBinding):
-            b.name, b.index, b.stats.name = name, idx, name
-            if explicit is not None:
-                b.policy = explicit
-        else:
-            b = LayerBinding(name, idx, explicit or default_policy(model_type), getattr(mod, STATS_ATTR, None), steps)
-            b.stats.name = name
-            setattr(mod, BINDING_ATTR, b)
-        setattr(mod, STATS_ATTR, b.stats)
-        out[name] = b
+        out[name] = attach(mod, name, pol, None if isinstance(old, LayerBinding) else steps,
+                           idx if isinstance(idx, int) else None)
     return out
+
+
+def sync(model) -> None:
+    """Bind the layers of a model that uses "sage" (before report/calibrate read them)."""
+    if uses_sage(model):
+        bind(model, only_sage=True)
+
+
+def inject(model: torch.nn.Module, policy=None) -> dict[str, LayerBinding]:
+    """Switch `model` to "sage" (remembering its implementation for `unload`) and bind its layers under `policy`
+    (None: the family default, or the policy already set)."""
+    if not uses_sage(model):
+        setattr(model, _PREVIOUS_IMPL, model.config._attn_implementation)
+        model.set_attn_implementation(NAME)
+    return bind(model, policy, only_sage=True)
+
+
+def unload(model: torch.nn.Module) -> None:
+    """Remove every binding; a model that uses "sage" goes back to its implementation before `inject` ("sdpa"
+    for a model built with "sage")."""
+    for _name, mod in select_modules(model, is_target):
+        detach(mod)
+    if uses_sage(model):
+        model.set_attn_implementation(model.__dict__.pop(_PREVIOUS_IMPL, None) or "sdpa")
 
 
 def set_policy(model: torch.nn.Module, policy) -> dict[str, LayerBinding]:
@@ -192,20 +187,13 @@ def set_policy(model: torch.nn.Module, policy) -> dict[str, LayerBinding]:
     if not uses_sage(model):
         logger.warning("sage_patch.set_policy: %s does not use attn_implementation=%r yet; the policy applies once "
                        "it does (model.set_attn_implementation(%r))", type(model).__name__, NAME, NAME)
-    if policy is None:
-        policy = default_policy(getattr(getattr(model, "config", None), "model_type", None))
-    return bind(model, policy)
+    return bind(model, default_policy(LIBRARY, model) if policy is None else policy)
 
 
-def _orphan_binding(module) -> LayerBinding:
-    """A module called before any bind() (e.g. config._attn_implementation set by hand): bind it alone."""
+def _provisional_binding(module) -> LayerBinding:
+    """A layer called before sage_patch bound its model: bind it alone, named by class and layer index."""
     idx = getattr(module, "layer_idx", None)
-    name = f"{type(module).__name__}.{idx}"
-    cfg = getattr(module, "config", None)
-    b = LayerBinding(name, idx, default_policy(getattr(cfg, "model_type", None)), LayerStats(name))
-    setattr(module, BINDING_ATTR, b)
-    setattr(module, STATS_ATTR, b.stats)
-    return b
+    return attach(module, f"{type(module).__name__}.{idx}", default_policy(LIBRARY, module), index=idx)
 
 
 # ---- the attention function -----------------------------------------------------------------------------------
@@ -213,7 +201,7 @@ def _orphan_binding(module) -> LayerBinding:
 def sage_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function. query (B, Hq, Sq, D) (often a non-contiguous view), key/value
     (B, Hkv, Skv, D). Returns (attn_output (B, Sq, Hq, D) contiguous, None)."""
-    binding = getattr(module, BINDING_ATTR, None) or _orphan_binding(module)
+    binding = getattr(module, BINDING_ATTR, None) or _provisional_binding(module)
     is_causal = kwargs.pop("is_causal", None)
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     sliding_window = kwargs.pop("sliding_window", None)
@@ -248,19 +236,13 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
         is_causal = False
     if softcap is not None or s_aux is not None:
         why = "softcap (logit soft-capping)" if softcap is not None else "s_aux (attention sinks)"
-        _record(binding, "eager", f"{why} is not supported by quantized precisions: exact eager attention")
-        out = eager_attention(query, key, value, attention_mask, is_causal=is_causal, scale=scaling,
-                              softcap=softcap, s_aux=s_aux, dropout_p=dropout_p, training=module.training)
+        binding.record_fallback("eager", f"{why} is not supported by quantized precisions: exact eager attention")
+        out = exact_attention(query, key, value, is_causal=is_causal, scale=scaling, attn_mask=attention_mask,
+                              dtype=torch.float32, softcap=softcap, sinks=s_aux, dropout_p=dropout_p).to(query.dtype)
     else:
         out = binding.attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
                                 attn_mask=attention_mask, dropout_p=dropout_p)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _record(binding: LayerBinding, impl: str, reason: str) -> None:
-    binding.stats.record(Decision(binding.requested(), "full", impl, reason))
-    if not torch.compiler.is_compiling():
-        log_fallback_once(reason)
 
 
 def _delegate_sdpa(binding, what, module, query, key, value, attention_mask, scaling, dropout, **kwargs):
@@ -268,7 +250,7 @@ def _delegate_sdpa(binding, what, module, query, key, value, attention_mask, sca
 
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise TypeError(f"sage_patch attention: {what} together with softcap/s_aux is not supported")
-    _record(binding, "sdpa", f"{what} is not supported by quantized precisions: transformers sdpa")
+    binding.record_fallback("sdpa", f"{what} is not supported by quantized precisions: transformers sdpa")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "s_aux")}
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
@@ -282,37 +264,3 @@ def _window_mask(q_len: int, kv_len: int, window: int, causal: bool, device) -> 
     kv = torch.arange(kv_len, device=device)[None, :]
     m = (kv > q_pos - window) & (kv <= q_pos) if causal else (kv - q_pos).abs() <= window
     return m[None, None]
-
-
-def eager_attention(q, k, v, attn_mask, *, is_causal, scale, softcap=None, s_aux=None, dropout_p=0.0,
-                    training=False):
-    """Exact attention in fp32 with logit soft-capping (Gemma 2) and per-head sink logits (s_aux, shape (Hq,)).
-    q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D); attn_mask bool (True = attend) or float additive; causal bottom-right.
-    Returns (B, Hq, Sq, Dv) in q's dtype; rows with no visible key give 0."""
-    from sage_patch.masks import causal_mask
-
-    groups = q.shape[1] // k.shape[1]
-    kf, vf = (x.float().repeat_interleave(groups, dim=1) if groups > 1 else x.float() for x in (k, v))
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = (q.float() @ kf.transpose(-1, -2)) * scale
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        s = s + attn_mask.float()
-    elif attn_mask is not None:
-        s = s.masked_fill(~attn_mask, -math.inf)
-    if is_causal:
-        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), -math.inf)
-    if s_aux is not None:
-        sink = s_aux.float().reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
-        s = torch.cat([s, sink], dim=-1)
-    m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m)
-    denom = p.sum(dim=-1, keepdim=True)
-    p = torch.where(denom > 0, p / torch.where(denom > 0, denom, 1.0), 0.0)
-    if s_aux is not None:
-        p = p[..., :-1]
-    if dropout_p > 0:
-        p = torch.nn.functional.dropout(p, p=dropout_p, training=training)
-    return (p @ vf).to(q.dtype)

@@ -37,9 +37,17 @@ How it works (per layer, no global monkey-patching of torch or diffusers):
   the layer's stats. A processor set before enabling is simply wrapped; after disabling, the layers keep
   whatever diffusers set last.
 
-Public helpers: `enable(model, policy)`, `disable(model)`, `enable_pipeline(pipe, policy, components=...,
-include_vae=...)`, `disable_pipeline(pipe)`, `set_step(obj, step, num_steps)`, `sage_skipped(model)`,
-`default_policy_for(model)`, `is_enabled(obj)`.
+Why cloned functions and not the context-variable binding of `route_sdpa` (weighed for issue 31): reusing it would
+mean replacing `torch.nn.functional.scaled_dot_product_attention` process-wide for as long as any model is enabled
+(route_sdpa does so only inside its `with` block), plus `dispatch_attention_fn` in every diffusers module that
+imported it by name, and tracing forward hooks that set a ContextVar under torch.compile fullgraph. The clone touches
+nothing outside the layer it routes, compiles as plain Python, and disable() drops it; at equal behaviour (exact
+enable/disable, compile, CPU offload, LoRA, IP-Adapter, set_attention_backend) it is the smaller design, so it stays.
+
+Lifecycle (sage_patch.inject/unload call these): `enable(model, policy)`, `disable(model)`, `enable_pipeline(pipe,
+policy, components=..., include_vae=...)`, `disable_pipeline(pipe)`; also `set_step(obj, step, num_steps)`,
+`sage_skipped(model)`, `is_enabled(obj)`. `install()` adds the two methods to ModelMixin and DiffusionPipeline;
+`uninstall()` removes them and restores every pipeline class `__call__` that enabling wrapped.
 """
 from __future__ import annotations
 
@@ -52,9 +60,9 @@ import weakref
 
 import torch
 
-from sage_patch.policy import Policy, shipped_policy_path
-from sage_patch.report import STATS_ATTR, LayerStats
-from sage_patch.routing import BINDING_ATTR, LayerBinding, StepState, layer_index
+from sage_patch.policy import Policy, default_policy
+from sage_patch.routing import LayerBinding, StepState, attach, detach, select_modules
+from sage_patch.sdpa_semantics import from_diffusers_dispatch, from_torch_sdpa
 
 logger = logging.getLogger("sage_patch")
 
@@ -62,25 +70,12 @@ _STATE_ATTR = "_sage_patch_diffusers"       # _ModelState on an enabled model
 _PIPE_ATTR = "_sage_patch_diffusers_pipe"   # _PipeState on an enabled pipeline
 _CALL_WRAPPED = "_sage_patch_call_wrapped"  # marker on a pipeline class whose __call__ we wrapped
 
-# ---- default policies ----------------------------------------------------------------------------------------
-
-_FAMILIES = (  # substring of the model class name -> shipped policy
-    ("Flux", "flux"),
-    ("SD3", "sd35"),
-    ("CogVideoX", "cogvideox"),
-    ("HunyuanVideo", "hunyuanvideo"),
-)
-GENERIC_DEFAULT = {"name": "diffusers-default", "default": "8b", "fallback": {"min_seq_len": 128}}
+LIBRARY = "diffusers"
 
 
 def default_policy_for(model) -> Policy:
-    """The shipped policy for the model's class (Flux, SD3/SD3.5, CogVideoX, HunyuanVideo), else a flux-like
-    default: 8b everywhere, full below 128 tokens."""
-    cls = type(model).__name__
-    for key, family in _FAMILIES:
-        if key in cls:
-            return Policy.from_any(shipped_policy_path(family))
-    return Policy.from_dict(GENERIC_DEFAULT, source="<diffusers default>")
+    """The family default (sage_patch/configs/families.yaml) for the model's class."""
+    return default_policy(LIBRARY, model)
 
 
 # ---- step tracking -------------------------------------------------------------------------------------------
@@ -140,19 +135,6 @@ def _orig_dispatch():
     from diffusers.models import attention_dispatch
 
     return attention_dispatch.dispatch_attention_fn
-
-
-def _record(stats: LayerStats, requested: str, impl: str, reason: str | None = None) -> None:
-    from sage_patch.resolve import Decision
-
-    stats.record(Decision(requested, "full", impl, reason))
-
-
-def _torch_mask_to_4d(attn_mask):
-    """torch SDPA semantics: a mask with fewer than 4 dims broadcasts from the right ((Sq, Skv) for 2-D)."""
-    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() < 4:
-        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-    return attn_mask
 
 
 _ROUTES: "weakref.WeakValueDictionary[int, _Route]" = weakref.WeakValueDictionary()
@@ -224,7 +206,7 @@ class _Route:
 
     def record_full(self, impl: str, reason: str | None = None) -> None:
         if not torch.compiler.is_compiling():  # under compile the original's "full" calls are not counted
-            _record(self.binding.stats, self.precision, impl, reason)
+            self.binding.record_fallback(impl, reason)
 
     # torch.nn.functional.scaled_dot_product_attention, as called by JointAttnProcessor2_0 and friends
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -233,15 +215,14 @@ class _Route:
             self.record_full("sdpa")
             return _ORIG_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
-        squeeze = query.dim() == 3
-        if squeeze or query.dim() != 4 or (query.shape[-3] != key.shape[-3] and not enable_gqa) \
-                or (attn_mask is not None and is_causal) or (is_causal and query.shape[-2] != key.shape[-2]):
-            # shapes or flags whose torch semantics we do not replicate here: the original, reported
-            self.record_full("sdpa", "unsupported SDPA call form (3-D, GQA without enable_gqa, causal with a "
-                                     "mask or Sq != Skv): torch SDPA")
+        try:
+            call = from_torch_sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+        except (TypeError, ValueError) as e:  # a call torch refuses: torch says so, in its own words
+            self.record_full("sdpa", f"unsupported SDPA call ({e}): torch SDPA")
             return _ORIG_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
-        return self._run(query, key, value, "bhsd", _torch_mask_to_4d(attn_mask), dropout_p, is_causal, scale)
+        return call.finish(self._run(call.q, call.k, call.v, call.layout, call.attn_mask, dropout_p, call.is_causal,
+                                     scale))
 
     # diffusers.models.attention_dispatch.dispatch_attention_fn: q/k/v (B, S, H, D)
     def dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -264,12 +245,8 @@ class _Route:
         if reason:
             self.record_full("diffusers-dispatch", reason)
             return self._orig_dispatch(query, key, value, **orig_args)
-        if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() == 2 and \
-                tuple(attn_mask.shape) == (query.shape[0], key.shape[1]):
-            pass  # (B, Skv): key padding, as diffusers' native backend reads it
-        else:
-            attn_mask = _torch_mask_to_4d(attn_mask)
-        return self._run(query, key, value, "bshd", attn_mask, dropout_p, is_causal, scale)
+        call = from_diffusers_dispatch(query, key, value, attn_mask=attn_mask, is_causal=is_causal)
+        return self._run(call.q, call.k, call.v, call.layout, call.attn_mask, dropout_p, call.is_causal, scale)
 
 
 # ---- the processor wrapper -----------------------------------------------------------------------------------
@@ -457,11 +434,13 @@ def _drop_modules(names: list) -> None:
     names.clear()
 
 
+def is_target(name: str, module) -> bool:
+    """A module with an attention processor (diffusers' attn_processors order)."""
+    return hasattr(module, "get_processor") and hasattr(module, "set_processor") and hasattr(module, "processor")
+
+
 def _attention_modules(model):
-    """(layer name, attention module) for every module with a processor (diffusers' attn_processors order)."""
-    for name, mod in model.named_modules():
-        if name and hasattr(mod, "get_processor") and hasattr(mod, "set_processor") and hasattr(mod, "processor"):
-            yield name, mod
+    return select_modules(model, is_target)
 
 
 def _install_wrapper(module, wrapper: SageAttnProcessor) -> None:
@@ -522,19 +501,15 @@ def _route_layer(st: _ModelState, name: str, mod) -> None:
     if fn is None:
         st.skipped[name] = f"{type(inner).__name__}: no Python __call__ to route"
         return
-    stats = getattr(mod, STATS_ATTR, None)
-    if not isinstance(stats, LayerStats):
-        stats = LayerStats(name)
-        setattr(mod, STATS_ATTR, stats)
-    binding = LayerBinding(name, layer_index(name), st.policy, stats, st.tracker.state)
+    binding = attach(mod, name, st.policy, st.tracker.state)
     route = _Route(binding, _orig_dispatch())
     routed = _routed_function(fn, route)
     if routed is None:
         st.skipped[name] = (f"{type(inner).__name__}.__call__ calls neither F.scaled_dot_product_attention "
                             f"nor dispatch_attention_fn directly: left as is")
         _drop_modules(route.modules)
-        if getattr(mod, STATS_ATTR, None) is stats and stats.calls == 0:
-            delattr(mod, STATS_ATTR)
+        if binding.stats.calls == 0:
+            detach(mod)
         return
     st.skipped.pop(name, None)
     st.module_names.extend(route.modules)
@@ -542,7 +517,6 @@ def _route_layer(st: _ModelState, name: str, mod) -> None:
     st.wrappers[name] = wrapper
     st.tracker.add(route)
     _install_wrapper(mod, wrapper)
-    setattr(mod, BINDING_ATTR, binding)  # found by sage_patch.calibrate (bindings_of)
 
 
 def enable(model, policy=None, *, tracker: StepTracker | None = None) -> dict:
@@ -584,9 +558,7 @@ def disable(model) -> None:
         _unhook_set_processor(mod)
         if name in st.wrappers or name in st.skipped:
             _remove_wrapper(mod)
-            for attr in (STATS_ATTR, BINDING_ATTR):
-                if hasattr(mod, attr):
-                    delattr(mod, attr)
+            detach(mod)
     _drop_modules(st.module_names)
     object.__delattr__(model, _STATE_ATTR)
 
@@ -774,7 +746,7 @@ def _wrap_pipeline_call(cls) -> None:
                 ps.tracker.set(None, None)
 
     setattr(cls, "__call__", __call__)
-    setattr(cls, _CALL_WRAPPED, True)
+    setattr(cls, _CALL_WRAPPED, orig)
 
 
 # ---- install -------------------------------------------------------------------------------------------------
@@ -803,10 +775,53 @@ def _pipe_disable(self):
     return self
 
 
+_METHODS = {"enable_sage_attention": (_model_enable, _pipe_enable),
+            "disable_sage_attention": (_model_disable, _pipe_disable)}
+
+
 def install() -> None:
+    """Add enable_sage_attention()/disable_sage_attention() to ModelMixin and DiffusionPipeline (new names only)."""
     from diffusers import DiffusionPipeline, ModelMixin
 
-    ModelMixin.enable_sage_attention = _model_enable
-    ModelMixin.disable_sage_attention = _model_disable
-    DiffusionPipeline.enable_sage_attention = _pipe_enable
-    DiffusionPipeline.disable_sage_attention = _pipe_disable
+    for name, (model_fn, pipe_fn) in _METHODS.items():
+        setattr(ModelMixin, name, model_fn)
+        setattr(DiffusionPipeline, name, pipe_fn)
+
+
+def uninstall() -> None:
+    """Undo `install()` and restore the `__call__` of every pipeline class that enabling wrapped."""
+    from diffusers import DiffusionPipeline, ModelMixin
+
+    for name in _METHODS:
+        for cls in (ModelMixin, DiffusionPipeline):
+            if name in cls.__dict__:
+                delattr(cls, name)
+    stack = [DiffusionPipeline]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        orig = cls.__dict__.get(_CALL_WRAPPED)
+        if orig is not None:
+            setattr(cls, "__call__", orig)
+            delattr(cls, _CALL_WRAPPED)
+
+
+# ---- the lifecycle sage_patch.inject/unload use --------------------------------------------------------------
+
+def handles(obj) -> bool:
+    return is_enabled(obj) or hasattr(obj, "attn_processors") or (
+        not isinstance(obj, torch.nn.Module) and isinstance(getattr(obj, "components", None), dict))
+
+
+def inject(obj, policy=None) -> None:
+    if isinstance(obj, torch.nn.Module):
+        enable(obj, policy)
+    else:
+        enable_pipeline(obj, policy)
+
+
+def unload(obj) -> None:
+    if isinstance(obj, torch.nn.Module):
+        disable(obj)
+    else:
+        disable_pipeline(obj)

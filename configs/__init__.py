@@ -1,1 +1,0 @@
-"""Shipped policies, one per model family (installed as sage_patch.configs)."""

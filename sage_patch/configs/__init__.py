@@ -1,0 +1,1 @@
+"""Shipped policies, one per model family."""

@@ -1,0 +1,123 @@
+"""One lifecycle for every mechanism, the PEFT way: `inject(model, policy)` routes a model's attention layers
+through sage_patch, `unload(model)` restores exactly what was there.
+
+The adapter is chosen by what the object is, one per mechanism:
+- diffusers models and pipelines: `integrations.diffusers` (each layer's processor is wrapped; see there why);
+- transformers models: `integrations.transformers` (the "sage" AttentionInterface; unload switches back to the
+  implementation the model had, "sdpa" for one built with "sage");
+- anything else: the generic SDPA adapter (`routing.route_sdpa`, kept open until unload; unload models in reverse
+  order of injection, as nested `with` blocks would).
+Every adapter selects modules with `routing.select_modules`, binds them with `routing.attach` (the policy is the
+given one, or the family default from sage_patch/configs/families.yaml) and records its own fallbacks with
+`LayerBinding.record_fallback`. `report`, `bindings_of` and `set_policy` go through the same adapters.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .report import Report, _modules_of
+from .report import report as _collect
+from .routing import BINDING_ATTR, LayerBinding, detach, route_sdpa
+
+_ROUTE_ATTR = "_sage_patch_route"  # the open route_sdpa context of a model injected with the generic adapter
+
+
+class _GenericSdpa:
+    """The generic adapter: route_sdpa, held open between inject and unload."""
+
+    @staticmethod
+    def inject(model, policy=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"sage_patch.inject takes an nn.Module or a diffusers pipeline; got {type(model).__name__}")
+        _GenericSdpa.unload(model)
+        ctx = route_sdpa(model, policy if policy is not None else "8b")
+        model.__dict__[_ROUTE_ATTR] = (ctx, list(ctx.__enter__()))
+
+    @staticmethod
+    def unload(model):
+        held = model.__dict__.pop(_ROUTE_ATTR, None) if isinstance(model, torch.nn.Module) else None
+        if held is not None:
+            held[0].__exit__(None, None, None)
+            for name in held[1]:
+                detach(model.get_submodule(name))
+
+    @staticmethod
+    def sync(model):
+        pass
+
+
+def _library_adapter(obj):
+    """The transformers or diffusers adapter for `obj`, or None. Only a library already imported is asked."""
+    for lib in ("diffusers", "transformers"):
+        if lib in sys.modules:
+            from importlib import import_module
+
+            adapter = import_module(f"sage_patch.integrations.{lib}")
+            if adapter.handles(obj):
+                return adapter
+    return None
+
+
+def adapter_for(obj):
+    return _library_adapter(obj) or _GenericSdpa
+
+
+def inject(model, policy=None):
+    """Route `model`'s attention (an nn.Module or a diffusers pipeline) through sage_patch under `policy` (a path,
+    dict, YAML string, Policy or precision name; None: the family default). Injecting again changes the policy.
+    Returns `model`."""
+    adapter_for(model).inject(model, policy)
+    return model
+
+
+def unload(model):
+    """Undo `inject` (or `attn_implementation="sage"`, or `enable_sage_attention()`): the model's attention runs
+    exactly as it would without sage_patch. Returns `model`."""
+    if isinstance(model, torch.nn.Module) and _ROUTE_ATTR in model.__dict__:
+        _GenericSdpa.unload(model)
+    else:
+        adapter_for(model).unload(model)
+    return model
+
+
+def set_policy(obj, policy) -> None:
+    """Set the attention policy of a transformers model, or of a diffusers model or pipeline."""
+    if hasattr(obj, "enable_sage_attention"):
+        obj.enable_sage_attention(policy=policy)
+        return
+    from .integrations import transformers as hf
+
+    hf.set_policy(obj, policy)
+
+
+def _sync(obj) -> None:
+    """Let each adapter bind what it binds lazily (transformers models built with attn_implementation="sage")."""
+    if "transformers" not in sys.modules:
+        return
+    from .integrations import transformers as hf
+
+    for _prefix, module in _modules_of(obj):
+        if hf.handles(module):
+            hf.sync(module)
+
+
+def report(obj=None) -> Report:
+    """Report of a model (nn.Module), a diffusers pipeline (its module components), or, with no argument,
+    of direct calls made outside any routed layer."""
+    if obj is not None:
+        _sync(obj)
+    return _collect(obj)
+
+
+def bindings_of(obj) -> dict[str, LayerBinding]:
+    """Every LayerBinding of a model or pipeline, by full module name."""
+    _sync(obj)
+    out = {}
+    for prefix, module in _modules_of(obj):
+        for name, sub in module.named_modules():
+            b = getattr(sub, BINDING_ATTR, None)
+            if isinstance(b, LayerBinding):
+                out[f"{prefix}.{name}" if prefix and name else (prefix or name)] = b
+    return out
