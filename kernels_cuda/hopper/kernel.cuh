@@ -1,7 +1,8 @@
-// Hopper path: the warp-specialized attention kernel (producer warpgroup + NWG consumer warpgroups, persistent).
+// Hopper path: the warp-specialized persistent attention kernel: warpgroup 0 the producer (mainloop.cuh), warpgroups
+// 1..NWG the consumers, 64 rows of the CTA tile each: per work item the Q prologue, the serial block loop (S = Q K^T,
+// online softmax, P~V, two-level accumulation), the split-tail combine and the epilogue.
 #pragma once
-#include "pipeline.cuh"
-#include "tile_scheduler.cuh"
+#include "mainloop.cuh"
 #include "../common/quant.cuh"
 #include "../common/ptx.cuh"
 
@@ -14,71 +15,19 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     using S = HopSmem<D, NWG>;
     constexpr int BM = hop_bm(NWG);
     extern __shared__ __align__(1024) uint8_t hsmem_raw[];
-    // swizzled operand images need 1024-byte aligned atoms: align the base ourselves
-    const uint32_t spad = (1024u - (smem_u32(hsmem_raw) & 1023u)) & 1023u;
-    uint8_t* hsmem = hsmem_raw + spad;
-    const uint32_t sbase = smem_u32(hsmem);
-    const uint32_t bar_full = sbase + S::BAR_OFF, bar_empty = bar_full + 8 * kHopStages;
-    const uint32_t tbar_full = sbase + S::TBAR_OFF, tbar_empty = tbar_full + 8 * kHopTileRing;
-    volatile int* tring = reinterpret_cast<volatile int*>(hsmem + S::TILE_OFF);
     const int wg = threadIdx.x >> 7;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < kHopStages; ++s) {
-            mbar_init(bar_full + 8 * s, 1);
-            mbar_init(bar_empty + 8 * s, 4 * NWG);  // one arrival per consumer warp
-        }
-        for (int r = 0; r < kHopTileRing; ++r) {
-            mbar_init(tbar_full + 8 * r, 1);
-            mbar_init(tbar_empty + 8 * r, 4 * NWG);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    {  // e4m3 1.0 = 0x38 in the rows below every V^T stage (the bulk copies never touch them)
-        for (int i = threadIdx.x; i < kHopStages * S::ONES / 4; i += hop_threads(NWG)) {
-            const int st = i / (S::ONES / 4), wd = i % (S::ONES / 4);
-            *reinterpret_cast<uint32_t*>(hsmem + S::V_OFF + st * S::VSTRIDE + S::VBYTES + 4 * wd) = 0x38383838u;
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma (async proxy)
-    }
-    __syncthreads();
+    const HopCta<D, NWG> c = hop_cta_init<D, NWG>(hsmem_raw);
+    uint8_t* hsmem = c.smem;
+    const uint32_t sbase = c.sbase;
+    const uint32_t bar_full = c.bar_full, bar_empty = c.bar_empty;
+    const uint32_t tbar_full = c.tbar_full, tbar_empty = c.tbar_empty;
+    volatile int* tring = c.tring;
     pdl_wait();  // launched early (PDL): the pre-passes' outputs are complete and visible from here on
     const int group = p.Hq / p.Hkv;
-
     if (wg == 0) {  // ---------------- producer
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-        if (threadIdx.x != 0) return;
-        int it = 0, ti = 0;
-        auto publish = [&](int t) {  // hand work item t (>= nitems: no more) to the consumers
-            const int r = ti % kHopTileRing;
-            mbar_wait(tbar_empty + 8 * r, ((uint32_t)(ti / kHopTileRing) & 1u) ^ 1u);
-            tring[r] = t;
-            mbar_arrive(tbar_full + 8 * r);
-            ++ti;
-        };
-        for (int t = blockIdx.x; t < w.nitems;) {
-            const int tn = (int)gridDim.x + atomicAdd(w.tilectr, 1);  // in flight while this tile's loads issue
-            const HopItem itm = hop_item(t, w);
-            const HopTile tl = hop_tile(itm.tile, p.B, p.Hq, w.nqb);
-            const int sq = len_q(p, tl.b), skv = len_k(p, tl.b), q0 = tl.qb * BM;
-            if (q0 >= sq) { t = tn; continue; }  // varlen: past this sequence's end
-            publish(t);
-            const int nkb = hop_num_kv_blocks(p, q0, BM, sq, skv);
-            const int64_t blk0 = ((int64_t)tl.b * p.Hkv + tl.h / group) * w.nkb;
-            const int kb1 = hop_part_kb1(itm, nkb, w);
-            for (int kb = hop_part_kb0(itm, w); kb < kb1; ++kb, ++it) {
-                const int s = it % kHopStages;
-                const uint32_t ph = (uint32_t)(it / kHopStages) & 1u;
-                mbar_wait(bar_empty + 8 * s, ph ^ 1u);
-                mbar_expect_tx(bar_full + 8 * s, S::KBYTES + S::VBYTES);
-                bulk_g2s(sbase + S::K_OFF + s * S::KBYTES, w.kimg + (blk0 + kb) * S::KBYTES, S::KBYTES, bar_full + 8 * s);
-                bulk_g2s(sbase + S::V_OFF + s * S::VSTRIDE, w.vimg + (blk0 + kb) * S::VBYTES, S::VBYTES, bar_full + 8 * s);
-            }
-            t = tn;
-        }
-        publish(w.nitems);
+        hop_producer<D, NWG>(p, w, c, group);
         return;
     }
-
     // ---------------- consumers
     // setmaxnreg.inc takes only what the producer's .dec released from the CTA's launch allocation (the launch
     // bound's 65536 / threads, a multiple of 8; asking for more hangs): 240 for 2 consumers (capped), 160 for 3, 112 for 4
