@@ -1,6 +1,6 @@
-// Hopper path: the warp-specialized persistent attention kernel: warpgroup 0 the producer (mainloop.cuh), warpgroups
-// 1..NWG the consumers, 64 rows of the CTA tile each: per work item the Q prologue, the serial block loop (S = Q K^T,
-// online softmax, P~V, two-level accumulation), the split-tail combine and the epilogue.
+// Hopper path: the warp-specialized persistent attention kernel. Warpgroup 0 is the producer (mainloop.cuh); each of
+// the NWG consumer warpgroups owns 64 rows of the CTA tile and, per work item: Q prologue, the serial block loop
+// (S = Q K^T, online softmax (softmax.cuh), P~V, two-level accumulation (mainloop.cuh)), split-tail combine, epilogue.
 #pragma once
 #include "mainloop.cuh"
 #include "../common/quant.cuh"
@@ -22,9 +22,9 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     const uint32_t bar_full = c.bar_full, bar_empty = c.bar_empty;
     const uint32_t tbar_full = c.tbar_full, tbar_empty = c.tbar_empty;
     volatile int* tring = c.tring;
-    pdl_wait();  // launched early (PDL): the pre-passes' outputs are complete and visible from here on
+    pdl_wait();
     const int group = p.Hq / p.Hkv;
-    if (wg == 0) {  // ---------------- producer
+    if (wg == 0) {
         hop_producer<D, NWG>(p, w, c, group);
         return;
     }
@@ -52,32 +52,10 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     // q . mean(K) per row (K's smoothing shift) only enters the LSE: without one the prologue skips it
     constexpr bool kQShift = LSE;
     constexpr int QC = D / 4;  // Q channels per lane: the 8-channel chunks 4c + t4 (a quad reads 64 contiguous bytes)
-    struct Pre { uint4 q0[QC / 8], q1[QC / 8]; float vsc, vmn, km; };  // km, vsc, vmn: channel ltid
+    using Pre = HopQPre<D>;
     int ci = 0;
-    auto take_tile = [&]() {  // the next work item from the producer (>= nitems: no more)
-        const int r = ci % kHopTileRing;
-        mbar_wait(tbar_full + 8 * r, (uint32_t)(ci / kHopTileRing) & 1u);
-        const int t = tring[r];
-        __syncwarp();
-        if (lane == 0) mbar_arrive(tbar_empty + 8 * r);
-        ++ci;
-        return t;
-    };
-    auto prefetch = [&](int t, Pre& pf) {
-        const HopTile x = hop_tile(hop_item(t, w).tile, p.B, p.Hq, w.nqb);
-        const int sqx = len_q(p, x.b), r0 = x.qb * BM + cw * 64 + lrow0;
-        const int64_t hk = (int64_t)x.b * p.Hkv + x.h / group;
-        const T* qb = static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + tok0_q(p, x.b) * p.q_ss + 8 * t4;
-#pragma unroll
-        for (int j = 0; j < QC / 8; ++j) {
-            pf.q0[j] = r0 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)r0 * p.q_ss + 32 * j) : make_uint4(0, 0, 0, 0);
-            pf.q1[j] = r0 + 8 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)(r0 + 8) * p.q_ss + 32 * j)
-                                    : make_uint4(0, 0, 0, 0);
-        }
-        pf.km = ltid < D && kQShift ? w.kmean[hk * D + ltid] : 0.f;
-        pf.vsc = ltid < D ? w.vscale[hk * D + ltid] : 0.f;
-        pf.vmn = ltid < D && p.smooth_v ? w.vmean[hk * D + ltid] : 0.f;
-    };
+    HopTakeTile take_tile{ci, tbar_full, tring, lane, tbar_empty};
+    HopPrefetch<D, T, LSE, NWG> prefetch{w, p, cw, lrow0, group, t4, ltid};
     Pre pf;
     int tt = take_tile();
     if (tt < w.nitems) prefetch(tt, pf);
@@ -167,155 +145,22 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         const int wrow_min = q0 + cw * 64;  // first row of this warpgroup
 
         // masked blocks: key attended by the row (inside the sequence, not padded, not past the causal diagonal)
-        auto key_ok = [&](int key, int row) {
-            return key < skv && (!mrow || mrow[key] != 0) && !(p.causal && key > row + diag);
-        };
-        // S of block kb (int32 wgmma accumulator) -> 448 p per score (fp32, before the e4m3 conversion of pack_p)
-        // and the rescale factors alpha. kscale: this thread's K scale of block kb (prefetched one block ahead)
-        auto softmax_block = [&](const int (&acc)[64], int kb, float kscale, int kmasked, float (&sf)[64],
-                                 float& al0, float& al1) {
-            const int kbase = kb * kHopBN;
-            const bool need_mask = (kbase + kHopBN > skv) || kmasked ||
-                                   (p.causal && kbase + kHopBN - 1 > wrow_min + diag);
-            const float sc = qs * kscale;  // one Q and one K scale per thread (>= 0); log2 domain
-            // blocks without padded keys: row r attends to keys kbase + k for k < lim (sequence end, causal
-            // diagonal), one compare and select per score instead of the general test with its branches
-            // (computed where used: kept live across the exponentials they cost registers in the unmasked path)
-            auto lim = [&](int row) { return min(skv, p.causal ? row + diag + 1 : skv) - kbase; };
-            // Row max on the int32 scores (a lane's scale is >= 0, so the order is the same), then per score one IADD
-            // (int -> float bits: 1.5 * 2^23 + x, exact for |x| < 2^22), one FFMA (scale, subtract the max and the
-            // 1.5 * 2^23 offset, add log2 448) and EX2. The offset folded into c costs one rounding of c, the same for
-            // every score of the row in this block: a uniform factor of at most 1 + 2^-20 relative.
-            constexpr int kMagic = 0x4B400000;
-            constexpr float kMagicF = 12582912.f;
-            int im0 = INT_MIN, im1 = INT_MIN;
-            // masked blocks, for a per-row visibility test of the key 2 t4 + c within the block (prefix or general),
-            // c = 8 j + e a compile-time constant (the lane's offset 2 t4 is folded into the prefix limits, so the
-            // test is one compare with an immediate): the row max over visible scores (hidden ones as INT_MIN, the
-            // chain runs through the max only), and zeros for the hidden ones after the exponentials
-            auto masked_max = [&](auto vis0, auto vis1) {
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int c = 8 * j + e;
-                        im0 = max(im0, vis0(c) ? acc[4 * j + e] : INT_MIN);
-                        im1 = max(im1, vis1(c) ? acc[4 * j + 2 + e] : INT_MIN);
-                    }
-            };
-            auto zero_hidden = [&](auto vis0, auto vis1) {
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int c = 8 * j + e;
-                        if (!vis0(c)) sf[4 * j + e] = 0.f;
-                        if (!vis1(c)) sf[4 * j + 2 + e] = 0.f;
-                    }
-            };
-            auto general0 = [&](int c) { return key_ok(kbase + 2 * t4 + c, row0); };
-            auto general1 = [&](int c) { return key_ok(kbase + 2 * t4 + c, row1); };
-            if (!need_mask) {
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    im0 = max(im0, max(acc[4 * j], acc[4 * j + 1]));
-                    im1 = max(im1, max(acc[4 * j + 2], acc[4 * j + 3]));
-                }
-            } else if (!kmasked) {  // sequence end / causal diagonal: a row's keys are a prefix of the block
-                const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
-                masked_max([&](int c) { return c < l0; }, [&](int c) { return c < l1; });
-            } else {
-                masked_max(general0, general1);
-            }
-            // the 4 lanes of a row hold different K scale groups: compare them as scaled floats
-            float mx0 = im0 == INT_MIN ? -INFINITY : (float)im0 * sc;
-            float mx1 = im1 == INT_MIN ? -INFINITY : (float)im1 * sc;
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(m0, fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2)));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(m1, fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2)));
-            const float mu0 = mx0 == -INFINITY ? 0.f : mx0;
-            const float mu1 = mx1 == -INFINITY ? 0.f : mx1;
-            al0 = fast_exp2(m0 - mu0);
-            al1 = fast_exp2(m1 - mu1);
-            m0 = mx0; m1 = mx1;
-            const float c0 = fmaf(kMagicF, sc, mu0 - kLog2Fp8Max), c1 = fmaf(kMagicF, sc, mu1 - kLog2Fp8Max);
-            auto arg = [&](int i, float c) { return fmaf(__int_as_float(acc[i] + kMagic), sc, -c); };
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                sf[4 * j] = fast_exp2(arg(4 * j, c0));
-                sf[4 * j + 1] = fast_exp2(arg(4 * j + 1, c0));
-                sf[4 * j + 2] = fast_exp2(arg(4 * j + 2, c1));
-                sf[4 * j + 3] = fast_exp2(arg(4 * j + 3, c1));
-            }
-            if (need_mask && !kmasked) {
-                const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
-                zero_hidden([&](int c) { return c < l0; }, [&](int c) { return c < l1; });
-            } else if (need_mask) {
-                zero_hidden(general0, general1);
-            }
-            // the output is normalised by the tensor cores' row sums (merge); the LSE keeps fp32 sums of p (the FP8
-            // accumulator keeps ~13 bits: its sums run up to ~1% low, which cancels in the output, not in the LSE)
-            if constexpr (!LSE) return;
-            float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                rs0 += sf[4 * j] + sf[4 * j + 1];
-                rs1 += sf[4 * j + 2] + sf[4 * j + 3];
-            }
-            ls0 = ls0 * al0 + rs0;
-            ls1 = ls1 * al1 + rs1;
-        };
-        auto pack_p = [&](const float (&sf)[64], uint32_t (&pa)[4][4]) {
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {  // slots follow V^T's permuted key order
-                const float* q = sf + 16 * kk;
-                pa[kk][0] = cvt_e4m3x2(q[0], q[1]) | (cvt_e4m3x2(q[4], q[5]) << 16);
-                pa[kk][1] = cvt_e4m3x2(q[2], q[3]) | (cvt_e4m3x2(q[6], q[7]) << 16);
-                pa[kk][2] = cvt_e4m3x2(q[8], q[9]) | (cvt_e4m3x2(q[12], q[13]) << 16);
-                pa[kk][3] = cvt_e4m3x2(q[10], q[11]) | (cvt_e4m3x2(q[14], q[15]) << 16);
-            }
-        };
-        auto issue_qk = [&](int (&acc)[64], int s) {
-            const uint32_t dk = dk0 + (uint32_t)s * (S::KBYTES >> 4);
-            wgmma_s8_n128<false>(acc, hop_desc_make(dq, hop_desc_hi(D)), hop_desc_make(dk, hop_desc_hi(D)));
-#pragma unroll
-            for (int k = 1; k < D / 32; ++k)
-                wgmma_s8_n128<true>(acc, hop_desc_make(dq + hop_desc_step(32 * k), hop_desc_hi(D)),
-                                    hop_desc_make(dk + hop_desc_step(32 * k), hop_desc_hi(D)));
-            wg_commit();
-        };
+        HopKeyOk key_ok{skv, mrow, p, diag};
+        HopSoftmax<LSE> softmax_block{skv, p, wrow_min, diag, qs, key_ok, t4, row0, row1, m0, m1, ls0, ls1};
+        HopPackP pack_p{};
+        HopIssueQK<D, NWG> issue_qk{dk0, dq};
         // two-level accumulation: each block's P~V lands in its own accumulator (blk), then O = O * alpha + blk.
         // V~ of block kb is V / (base vfac_kb): O and l are kept divided by the current block's vfac (the softmax's
         // alpha times vfac_prev / vfac_kb, exact powers of two, and the block's row sums times 1 / vfac_kb), so O / l
         // needs no factor at the end.
-        auto issue_pv = [&](float (&blk)[kBlk], uint32_t (&pa)[4][4], int s) {
-            const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
-            wgmma_pv<D, false>(blk, pa[0], hop_desc_make(dv, hop_desc_hi(kHopBN)));
-#pragma unroll
-            for (int kk = 1; kk < 4; ++kk)
-                wgmma_pv<D, true>(blk, pa[kk], hop_desc_make(dv + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
-            wg_commit();
-        };
+        HopIssuePV<D, NWG> issue_pv{dv0};
         // o's n8 column chunks off.. off + nch - 1 = o * alpha + the block accumulator's chunks 0.. (rows row0 / row1)
-        auto fold = [&](const float* b, int off, int nch, float al0, float al1) {
-#pragma unroll
-            for (int i = 0; i < nch; ++i) {
-                o[4 * (off + i)] = o[4 * (off + i)] * al0 + b[4 * i];
-                o[4 * (off + i) + 1] = o[4 * (off + i) + 1] * al0 + b[4 * i + 1];
-                o[4 * (off + i) + 2] = o[4 * (off + i) + 2] * al1 + b[4 * i + 2];
-                o[4 * (off + i) + 3] = o[4 * (off + i) + 3] * al1 + b[4 * i + 3];
-            }
-        };
-        auto merge = [&](const float (&blk)[kBlk], float al0, float al1, float vinv) {
-            l0 = l0 * al0 + blk[D / 2] * vinv;  // the block's row sums: columns D.. (row0: blk[D/2], row1: blk[D/2 + 2])
-            l1 = l1 * al1 + blk[D / 2 + 2] * vinv;
-            fold(blk, 0, D / 8, al0, al1);
-        };
-        auto stage_of = [&](int i, uint32_t& ph) { ph = (uint32_t)(i / kHopStages) & 1u; return i % kHopStages; };
+        HopFold<D> fold{o};
+        HopMerge<D> merge{l0, l1, fold};
+        HopStageOf stage_of{};
         // powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
-        auto pow2_div = [](float a, float b) { return __int_as_float(__float_as_int(a) - __float_as_int(b) + 0x3f800000); };
-        auto pow2_inv = [](float b) { return __int_as_float(0x7f000000 - __float_as_int(b)); };
+        HopPow2Div pow2_div{};
+        HopPow2Inv pow2_inv{};
         float vfac_prev = 1.f;
 
         // Software pipeline inside the warpgroup: S(kb) = Q K(kb)^T is issued together with P~(kb-1) V(kb-1), and the
@@ -368,28 +213,11 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                     float ba[32], bb[36];
                     const uint32_t dvb = dv + ((64 * kHopBN) >> 4);  // V^T rows 64.. (rows of kHopBN bytes)
                     // one half: m64n64 into ba (V^T rows from dv) or m64n72 into bb (rows from dvb)
-                    auto issue_half = [&](auto& acc, uint32_t dvh) {
-                        constexpr bool kA = sizeof(acc) == sizeof(ba);
-                        auto mma = [&](auto first, int kk) {
-                            const uint64_t db = hop_desc_make(dvh + hop_desc_step(32 * kk), hop_desc_hi(kHopBN));
-                            if constexpr (kA) wgmma_pv64<!decltype(first)::value>(acc, pa[kk], db);
-                            else wgmma_pv72<!decltype(first)::value>(acc, pa[kk], db);
-                        };
-                        wg_fence();
-                        mma(std::true_type{}, 0);
-#pragma unroll
-                        for (int kk = 1; kk < 4; ++kk) mma(std::false_type{}, kk);
-                        wg_commit();
-                    };
-                    auto issue_a = [&]() { issue_half(ba, dv); };
-                    auto issue_b = [&]() { issue_half(bb, dvb); };
-                    auto merge_a = [&]() { fold(ba, 0, 8, al0, al1); };
-                    auto merge_b = [&]() {
-                        const float vinv = pow2_inv(vfac_prev);
-                        l0 = l0 * al0 + bb[32] * vinv;
-                        l1 = l1 * al1 + bb[34] * vinv;
-                        fold(bb, 8, 8, al0, al1);
-                    };
+                    HopPVHalf issue_half{pa};
+                    HopPVHalfIssue<32> issue_a{issue_half, ba, dv};
+                    HopPVHalfIssue<36> issue_b{issue_half, bb, dvb};
+                    HopMergeA<D> merge_a{fold, ba, al0, al1};
+                    HopMergeB<D> merge_b{pow2_inv, vfac_prev, l0, al0, bb, l1, al1, fold};
                     // one half after the other (both in flight, or the second issued before the first merge:
                     // 1-2% slower, they spill)
                     issue_a();
