@@ -138,74 +138,47 @@ __global__ void __launch_bounds__(kHopStatThreads) hopper_sample_stats_kernel(Sa
     vscale[(int64_t)bh * D + d] = base;
 }
 
-template <int D, typename T>
-__global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quant_kv_kernel(SageAttnParams p,
-        const float* kmean, const float* vscale, const float* vmean, int8_t* kimg, float* kscale, uint8_t* vimg,
-        float* vfac, int* kmflag, int nkb) {
-    constexpr int NT = hop_kv_threads(D), LPK = D / 8;  // threads, lanes per key row
-    static_assert(kHopBN == 128 && NT / LPK == 32, "32 owners of 4 keys");
-    // per-channel K mean, 1 / V scale and V's shift (-mean / scale, or the mean) as float4 [quantity][half][lane
-    // chunk]: a lane's 8 channels are two LDS.128 without bank conflicts
-    __shared__ float4 skc[3][2][LPK];
-    __shared__ float omax[32], gscale[9];
-    __shared__ __align__(16) uint8_t vt[D * kHopBN];  // the V^T block image, copied out linearly at the end
-    pdl_wait();
-    pdl_launch_dependents();
-    // grid (block, kv-head, batch): no division for the head index
-    const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z, bh = b * p.Hkv + h;
-    const int skv = len_k(p, b);
-    if (kb > 0 && kb * kHopBN >= skv) return;  // varlen: past this sequence's end (never read)
-    const int o = threadIdx.x / LPK, cc = threadIdx.x % LPK, d0 = 8 * cc;  // owner, its lane's 8 channels
-    const int kbase = kb * kHopBN;
-    const bool full = kbase + kHopBN <= skv;  // CTA-uniform: no per-value validity selects
-    // the owner's keys c0 + {0, 1, 8, 9}: one 64-bit address product, the others by adds
-    const int c0 = hop_kv_key(o, 0);
-    const int64_t tok = tok0_k(p, b) + kbase + c0;
-    const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + d0;
-    const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + d0;
-    auto key_off = [](int i, int64_t ss) { return (i & 1 ? ss : 0) + (i >> 1 ? 8 * ss : 0); };
-    uint4 kraw[4], vraw[4];  // all loads in flight before any use (raw: half the registers of floats)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        if (kbase + hop_kv_key(o, i) < skv) {
-            kraw[i] = *reinterpret_cast<const uint4*>(ksrc + key_off(i, p.k_ss));
-            vraw[i] = *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss));
-        } else {
-            kraw[i] = make_uint4(0u, 0u, 0u, 0u);
-            vraw[i] = make_uint4(0u, 0u, 0u, 0u);
-        }
-    }
-    if (threadIdx.x < D) {  // (after the loads are issued: these are small L2 reads)
-        const int d = threadIdx.x;
-        float* kc = reinterpret_cast<float*>(skc) + ((d >> 2) & 1) * LPK * 4 + (d >> 3) * 4 + (d & 3);
-        const float vi = 1.f / vscale[(int64_t)bh * D + d];  // the sampled base scale (> 0: floored)
-        const float vm = vmean[(int64_t)bh * D + d];         // 0 without smooth V
-        kc[0] = kmean[(int64_t)bh * D + d];
-        kc[2 * LPK * 4] = vi;
-        kc[4 * LPK * 4] = -vm * vi;
-    }
-    __syncthreads();
-    auto chan = [&](int q, float (&x)[8]) {  // quantity q (0 K mean, 1 1 / V scale, 2 V shift) of the lane's channels
+// ---- the K/V pass's pieces (small functor structs bound to the kernel's registers and shared memory)
+
+// offset of the owner's key i (keys c0 + {0, 1, 8, 9}) in elements, from the token stride
+struct HopKvKeyOff {
+    __device__ __forceinline__ int64_t operator()(int i, int64_t ss) const { return (i & 1 ? ss : 0) + (i >> 1 ? 8 * ss : 0); }
+};
+// quantity q (0 K mean, 1 1 / V scale, 2 V shift) of the lane's 8 channels, from the staged float4 table
+template <int LPK>
+struct HopKvChan {
+    const float4 (&skc)[3][2][LPK];
+    const int& cc;
+    __device__ __forceinline__ void operator()(int q, float (&x)[8]) const {
         const float4 a = skc[q][0][cc], bq = skc[q][1][cc];
         x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = bq.x; x[5] = bq.y; x[6] = bq.z; x[7] = bq.w;
-    };
-    auto valid = [&](int i) { return kbase + hop_kv_key(o, i) < skv; };
-    auto always = [](int) { return true; };
-    // V: e4m3 bytes of (V - mean) / (base vfac) into the V^T image, first with vfac = 1 (returning nonzero if a byte
-    // is +-448 or NaN: possibly saturated), again with the block's vfac if one is. Channel d's word (the owner's 4
-    // keys) goes to row hop_vcol(d), bytes 4o..4o+3. Rows hop_vcol(8 cc + e) of a store fall on 4 of the 8 16-byte
-    // bank groups; lanes with (cc / 4) odd store the odd channel of each pair first, which spreads them over 8.
-    const int rot = (cc >> 2) & 1;
-    // hop_img_off(row, 4o, 128) = (row * 128 | (row % 8) * 16) ^ 4o; row = hop_vcol(d0 + c) for c = 2 pp + s is
-    // (s ^ rot) | ((cc % 4) << 1) | (pp << 3) | ((cc / 4) << 5): pp only adds pp * 1024
-    int vaddr[2];
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-        const int row = hop_vcol(d0 + (s ^ rot));
-        vaddr[s] = (row * kHopBN | ((row & 7) << 4)) ^ (4 * o);
     }
-    auto vaddr_of = [&](int e) { return vaddr[e & 1] + (e >> 1) * 8 * kHopBN; };
-    auto quant_v = [&](auto raw, float vmul, auto ok) {  // raw(i): the owner's 16 bytes of key i
+};
+// whether the owner's key i is inside the sequence (partial blocks), or always (full blocks)
+struct HopKvValid {
+    const int& kbase;
+    const int& o;
+    const int& skv;
+    __device__ __forceinline__ bool operator()(int i) const { return kbase + hop_kv_key(o, i) < skv; }
+};
+struct HopKvAlways {
+    __device__ __forceinline__ bool operator()(int) const { return true; }
+};
+// byte offset of the owner's word of channel d0 + e in the V^T image
+struct HopKvVaddr {
+    const int (&vaddr)[2];
+    __device__ __forceinline__ int operator()(int e) const { return vaddr[e & 1] + (e >> 1) * 8 * kHopBN; }
+};
+// V: e4m3 bytes of (V - mean) / (base vmul^-1) of the owner's 4 keys into the V^T image (raw(i): the owner's 16 bytes
+// of key i; ok(i): key i inside the sequence); returns nonzero if a byte is +-448 or NaN (possibly saturated)
+template <int D, typename T>
+struct HopKvQuantV {
+    const HopKvChan<D / 8>& chan;
+    uint8_t (&vt)[D * kHopBN];
+    const HopKvVaddr& vaddr_of;
+    const int& rot;
+    template <typename Raw, typename Ok>
+    __device__ __forceinline__ uint32_t operator()(Raw raw, float vmul, Ok ok) const {
         uint32_t sat = 0u;
         float vi[8], vs[8];
         chan(1, vi);
@@ -238,13 +211,33 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
             *reinterpret_cast<uint32_t*>(vt + vaddr_of(2 * pp + 1)) = rot ? wd[0] : wd[1];
         }
         return sat;
-    };
-    auto first = [&](int i) { return vraw[i]; };
-    const uint32_t sat = full ? quant_v(first, 1.f, always) : quant_v(first, 1.f, valid);
-    // K - mean kept in registers for the quantization after the group maxima
-    float kd[4][8];
-    float am = 0.f;
-    auto kdiff = [&](auto ok) {
+    }
+};
+// the owner's raw V of key i: from the first load's registers, or reloaded (from L2)
+struct HopKvFirst {
+    const uint4 (&vraw)[4];
+    __device__ __forceinline__ uint4 operator()(int i) const { return vraw[i]; }
+};
+template <typename T>
+struct HopKvReload {
+    const HopKvValid& valid;
+    const T* const& vsrc;
+    const HopKvKeyOff& key_off;
+    const SageAttnParams& p;
+    __device__ __forceinline__ uint4 operator()(int i) const {
+        return valid(i) ? *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+};
+// K - mean of the owner's keys kept in registers (padded keys: 0, they load as 0 and |0 - mean| must not count) and
+// its running |max|
+template <int D, typename T>
+struct HopKvKdiff {
+    const HopKvChan<D / 8>& chan;
+    const uint4 (&kraw)[4];
+    float (&kd)[4][8];
+    float& am;
+    template <typename Ok>
+    __device__ __forceinline__ void operator()(Ok ok) const {
         float m[8];
         chan(0, m);
 #pragma unroll
@@ -253,11 +246,84 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
             raw8_to_float<T>(kraw[i], x);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                kd[i][e] = ok(i) ? x[e] - m[e] : 0.f;  // padded keys: 0 (they load as 0; |0 - mean| must not count)
+                kd[i][e] = ok(i) ? x[e] - m[e] : 0.f;
                 am = fmax_nan(am, fabsf(kd[i][e]));
             }
         }
-    };
+    }
+};
+
+template <int D, typename T>
+__global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quant_kv_kernel(SageAttnParams p,
+        const float* kmean, const float* vscale, const float* vmean, int8_t* kimg, float* kscale, uint8_t* vimg,
+        float* vfac, int* kmflag, int nkb) {
+    constexpr int NT = hop_kv_threads(D), LPK = D / 8;  // threads, lanes per key row
+    static_assert(kHopBN == 128 && NT / LPK == 32, "32 owners of 4 keys");
+    // per-channel K mean, 1 / V scale and V's shift (-mean / scale, or the mean) as float4 [quantity][half][lane
+    // chunk]: a lane's 8 channels are two LDS.128 without bank conflicts
+    __shared__ float4 skc[3][2][LPK];
+    __shared__ float omax[32], gscale[9];
+    __shared__ __align__(16) uint8_t vt[D * kHopBN];  // the V^T block image, copied out linearly at the end
+    pdl_wait();
+    pdl_launch_dependents();
+    // grid (block, kv-head, batch): no division for the head index
+    const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z, bh = b * p.Hkv + h;
+    const int skv = len_k(p, b);
+    if (kb > 0 && kb * kHopBN >= skv) return;  // varlen: past this sequence's end (never read)
+    const int o = threadIdx.x / LPK, cc = threadIdx.x % LPK, d0 = 8 * cc;  // owner, its lane's 8 channels
+    const int kbase = kb * kHopBN;
+    const bool full = kbase + kHopBN <= skv;  // CTA-uniform: no per-value validity selects
+    // the owner's keys c0 + {0, 1, 8, 9}: one 64-bit address product, the others by adds
+    const int c0 = hop_kv_key(o, 0);
+    const int64_t tok = tok0_k(p, b) + kbase + c0;
+    const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + d0;
+    const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + d0;
+    HopKvKeyOff key_off{};
+    uint4 kraw[4], vraw[4];  // all loads in flight before any use (raw: half the registers of floats)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (kbase + hop_kv_key(o, i) < skv) {
+            kraw[i] = *reinterpret_cast<const uint4*>(ksrc + key_off(i, p.k_ss));
+            vraw[i] = *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss));
+        } else {
+            kraw[i] = make_uint4(0u, 0u, 0u, 0u);
+            vraw[i] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    if (threadIdx.x < D) {  // (after the loads are issued: these are small L2 reads)
+        const int d = threadIdx.x;
+        float* kc = reinterpret_cast<float*>(skc) + ((d >> 2) & 1) * LPK * 4 + (d >> 3) * 4 + (d & 3);
+        const float vi = 1.f / vscale[(int64_t)bh * D + d];  // the sampled base scale (> 0: floored)
+        const float vm = vmean[(int64_t)bh * D + d];         // 0 without smooth V
+        kc[0] = kmean[(int64_t)bh * D + d];
+        kc[2 * LPK * 4] = vi;
+        kc[4 * LPK * 4] = -vm * vi;
+    }
+    __syncthreads();
+    HopKvChan<LPK> chan{skc, cc};  // quantity q (0 K mean, 1 1 / V scale, 2 V shift) of the lane's channels
+    HopKvValid valid{kbase, o, skv};
+    HopKvAlways always{};
+    // V: e4m3 bytes of (V - mean) / (base vfac) into the V^T image, first with vfac = 1 (returning nonzero if a byte
+    // is +-448 or NaN: possibly saturated), again with the block's vfac if one is. Channel d's word (the owner's 4
+    // keys) goes to row hop_vcol(d), bytes 4o..4o+3. Rows hop_vcol(8 cc + e) of a store fall on 4 of the 8 16-byte
+    // bank groups; lanes with (cc / 4) odd store the odd channel of each pair first, which spreads them over 8.
+    const int rot = (cc >> 2) & 1;
+    // hop_img_off(row, 4o, 128) = (row * 128 | (row % 8) * 16) ^ 4o; row = hop_vcol(d0 + c) for c = 2 pp + s is
+    // (s ^ rot) | ((cc % 4) << 1) | (pp << 3) | ((cc / 4) << 5): pp only adds pp * 1024
+    int vaddr[2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const int row = hop_vcol(d0 + (s ^ rot));
+        vaddr[s] = (row * kHopBN | ((row & 7) << 4)) ^ (4 * o);
+    }
+    HopKvVaddr vaddr_of{vaddr};
+    HopKvQuantV<D, T> quant_v{chan, vt, vaddr_of, rot};
+    HopKvFirst first{vraw};
+    const uint32_t sat = full ? quant_v(first, 1.f, always) : quant_v(first, 1.f, valid);
+    // K - mean kept in registers for the quantization after the group maxima
+    float kd[4][8];
+    float am = 0.f;
+    HopKvKdiff<D, T> kdiff{chan, kraw, kd, am};
     if (full) kdiff(always); else kdiff(valid);
 #pragma unroll
     for (int s = LPK / 2; s > 0; s >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, s));
@@ -307,9 +373,7 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
         // makes the maximum NaN: the block is requantized with a NaN factor, so its V^T image is NaN and so are
         // P~V and O of every row that runs the block (vfac itself stays a power of two: the attention kernel
         // divides by it with integer arithmetic on the exponent)
-        auto reload = [&](int i) {
-            return valid(i) ? *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss)) : make_uint4(0u, 0u, 0u, 0u);
-        };
+        HopKvReload<T> reload{valid, vsrc, key_off, p};
         float r = 0.f;
         {
             float vi[8], vs[8];
