@@ -31,6 +31,35 @@ struct AttnWs {  // the pre-passes' outputs the attention kernel reads
     int sq_pad, skv_pad;
 };
 
+// cp.async of KV block kb (K rows, V^T rows) into shared-memory buffer buf
+template <int D, int PV, int WQ, int DB>
+struct AttnLoadTile {
+    using S = AttnSmem<D, PV, WQ, DB>;
+    uint8_t* const& sK;
+    uint8_t* const& sV;
+    const int& tid;
+    const uint8_t* const& Kg;
+    const uint8_t* const& Vg;
+    const int& skv_pad;
+    __device__ __forceinline__ void operator()(int kb, int buf) const {
+        constexpr int VEL = PV != PV_FP8_MMA ? 2 : 1;
+        uint8_t* dK = sK + buf * S::KBYTES;
+        uint8_t* dV = sV + buf * S::VBYTES;
+#pragma unroll
+        for (int it = 0; it < kBK * DB / 16 / kThreads; ++it) {
+            const int i = tid + it * kThreads;
+            const int r = i / (DB / 16), c = i % (DB / 16);
+            cp_async16(dK + r * S::KSTR + c * 16, Kg + (int64_t)(kb * kBK + r) * DB + c * 16);
+        }
+#pragma unroll
+        for (int it = 0; it < D * S::VROWB / 16 / kThreads; ++it) {
+            const int i = tid + it * kThreads;
+            const int r = i / (S::VROWB / 16), c = i % (S::VROWB / 16);
+            cp_async16(dV + r * S::VSTR + c * 16, Vg + (int64_t)r * skv_pad * VEL + (int64_t)kb * S::VROWB + c * 16);
+        }
+    }
+};
+
 template <int D, int PV, typename T, int WQ, int QKM>
 __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs& w) {
     constexpr bool Q4 = QKM != QK_I8;              // "4b": + Delta S
@@ -94,22 +123,7 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs&
     const uint8_t* Vg = vt + bhk * D * (int64_t)skv_pad * VEL;
     const float* ksc = kscale + bhk * (skv_pad / kBK) * 4;
 
-    auto load_tile = [&](int kb, int buf) {
-        uint8_t* dK = sK + buf * S::KBYTES;
-        uint8_t* dV = sV + buf * S::VBYTES;
-#pragma unroll
-        for (int it = 0; it < kBK * DB / 16 / kThreads; ++it) {
-            const int i = tid + it * kThreads;
-            const int r = i / (DB / 16), c = i % (DB / 16);
-            cp_async16(dK + r * S::KSTR + c * 16, Kg + (int64_t)(kb * kBK + r) * DB + c * 16);
-        }
-#pragma unroll
-        for (int it = 0; it < D * S::VROWB / 16 / kThreads; ++it) {
-            const int i = tid + it * kThreads;
-            const int r = i / (S::VROWB / 16), c = i % (S::VROWB / 16);
-            cp_async16(dV + r * S::VSTR + c * 16, Vg + (int64_t)r * skv_pad * VEL + (int64_t)kb * S::VROWB + c * 16);
-        }
-    };
+    AttnLoadTile<D, PV, WQ, DB> load_tile{sK, sV, tid, Kg, Vg, skv_pad};
 
     if constexpr (S::QSMEM) {  // the CTA's Q tile joins the first cp.async group
         const uint8_t* Qg = reinterpret_cast<const uint8_t*>(qi8) + (bhq * sq_pad + q0) * DB;
