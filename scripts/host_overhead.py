@@ -21,15 +21,15 @@ from sage_patch.kernels import _ops  # noqa: E402
 B, H, N, D = (int(x) for x in (sys.argv[1:5] if len(sys.argv) >= 5 else (1, 8, 256, 128)))
 q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(3))
 scale = D ** -0.5
-mode = K._mode(q, None, "8b")
+mode = K.variant_for(q).kernel_id  # the kernel id a plain call launches
 K.SPEED_ROUTING = False  # the user path runs the kernel at this small shape (else it routes to SDPA)
 F = torch.nn.functional.scaled_dot_product_attention
 layers = {
     "sage_patch.attention (user API)": lambda: sage_patch.attention(q, k, v),
     "kernels.attention (no resolver)": lambda: K.attention(q, k, v, return_lse=False),
     "torch.ops.sage_patch.attn": lambda: torch.ops.sage_patch.attn(q, k, v, None, False, False, scale, mode, 8, False,
-                                                                   0, False),
-    "_ops._attn_impl (no custom op)": lambda: _ops._attn_impl(q, k, v, None, False, False, scale, mode, 8, False, 0,
+                                                                   False),
+    "_ops._attn_impl (no custom op)": lambda: _ops._attn_impl(q, k, v, None, False, False, scale, mode, 8, False,
                                                               False),
     "torch SDPA (peer)": lambda: F(q, k, v),
 }
