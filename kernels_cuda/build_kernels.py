@@ -1,5 +1,10 @@
 """Build kernels_cuda/ into a plain C-ABI shared library, libsage_kernels.so (no libtorch, static cudart).
 
+One translation unit per kernel family, compiled in parallel and linked together:
+    sage_api.cpp         the C ABI (host only)
+    portable/launch.cu   the mma.sync path, for every target (sm_80, 86, 89, 90a)
+    hopper/launch.cu     the wgmma path, for sm_90a only (left out when the targets have no 90a)
+
 Called by setup.py during build_py (`build_into`), or by hand:
 
     python kernels_cuda/build_kernels.py [--inplace] [--out DIR]
@@ -9,8 +14,8 @@ Environment:
     SAGE_PATCH_CUDA_ARCHS="90a"    narrow the targets ("80;90a", "8.0 9.0a", "sm_89" ...); default 80 86 89 90a
     SAGE_PATCH_KERNELS_REQUIRED=1  make a failed or impossible build an error instead of a warning (CI)
     SAGE_PATCH_NVCC=/path/to/nvcc  use this compiler (else $CUDA_HOME/bin/nvcc, nvcc on PATH, /usr/local/cuda/bin/nvcc)
-    SAGE_PATCH_NVCC_THREADS=N      nvcc --threads (default: number of CPUs, at most 4)
-    SAGE_PATCH_NVCC_EXTRA="-DX=1"  extra nvcc flags (kernel experiments: variants of hopper_attn.cuh)
+    SAGE_PATCH_NVCC_THREADS=N      nvcc --threads of the portable unit (default: number of CPUs, at most 4)
+    SAGE_PATCH_NVCC_EXTRA="..."    extra nvcc flags for every unit
 """
 from __future__ import annotations
 
@@ -21,10 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB_NAME = "libsage_kernels.so"
-SOURCES = ["sage_kernels.cu"]
 DEFAULT_ARCHS = ["80", "86", "89", "90a"]
 KNOWN_ARCHS = {"80", "86", "87", "89", "90", "90a"}
 
@@ -65,17 +70,66 @@ def find_nvcc() -> str | None:
     return None
 
 
-def nvcc_command(nvcc: str, archs: list[str], out_path: str, threads: int | None = None) -> list[str]:
+class Unit(NamedTuple):
+    """One translation unit: its source (relative to kernels_cuda/) and the targets it is compiled for."""
+    source: str
+    archs: str  # "host": no device code; "all": every requested target; "90a": sm_90a only (if requested)
+
+
+UNITS = (Unit("sage_api.cpp", "host"), Unit("portable/launch.cu", "all"), Unit("hopper/launch.cu", "90a"))
+COMMON_FLAGS = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC,-Wall,-Wextra,-Werror", "-Werror", "all-warnings"]
+
+
+def unit_archs(unit: Unit, archs: list[str]) -> list[str]:
+    """The targets `unit` is compiled for; [] for a host-only unit or one this build leaves out."""
+    if unit.archs == "host":
+        return []
+    if unit.archs == "all":
+        return list(archs)
+    return [a for a in archs if a == unit.archs]
+
+
+def units_for(archs: list[str]) -> list[Unit]:
+    return [u for u in UNITS if u.archs == "host" or unit_archs(u, archs)]
+
+
+def _threads(threads: int | None) -> int:
     if threads is None:
         threads = int(os.environ.get("SAGE_PATCH_NVCC_THREADS", "0") or 0) or min(4, os.cpu_count() or 1)
-    return [
-        nvcc, "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC,-Wall,-Wextra,-Werror", "-lineinfo",
-        "-Werror", "all-warnings", "--threads", str(threads),
-        f'-DSAGE_ARCHS="{" ".join(archs)}"',
-        *gencode_flags(archs),
-        *os.environ.get("SAGE_PATCH_NVCC_EXTRA", "").split(),
-        "-o", out_path, *[os.path.join(HERE, s) for s in SOURCES],
-    ]
+    return max(1, threads)
+
+
+def compile_command(nvcc: str, unit: Unit, archs: list[str], obj_path: str, threads: int | None = None) -> list[str]:
+    """nvcc -c of one unit into obj_path."""
+    src = os.path.join(HERE, unit.source)
+    extra = os.environ.get("SAGE_PATCH_NVCC_EXTRA", "").split()
+    if unit.archs == "host":
+        with_hopper = "1" if "90a" in archs else "0"
+        return [nvcc, *COMMON_FLAGS, f'-DSAGE_ARCHS="{" ".join(archs)}"', f"-DSAGE_WITH_HOPPER={with_hopper}",
+                *extra, "-c", "-o", obj_path, src]
+    ua = unit_archs(unit, archs)
+    return [nvcc, *COMMON_FLAGS, "-lineinfo", "--threads", str(_threads(threads) if len(ua) > 1 else 1),
+            *gencode_flags(ua), *extra, "-c", "-o", obj_path, src]
+
+
+def link_command(nvcc: str, objs: list[str], out_path: str) -> list[str]:
+    return [nvcc, "-shared", "-o", out_path, *objs]
+
+
+def nvcc_commands(nvcc: str, archs: list[str], out_path: str, obj_dir: str, threads: int | None = None):
+    """([compile command per unit], link command): the units compile in parallel, then one link."""
+    objs, compiles = [], []
+    for u in units_for(archs):
+        obj = os.path.join(obj_dir, u.source.replace("/", "_") + ".o")
+        objs.append(obj)
+        compiles.append(compile_command(nvcc, u, archs, obj, threads))
+    return compiles, link_command(nvcc, objs, out_path)
+
+
+def _run_parallel(cmds: list[list[str]]):
+    """Run the commands at once; [(returncode, stdout + stderr)] in order."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    return [(p.wait(), p.stdout.read()) for p in procs]
 
 
 def will_build() -> bool:
@@ -106,18 +160,22 @@ def build(out_dir: str, archs: list[str] | None = None, nvcc: str | None = None)
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_out = os.path.join(tmp, LIB_NAME)
-        cmd = nvcc_command(nvcc, archs, tmp_out)
-        _log(f"compiling for sm_{', sm_'.join(archs)}: {' '.join(cmd)}")
+        compiles, link = nvcc_commands(nvcc, archs, tmp_out, tmp)
+        _log(f"compiling for sm_{', sm_'.join(archs)} ({len(compiles)} units in parallel):")
+        for cmd in compiles:
+            _log("  " + " ".join(cmd))
         t0 = time.time()
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True)
+            results = _run_parallel(compiles)
+            results.append(_run_parallel([link])[0])
         except OSError as e:
             return give_up(f"could not run nvcc: {e}")
-        if r.returncode != 0:
-            sys.stderr.write(r.stdout + r.stderr)
-            return give_up(f"nvcc failed (exit {r.returncode})")
-        if r.stderr.strip():
-            sys.stderr.write(r.stderr)
+        for (rc, out), cmd in zip(results, compiles + [link]):
+            if rc != 0:
+                sys.stderr.write(out)
+                return give_up(f"nvcc failed (exit {rc}): {' '.join(cmd)}")
+            if out.strip():
+                sys.stderr.write(out)
         dst = os.path.join(out_dir, LIB_NAME)
         shutil.copyfile(tmp_out, dst + ".tmp")
         os.replace(dst + ".tmp", dst)  # atomic: a running process keeps its mapping of the old file

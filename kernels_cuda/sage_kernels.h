@@ -20,7 +20,21 @@
 extern "C" {
 #endif
 
-#define SAGE_ABI_VERSION 5
+#define SAGE_ABI_VERSION 6
+
+/* The compiled kernel variants (SageAttnParams.kernel): one id per attention kernel family, chosen by the caller
+ * (sage_patch.kernels.registry); nothing here re-derives it. QK4 = "4b" with packed INT4 mma.sync m16n8k64 s4
+ * (sm_80/86/89); the others run "4b" as INT4 values in INT8 mma.sync m16n8k32. */
+enum {
+    SAGE_KERNEL_MMA_FP8 = 0,         /* mma.sync: INT8 Q K^T, FP8 e4m3 P~V mma.sync m16n8k32 (sm_89+) */
+    SAGE_KERNEL_MMA_FP16 = 1,        /* mma.sync: INT8 Q K^T, FP16 P~V m16n8k16 (SageAttention1-style, sm_80+) */
+    SAGE_KERNEL_MMA_FP8F16 = 2,      /* mma.sync: e4m3 P~ and V values carried in fp16 m16n8k16 (sm_89+; sm_90) */
+    SAGE_KERNEL_WGMMA_FP8 = 3,       /* sm_90a: INT8 + FP8 wgmma, warp-specialized, 128-key blocks ("8b" only) */
+    SAGE_KERNEL_MMA_FP8_QK4 = 4,     /* as MMA_FP8, "4b" on packed INT4 MMA */
+    SAGE_KERNEL_MMA_FP16_QK4 = 5,    /* as MMA_FP16, "4b" on packed INT4 MMA */
+    SAGE_KERNEL_MMA_FP8F16_QK4 = 6,  /* as MMA_FP8F16, "4b" on packed INT4 MMA */
+    SAGE_KERNEL_COUNT = 7
+};
 
 enum { SAGE_E_BADARG = -1, SAGE_E_ARCH = -2, SAGE_E_HEADDIM = -3 };
 
@@ -39,10 +53,8 @@ typedef struct {
     int32_t B, Hq, Hkv, Sq, Skv, D;
     int32_t causal;            /* bottom-right aligned: query i sees keys j <= i + Skv - Sq */
     int32_t dtype;             /* 0 = fp16, 1 = bf16 */
-    int32_t pv_mode;           /* 0 = FP8 P~V with e4m3 mma.sync (sm_89+), 1 = FP16 P~V (SageAttention1-style,
-                                  sm_80+), 2 = FP8 P~V numerics (e4m3 values) on fp16 mma.sync (sm_89+; sm_90),
-                                  3 (ABI 5) = the Hopper kernel (sm_90a build, "8b" only): INT8 + FP8 wgmma,
-                                  warp-specialized, 128-key blocks, Q groups Grouping(16, 8, 1), K Grouping(128, 8, 2) */
+    int32_t kernel;            /* ABI 6: the kernel variant, SAGE_KERNEL_* (the QK4 ids need qk_bits 4; WGMMA_FP8
+                                  needs qk_bits 8, an sm_90a build and a 9.0 device) */
     int32_t device;            /* CUDA device index of the tensors and of the stream */
     int32_t device_cc;         /* compute capability of the current device, e.g. 90 (cached by the caller) */
     float sm_scale;
@@ -54,15 +66,15 @@ typedef struct {
     const int32_t* cu_seqlens_q;  /* variable length (packed) batches: (B+1) int32 token offsets into q/o, and into */
     const int32_t* cu_seqlens_k;  /* k/v; both or neither. Then Sq/Skv are the MAX lengths (>= every sequence's),
                                   q/k/v/o batch strides are ignored, kmask must be NULL and lse is (Hq, lse_sh) */
-    int32_t qk_mma;            /* "4b" only: 0 = INT4 values carried in INT8 mma.sync m16n8k32 (any arch; Hopper has
-                                  no INT4 tensor cores), 1 = packed INT4 mma.sync m16n8k64 s4 (sm_80/86/89) */
+    int32_t qk_packed;         /* ABI 6: written by the library from `kernel` (1 for the *_QK4 ids, the pre-passes then
+                                  pack INT4 rows); callers leave it 0 */
+    int32_t hop_split_max;     /* ABI 6, WGMMA_FP8 only: most key-parts a tail tile is split into (1: none; 0: the
+                                  default, 4; at most 4); the workspace size depends on it */
     int64_t lse_sh;            /* varlen: lse elements between two heads (total_q); tokens past cu_seqlens_q[B] are
                                   not written */
 } SageAttnParams;
 
 int64_t sage_attn_workspace_bytes(const SageAttnParams* p);
-/* Hopper kernel: most key-parts a tail tile is split into (1: none; default 4); returns the previous value */
-int sage_hop_set_split_max(int parts);
 int sage_attn_fwd(const SageAttnParams* p, void* stream);
 const char* sage_error_string(int code);
 int sage_abi_version(void);
@@ -70,11 +82,8 @@ int sage_abi_version(void);
 const char* sage_compiled_archs(void);
 /* rows per warp tile of the attention kernel for this head dim: Q scale groups are Grouping(rows, 8, 1) */
 int sage_q_group_rows(int head_dim);
-/* 1 when the sm_90a Hopper kernel (pv_mode 3) is compiled in */
+/* 1 when the sm_90a Hopper kernel (SAGE_KERNEL_WGMMA_FP8) is compiled in */
 int sage_hopper_compiled(void);
-/* diagnostics: D (64 x 16 fp32) = A (64 x 32*steps) . B^T (B: 16 x 32*steps), row-major bytes in device memory,
-   as `steps` chained wgmma m64n16k32: mode 0 e4m3 (A from registers), mode 1 s8 (A from shared memory) */
-int sage_hopper_probe(const uint8_t* a, const uint8_t* b, float* d, int steps, int mode, void* stream);
 
 #ifdef __cplusplus
 }

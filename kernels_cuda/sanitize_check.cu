@@ -31,7 +31,9 @@ static int g_qk_bits = 8, g_smooth_v = 0, g_qk_mma = 0;  // "4b" / smooth V / IN
 static int g_v_outlier = 0;  // V key 77 = 300 in every head: the Hopper K/V pass's rare requantization path
 static int g_no_lse = 0;     // p.lse = NULL (the Hopper kernel splits tail tiles only then)
 
-static int run(int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal, int pvm, int use_mask, int cc) {
+// kernel: SAGE_KERNEL_MMA_FP8 / MMA_FP16 / MMA_FP8F16 / WGMMA_FP8 (0..3); g_qk_mma adds the packed-INT4 variant
+static int run(int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal, int kernel0, int use_mask, int cc) {
+    const int kernel = g_qk_mma ? kernel0 + 4 : kernel0;
     const size_t nq = (size_t)B * Hq * Sq * D, nk = (size_t)B * Hkv * Skv * D;
     std::vector<__half> hq(nq), hk(nk), hv(nk);
     unsigned s = 12345u + Sq * 7 + D;
@@ -63,8 +65,8 @@ static int run(int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal, int p
     p.lse = g_no_lse ? nullptr : dlse;  // no LSE: the Hopper kernel may split tail tiles
     p.kmask = use_mask ? dmask : nullptr; p.kmask_sb = Skv;
     p.B = B; p.Hq = Hq; p.Hkv = Hkv; p.Sq = Sq; p.Skv = Skv; p.D = D;
-    p.causal = causal; p.dtype = 0; p.pv_mode = pvm; p.device = 0; p.device_cc = cc; p.sm_scale = 1.f / std::sqrt((float)D);
-    p.qk_bits = g_qk_bits; p.smooth_v = g_smooth_v; p.qk_mma = g_qk_mma;
+    p.causal = causal; p.dtype = 0; p.kernel = kernel; p.device = 0; p.device_cc = cc; p.sm_scale = 1.f / std::sqrt((float)D);
+    p.qk_bits = g_qk_bits; p.smooth_v = g_smooth_v; p.hop_split_max = 0;
     const int64_t ws = sage_attn_workspace_bytes(&p);
     void* dws;
     CK(cudaMalloc(&dws, ws));
@@ -77,8 +79,8 @@ static int run(int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal, int p
     size_t bad = 0;
     double sum = 0;
     for (auto x : ho) { float f = __half2float(x); if (!std::isfinite(f)) ++bad; else sum += std::fabs(f); }
-    std::printf("B%d H%d/%d Sq%d Skv%d D%d causal%d pv_mode=%d mask%d qk_bits=%d smooth_v=%d qk_mma=%d v_outlier=%d: "
-                "non-finite %zu, mean|o| %.4f\n", B, Hq, Hkv, Sq, Skv, D, causal, pvm, use_mask, g_qk_bits, g_smooth_v,
+    std::printf("B%d H%d/%d Sq%d Skv%d D%d causal%d kernel=%d mask%d qk_bits=%d smooth_v=%d qk_mma=%d v_outlier=%d: "
+                "non-finite %zu, mean|o| %.4f\n", B, Hq, Hkv, Sq, Skv, D, causal, kernel, use_mask, g_qk_bits, g_smooth_v,
                 g_qk_mma, g_v_outlier, bad, sum / nq);
     CK(cudaFree(dq)); CK(cudaFree(dk)); CK(cudaFree(dv)); CK(cudaFree(dout)); CK(cudaFree(dlse));
     CK(cudaFree(dmask)); CK(cudaFree(dws));

@@ -59,7 +59,7 @@ def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_m
         out = out.transpose(1, 2) if layout == "bshd" else out
         return (out, lse) if return_lse else out
     kmask = mask.mask if mask.kind == "key_padding" else None
-    return kernels.run(decision.impl, decision.precision, q, k, v, layout=layout, is_causal=bool(is_causal),
+    return kernels.run(decision.variant, decision.precision, q, k, v, layout=layout, is_causal=bool(is_causal),
                        scale=scale, attn_mask=kmask, return_lse=return_lse, smooth_v=smooth_v)
 
 

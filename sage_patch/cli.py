@@ -68,9 +68,12 @@ def _info(args) -> int:
     else:
         lines.append(f"kernels: not loaded: {st['reason']}")
     if kernels.SPEED_ROUTING:
-        for impl, table in kernels.SDPA_FASTER_BELOW.items():
+        for variant in kernels.registry.VARIANTS:
+            table = variant.sdpa_faster_below
+            if not table:
+                continue
             rule = ", ".join(f"D={d}{' causal' if c else ''} < {n}" for (d, c), n in sorted(table.items()))
-            lines.append(f"speed routing: {impl} calls run SDPA below the measured crossover ({rule} tokens)")
+            lines.append(f"speed routing: {variant.name} calls run SDPA below the measured crossover ({rule} tokens)")
     else:
         lines.append("speed routing: off (SAGE_PATCH_SPEED_ROUTING=0): the kernels run at every length")
     print("\n".join(lines))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -15,6 +16,7 @@ class Decision:
     precision: str        # what runs
     impl: str             # "sdpa" (full), "reference" (PyTorch simulation) or a compiled kernel's name
     reason: str | None    # why precision/impl differ from the request's fast path; None when as asked
+    variant: "kernels.KernelVariant | None" = None  # the compiled kernel that runs (kernels.registry), else None
 
     @property
     def is_fallback(self) -> bool:
@@ -36,9 +38,18 @@ def _full(requested: str, reason: str | None) -> Decision:
     return Decision(requested, "full", "sdpa", reason)
 
 
+class Varlen(NamedTuple):
+    """A packed variable-length call (layout "varlen": q (total_q, Hq, D), k/v (total_k, Hkv, D))."""
+    cu_seqlens_q: object
+    cu_seqlens_k: object
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
 def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, dropout_p: float,
-            return_lse: bool, smooth_v: bool, policy=None) -> Decision:
-    """Decide precision and implementation. `mask` is a masks.MaskInfo; `policy` a Policy or None.
+            return_lse: bool, smooth_v: bool, policy=None, varlen: Varlen | None = None) -> Decision:
+    """Decide precision and implementation. `mask` is a masks.MaskInfo; `policy` a Policy or None; `varlen` the
+    offsets and longest lengths of a packed call (then "sdpa" means: each sequence through run_attention).
 
     Order: explicit full; what no quantized path honours (dropout, autograd, float masks); the policy's
     fallback rules; then the compiled kernel if it can run this call (else the next safer precision it can
@@ -54,8 +65,12 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
     if mask.kind == "float":
         return _full(requested, "float additive attn_mask: quantized precisions take bool masks only")
     if policy is not None:
-        why = policy.fallback_reason(q.shape[-2] if layout == "bhsd" else q.shape[1],
-                                     k.shape[-2] if layout == "bhsd" else k.shape[1], q.shape[-1], q.dtype)
+        if varlen is not None:
+            sq, skv = varlen.max_seqlen_q, varlen.max_seqlen_k
+        else:
+            sq = q.shape[-2] if layout == "bhsd" else q.shape[1]
+            skv = k.shape[-2] if layout == "bhsd" else k.shape[1]
+        why = policy.fallback_reason(sq, skv, q.shape[-1], q.dtype)
         if why:
             return _full(requested, why)
 
@@ -72,14 +87,20 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
         first_why = "dense (per-query) attn_mask: kernels take key-padding masks only"
         precision = "full"
     while precision != "full":
-        impl, why = kernels.can_run(precision, q, k, v, layout=layout, is_causal=is_causal, attn_mask=kmask,
-                                    return_lse=return_lse, smooth_v=smooth_v)
-        if impl is not None:
-            slow = kmask is None and kernels.sdpa_faster_reason(impl, q, k, layout=layout, is_causal=is_causal)
+        if varlen is not None:
+            variant, why = kernels.can_run_varlen(precision, q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k,
+                                                  smooth_v=smooth_v)
+        else:
+            variant, why = kernels.can_run(precision, q, k, v, layout=layout, is_causal=is_causal, attn_mask=kmask,
+                                           return_lse=return_lse, smooth_v=smooth_v)
+        if variant is not None:
+            n = min(varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else None
+            slow = kmask is None and kernels.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal,
+                                                                n=n)
             if slow:
                 return _full(requested, slow)
             reason = None if precision == requested else f"{requested} unavailable ({first_why}); using {precision}"
-            return Decision(requested, precision, impl, reason)
+            return Decision(requested, precision, variant.name, reason, variant)
         first_why = first_why or why
         precision = SAFER[precision]
     return _full(requested, f"{requested} unavailable: {first_why}")

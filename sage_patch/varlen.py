@@ -6,9 +6,10 @@ q (total_q, Hq, D), k/v (total_k, Hkv, D); cu_seqlens_q/k int32 (B+1) token offs
 Sequence b attends q[cu_q[b]:cu_q[b+1]] to k/v[cu_k[b]:cu_k[b+1]], causal aligned bottom-right per sequence; empty
 sequences give no NaN (rows without a visible key are 0, their LSE -inf). lse: (Hq, total_q) fp32, natural log.
 
-Routes: one launch of the compiled kernel when it can run the call (`sage_patch.kernels.can_run_varlen`); else a
-loop over sequences through `sage_patch.api.run_attention` (the reference simulation on CPU, any precision; on a GPU
-each sequence takes the path the resolver picks). Both quantize per sequence (K mean and quantization groups restart
+Routes: `sage_patch.resolve.resolve` decides for the whole packed call (policy, speed routing, reasons, recorded in
+the stats like any call); one launch of the compiled kernel it picks, or else a loop over sequences through
+`sage_patch.api.run_attention` (the reference simulation on CPU, any precision; on a GPU each sequence takes the path
+the resolver picks for it, recorded per sequence). Both quantize per sequence (K mean and quantization groups restart
 at each sequence start), so the kernel matches the loop up to summation order.
 """
 from __future__ import annotations
@@ -19,7 +20,10 @@ import torch
 
 from . import kernels
 from .api import run_attention
+from .masks import MaskInfo
 from .precisions import check_precision
+from .report import GLOBAL_STATS, log_fallback_once
+from .resolve import Varlen, resolve
 
 __all__ = ["varlen_attention"]
 
@@ -83,18 +87,19 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if q.is_cuda and not grad and precision in kernels.QK_BITS:
+    if q.is_cuda and precision in kernels.QK_BITS:
         cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
         if cu_q.dtype != torch.int32:
             cu_q, cu_k = cu_q.int(), cu_k.int()
-        impl, _why = kernels.can_run_varlen(precision, q, k, v, cu_q, cu_k)
-        if impl is not None:
-            mq = _max_len(cu_q) if max_seqlen_q is None else int(max_seqlen_q)
-            mk = _max_len(cu_k) if max_seqlen_k is None else int(max_seqlen_k)
-            out, lse = kernels.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, is_causal=is_causal, scale=scale,
-                                                precision=precision, return_lse=return_lse,
-                                                pv="fp16" if impl == kernels.IMPL_FP16PV else "fp8")
-            return (out, lse) if return_lse else out
+        mq = _max_len(cu_q) if max_seqlen_q is None else int(max_seqlen_q)
+        mk = _max_len(cu_k) if max_seqlen_k is None else int(max_seqlen_k)
+        decision = resolve(precision, q, k, v, layout="varlen", is_causal=bool(is_causal), mask=MaskInfo("none", None),
+                           dropout_p=0.0, return_lse=return_lse, smooth_v=False, varlen=Varlen(cu_q, cu_k, mq, mk))
+        if decision.variant is not None:  # the loop below records each sequence's own decision instead
+            GLOBAL_STATS.record(decision)
+            if decision.reason and not torch.compiler.is_compiling():
+                log_fallback_once(decision.reason)
+            return kernels.run_varlen(decision.variant, decision.precision, q, k, v, cu_q, cu_k, mq, mk,
+                                      is_causal=is_causal, scale=scale, return_lse=return_lse)
     return _reference_loop(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,
                            precision=precision, return_lse=return_lse)

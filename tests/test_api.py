@@ -183,23 +183,26 @@ def test_speed_routing_rule(monkeypatch):
     import sage_patch.kernels as K
 
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
+    WGMMA = K.registry.get("wgmma-fp8")
 
     def shapes(sq, skv, d, layout="bhsd"):
         mk = (lambda s: torch.empty(1, 2, s, d)) if layout == "bhsd" else (lambda s: torch.empty(1, s, 2, d))
         return mk(sq), mk(skv)
 
     q, k = shapes(1024, 1024, 128)
-    why = K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=False)
+    why = K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=False)
     assert why and "2048" in why and "1024" in why
     q, k = shapes(4096, 4096, 128)
-    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=False) is None
-    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=True) is None
+    assert K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=False) is None
+    assert K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=True) is None
     q, k = shapes(3584, 3584, 64)
-    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=True)  # D=64 causal: from 4096
-    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=False) is None
+    assert K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=True)  # D=64 causal: from 4096
+    assert K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=False) is None
     q, k = shapes(8192, 1024, 128, layout="bshd")  # the shorter side decides; BSHD reads dim 1
-    assert "1024" in K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bshd", is_causal=False)
+    assert "1024" in K.sdpa_faster_reason(WGMMA, q, k, layout="bshd", is_causal=False)
     q, k = shapes(1024, 1024, 128)
-    assert K.sdpa_faster_reason(K.IMPL_FP8PV, q, k, layout="bhsd", is_causal=False) is None  # not measured: kept
+    mma = K.registry.get("mma-fp8f16")
+    assert K.sdpa_faster_reason(mma, q, k, layout="bhsd", is_causal=False) is None  # not measured: kept
+    assert "512" in K.sdpa_faster_reason(WGMMA, q, k, layout="varlen", is_causal=False, n=512)  # varlen: longest
     monkeypatch.setattr(K, "SPEED_ROUTING", False)
-    assert K.sdpa_faster_reason(K.IMPL_WGMMA, q, k, layout="bhsd", is_causal=False) is None
+    assert K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=False) is None

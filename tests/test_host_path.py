@@ -22,8 +22,9 @@ F = _lib.PARAM_FIELDS
 def _values(**over):
     """A full value tuple in PARAM_FIELDS order (distinct, recognisable numbers), with overrides by field name."""
     d = {name: 0x1000 * (i + 1) for i, name in enumerate(F)}
-    d.update(B=2, Hq=8, Hkv=2, Sq=256, Skv=384, D=128, causal=1, dtype=1, pv_mode=3, device=0, device_cc=90,
-             sm_scale=0.08838834764831845, qk_bits=8, smooth_v=0, qk_mma=0, kmask_sb=384, lse_sh=0)
+    d.update(B=2, Hq=8, Hkv=2, Sq=256, Skv=384, D=128, causal=1, dtype=1, kernel=3, device=0, device_cc=90,
+             sm_scale=0.08838834764831845, qk_bits=8, smooth_v=0, qk_packed=0, hop_split_max=0, kmask_sb=384,
+             lse_sh=0)
     d.update(over)
     return tuple(d[name] for name in F)
 
@@ -42,7 +43,7 @@ def _packed_bytes(values) -> bytes:
 
 
 def test_params_struct_covers_every_field_at_its_ctypes_offset():
-    assert len(F) == len(_lib.SageAttnParams._fields_) == 38
+    assert len(F) == len(_lib.SageAttnParams._fields_) == 39
     last = getattr(_lib.SageAttnParams, F[-1])
     assert _lib.PARAMS_STRUCT.size == last.offset + last.size <= ctypes.sizeof(_lib.SageAttnParams)
     # each field lands where ctypes reads it: a value only in field i shows up only there
@@ -59,7 +60,7 @@ def test_params_struct_covers_every_field_at_its_ctypes_offset():
     {},                                                                        # every pointer set
     dict(lse=0, kmask=0, kmask_sb=0, cu_seqlens_q=0, cu_seqlens_k=0),          # NULLs: no lse, no mask, padded
     dict(kmask=0, kmask_sb=0, cu_seqlens_q=0xdead0000, cu_seqlens_k=0xbeef0000, lse_sh=12345, B=3),  # varlen
-    dict(qk_bits=4, smooth_v=1, qk_mma=1, pv_mode=2, device=3, device_cc=89, causal=0, dtype=0),
+    dict(qk_bits=4, smooth_v=1, kernel=4, hop_split_max=2, device=3, device_cc=89, causal=0, dtype=0),
     dict(q_sb=-(2**40), k_ss=2**62, v_sh=-1, o_sb=2**63 - 1, kmask_sb=0, sm_scale=1e-30),  # int64 range, tiny scale
     dict(q=2**64 - 16, sm_scale=3.0e38, Skv=2**31 - 1, Hq=-5),                 # extremes that still pack
 ])
@@ -82,7 +83,7 @@ def test_fill_params_falls_back_to_ctypes_semantics(over):
 
 
 def test_fill_params_errors():
-    with pytest.raises(ValueError, match="38 values"):
+    with pytest.raises(ValueError, match="39 values"):
         _packed_bytes(_values()[:-1])  # a short tuple must not shift fields
     with pytest.raises(TypeError):
         _packed_bytes(_values(B="2"))  # a wrong type raises as ctypes always did
@@ -114,8 +115,8 @@ class FakeHandle:
         return b"bad argument"
 
 
-def _old_block(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_causal, scale, pv_mode,
-               qk_bits, smooth_v, qk_mma, dev, cc):
+def _old_block(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_causal, scale, kernel,
+               qk_bits, smooth_v, dev, cc, hop_split_max=0):
     """The block as _ops._launch filled it field by field before the packing change (verbatim, minus the launch)."""
     B, Hq, Hkv, Sq, Skv, D = dims
     p = _lib.SageAttnParams()
@@ -135,10 +136,10 @@ def _old_block(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, i
     p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = B, Hq, Hkv, Sq, Skv, D
     p.causal = int(bool(is_causal))
     p.dtype = _ops._DTYPE_CODE[q.dtype]
-    p.pv_mode = int(pv_mode)
+    p.kernel = int(kernel)
     p.qk_bits = int(qk_bits)
     p.smooth_v = int(bool(smooth_v))
-    p.qk_mma = int(qk_mma) if qk_bits == 4 else 0
+    p.hop_split_max = int(hop_split_max)  # (qk_packed stays 0: the library derives it from kernel)
     p.device, p.device_cc = dev, cc
     p.sm_scale = float(scale)
     return p
@@ -184,10 +185,10 @@ def _check_launch(fake, kmask_copied=False):
 
 
 @pytest.mark.parametrize("bshd", [False, True])
-@pytest.mark.parametrize("prec", [(8, False, 1), (4, True, 1), (4, False, 0)])  # (qk_bits, smooth_v, qk_mma)
+@pytest.mark.parametrize("prec", [(8, False, 2), (4, True, 6), (4, False, 2)])  # (qk_bits, smooth_v, kernel id)
 @pytest.mark.parametrize("want_lse", [True, False])
 def test_launch_block_identical_padded(fake_lib, bshd, prec, want_lse):
-    qk_bits, smooth_v, qk_mma = prec
+    qk_bits, smooth_v, kernel = prec
     g = torch.Generator().manual_seed(0)
     if bshd:  # strided views: batch/head/seq strides all differ from the contiguous ones
         q = torch.randn(2, 4, 24, 64, generator=g).to(torch.bfloat16).transpose(1, 2)
@@ -195,11 +196,11 @@ def test_launch_block_identical_padded(fake_lib, bshd, prec, want_lse):
     else:
         q = torch.randn(2, 4, 24, 64, generator=g).half()
         k = torch.randn(2, 2, 32, 64, generator=g).half()
-    out, lse = _ops._attn_impl(q, k, k, None, bshd, True, 0.1, 2, qk_bits, smooth_v, qk_mma, want_lse)
+    out, lse = _ops._attn_impl(q, k, k, None, bshd, True, 0.1, kernel, qk_bits, smooth_v, want_lse)
     _check_launch(fake_lib)
     assert (lse.numel() > 0) == want_lse
     p = _lib.SageAttnParams.from_buffer_copy(fake_lib.handle.ws_block)
-    assert (p.lse is not None) == want_lse and p.qk_mma == (qk_mma if qk_bits == 4 else 0)
+    assert (p.lse is not None) == want_lse and p.kernel == kernel and p.qk_packed == 0 and p.hop_split_max == 0
     assert (p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D) == (2, 4, 2, 24, 32, 64) and p.sm_scale == pytest.approx(0.1)
 
 
@@ -214,7 +215,7 @@ def test_launch_block_identical_kmask(fake_lib, kind):
         kmask = torch.rand(1, 40, generator=g) > 0.3
     else:  # key dim not contiguous: _launch passes a contiguous copy
         kmask = (torch.rand(40, 3, generator=g) > 0.3).t()
-    _ops._attn_impl(q, k, k, kmask, False, False, 0.125, 3, 8, False, 0, True)
+    _ops._attn_impl(q, k, k, kmask, False, False, 0.125, 3, 8, False, True)
     _check_launch(fake_lib, kmask_copied=kind == "strided")
     p = _lib.SageAttnParams.from_buffer_copy(fake_lib.handle.fwd_block)
     assert p.kmask_sb == (40 if kind != "broadcast" else 0)
@@ -228,7 +229,7 @@ def test_launch_block_identical_varlen(fake_lib, want_lse):
     k = torch.randn(70, 2, 64).half()
     cu_q = torch.tensor([0, 20, 50], dtype=torch.int32)
     cu_k = torch.tensor([0, 30, 70], dtype=torch.int32)
-    out, lse = _ops._attn_varlen_impl(q, k, k, cu_q, cu_k, 30, 40, True, 0.125, 2, 4, True, 1, want_lse)
+    out, lse = _ops._attn_varlen_impl(q, k, k, cu_q, cu_k, 30, 40, True, 0.125, 6, 4, True, want_lse)
     _check_launch(fake_lib)
     p = _lib.SageAttnParams.from_buffer_copy(fake_lib.handle.fwd_block)
     assert p.cu_seqlens_q == cu_q.data_ptr() and p.cu_seqlens_k == cu_k.data_ptr() and p.kmask is None
@@ -240,7 +241,7 @@ def test_launch_error_is_reported(fake_lib):
     fake_lib.handle.rc = 9
     q = torch.randn(1, 1, 8, 64).half()
     with pytest.raises(RuntimeError, match=r"launch failed \(9\): bad argument"):
-        _ops._attn_impl(q, q, q, None, False, False, 0.125, 3, 8, False, 0, True)
+        _ops._attn_impl(q, q, q, None, False, False, 0.125, 3, 8, False, True)
 
 
 # ---- eager fast path around the custom ops ---------------------------------------------------------------------
@@ -290,7 +291,7 @@ def test_fast_path_taken_in_plain_eager(op_spies):
     with torch.device("cpu"):  # a torch-function mode: the op path
         assert _path(op_spies, lambda: K.attention(q, k, v)) == "op"
     assert op_spies[0][1] == direct_args
-    assert direct_args == (k, v, None, False, False, 0.125, 3, 8, False, 0, True)
+    assert direct_args == (k, v, None, False, False, 0.125, 3, 8, False, True, 0)
 
 
 def test_fast_path_respects_autograd(op_spies):
@@ -349,7 +350,7 @@ def test_fast_path_varlen(op_spies):
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     assert _path(op_spies, lambda: K.attention_varlen(q, k, v, cu, cu, 7, 7, is_causal=True)) == "direct_varlen"
     args = op_spies[0][1]
-    assert args == (k, v, cu, cu, 7, 7, True, 0.125, 3, 8, False, 0, True)
+    assert args == (k, v, cu, cu, 7, 7, True, 0.125, 3, 8, False, True)
     with torch.device("cpu"):
         assert _path(op_spies, lambda: K.attention_varlen(q, k, v, cu, cu, 7, 7, is_causal=True)) == "op_varlen"
     assert op_spies[0][1] == args

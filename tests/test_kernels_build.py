@@ -51,9 +51,25 @@ def test_parse_archs(bk):
 def test_gencode_flags(bk):
     assert bk.gencode_flags(["80", "90a"]) == ["-gencode=arch=compute_80,code=sm_80",
                                                "-gencode=arch=compute_90a,code=sm_90a"]
-    cmd = bk.nvcc_command("nvcc", ["90a"], "/tmp/x.so", threads=2)
-    assert "-shared" in cmd and "all-warnings" in cmd and "-Werror" in cmd and "--threads" in cmd
-    assert not any("torch" in c for c in cmd)  # plain C ABI: never links libtorch
+    compiles, link = bk.nvcc_commands("nvcc", ["90a"], "/tmp/x.so", "/tmp/o", threads=2)
+    for cmd in compiles:
+        assert "-c" in cmd and "all-warnings" in cmd and "-Werror" in cmd
+    assert "-shared" in link
+    assert not any("torch" in c for c in sum(compiles, link))  # plain C ABI: never links libtorch
+
+
+def test_one_translation_unit_per_arch_family(bk):
+    """The portable path for every target, the Hopper path for sm_90a only (and only when it is a target)."""
+    compiles, _ = bk.nvcc_commands("nvcc", ["80", "86", "89", "90a"], "/tmp/x.so", "/tmp/o")
+    by_src = {os.path.relpath(c[-1], os.path.join(ROOT, "kernels_cuda")): c for c in compiles}
+    assert set(by_src) == {"sage_api.cpp", os.path.join("portable", "launch.cu"), os.path.join("hopper", "launch.cu")}
+    hop = [f for f in by_src[os.path.join("hopper", "launch.cu")] if f.startswith("-gencode")]
+    assert hop == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert len([f for f in by_src[os.path.join("portable", "launch.cu")] if f.startswith("-gencode")]) == 4
+    assert not any(f.startswith("-gencode") for f in by_src["sage_api.cpp"])
+    assert "-DSAGE_WITH_HOPPER=1" in by_src["sage_api.cpp"]
+    compiles, _ = bk.nvcc_commands("nvcc", ["80", "89"], "/tmp/x.so", "/tmp/o")
+    assert len(compiles) == 2 and "-DSAGE_WITH_HOPPER=0" in compiles[0]
 
 
 def test_build_skipped_by_env(bk, tmp_path, monkeypatch, capsys):
@@ -164,9 +180,9 @@ def test_custom_op_fake_shapes(bshd):
     out, lse = torch.ops.sage_patch.attn_8b(q, k, k, None, bshd, True, 0.125, 2)
     assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == "meta"
     assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
-    out, lse = torch.ops.sage_patch.attn(q, k, k, None, bshd, False, 0.125, 2, 4, True, 1, True)
+    out, lse = torch.ops.sage_patch.attn(q, k, k, None, bshd, False, 0.125, 6, 4, True, True)
     assert out.shape == q.shape and lse.shape == (2, 4, 7)
-    out, lse = torch.ops.sage_patch.attn(q, k, k, None, bshd, False, 0.125, 2, 8, False, 0, False)
+    out, lse = torch.ops.sage_patch.attn(q, k, k, None, bshd, False, 0.125, 2, 8, False, False, 2)
     assert out.shape == q.shape and lse.shape == (0,)  # no LSE wanted
 
 
@@ -174,9 +190,9 @@ def test_custom_op_varlen_fake_shapes():
     q = torch.empty(11, 4, 128, dtype=torch.float16, device="meta")
     k = torch.empty(13, 2, 128, dtype=torch.float16, device="meta")
     cu = torch.empty(3, dtype=torch.int32, device="meta")
-    out, lse = torch.ops.sage_patch.attn_varlen(q, k, k, cu, cu, 8, 9, True, 0.1, 2, 8, False, 0, True)
+    out, lse = torch.ops.sage_patch.attn_varlen(q, k, k, cu, cu, 8, 9, True, 0.1, 2, 8, False, True)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (4, 11) and lse.dtype == torch.float32
-    assert torch.ops.sage_patch.attn_varlen(q, k, k, cu, cu, 8, 9, True, 0.1, 2, 8, False, 0, False)[1].shape == (0,)
+    assert torch.ops.sage_patch.attn_varlen(q, k, k, cu, cu, 8, 9, True, 0.1, 2, 8, False, False)[1].shape == (0,)
 
 
 def _built_library():

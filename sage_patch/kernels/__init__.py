@@ -1,38 +1,30 @@
 """Compiled kernels (kernels_cuda/): loading, capability checks and launch.
 
-Contract used by sage_patch.resolve (keep these three names and signatures):
+The kernel variants and the choice between them live in ``registry`` (one frozen ``KernelVariant`` per compiled
+kernel: name, C kernel id, Q K^T and P~V modes, precisions, reference ``SimConfig``, constraints, SDPA crossover).
+Contract used by sage_patch.resolve:
 
 - ``status() -> dict``: {"loaded": bool, "reason": str, "path": str | None, "archs": list[str]}.
-- ``can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smooth_v) -> (impl | None, reason)``:
-  ``impl`` names the kernel that would run (e.g. "cuda-mma"), or None with the reason it cannot.
-  ``attn_mask`` here is None or a bool key-padding mask (B, Skv), True = attend (resolve normalizes masks first).
-- ``run(impl, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v)``:
-  returns ``out`` or ``(out, lse)``; ``out`` in the input layout and dtype, ``lse`` fp32 (B, H, Sq), natural log.
+- ``can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smooth_v) -> (variant | None, reason)``
+  and ``can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v) -> (variant | None, reason)``:
+  the ``registry.KernelVariant`` that would run, or None with the reason none can. ``attn_mask`` is None or a bool
+  key-padding mask (B, Skv), True = attend (resolve normalizes masks first).
+- ``sdpa_faster_reason(variant, q, k, *, layout, is_causal, n=None)``: why SDPA should run instead (speed routing).
+- ``run(variant, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v)`` and
+  ``run_varlen(variant, precision, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``: launch
+  exactly that variant; ``out`` or ``(out, lse)``, lse fp32 natural log ((B, H, Sq), varlen (Hq, total_q)).
 
-Implementations (see docs/kernels.md):
+Implementations (names in reports; see docs/design/kernels.md and the registry):
 
-- ``"cuda-mma-fp8pv"``: "8b" = INT8 QK^T (mma.sync m16n8k32) + FP8 E4M3 P~V with two-level accumulation;
-  needs sm_89+ (and a build with sm_89 or sm_90a). On sm_89 the P~V MMA is e4m3 mma.sync m16n8k32 (pv mode
-  "fp8-mma"); on sm_90 ptxas lowers that instruction to fp16 MMAs plus per-MMA conversions, so there the same
-  e4m3 values are carried in fp16 through m16n8k16 (pv mode "fp8-f16"): identical numerics, fewer instructions.
-  Reference equivalent: ``reference_config(IMPL_FP8PV, D)`` = ``SimConfig(q_group=Grouping(32, 8, 1),
-  k_group=Grouping(64, 8, 2), pv="fp8")`` in the default build (the Q tile is ``q_group_rows(D)``).
-- ``"cuda-mma-fp16pv"``: "8b" with FP16 P~V (SageAttention1-style) for sm_80/86; reference: the same with pv="fp16".
-- ``"cuda-wgmma-fp8pv"``: the sm_90a Hopper kernel (kernels_cuda/hopper_attn.cuh; "8b" only, the default on sm_90
-  when the build has sm_90a): INT8 + FP8 wgmma, warp-specialized, 128-key blocks. Reference:
-  ``reference_config(IMPL_WGMMA)`` = ``SimConfig(block_k=128, q_group=Grouping(16, 8, 1),
-  k_group=Grouping(128, 8, 2), pv="fp8", row_sum="operand", stats_sample=128)`` (the output is normalised by the
-  tensor cores' sums of the quantized P~; K/V means and V's base scale come from 128 evenly spaced tokens, V's
-  scale times a power of two per 128-key block). "4b" stays on the portable kernel there.
+- ``"cuda-mma-fp8pv"``: "8b" = INT8 QK^T (mma.sync m16n8k32) + FP8 E4M3 P~V with two-level accumulation (sm_89+);
+  on sm_89 e4m3 mma.sync, on sm_90 the same e4m3 values carried in fp16 m16n8k16 (identical numerics).
+- ``"cuda-mma-fp16pv"``: "8b" with FP16 P~V (SageAttention1-style) for sm_80/86.
+- ``"cuda-wgmma-fp8pv"``: the sm_90a Hopper kernel ("8b" only): INT8 + FP8 wgmma, warp-specialized, 128-key blocks.
+The mma.sync kernels also run "4b" (INT4 values, packed INT4 MMA on sm_80-89, INT8 MMA elsewhere) and smooth V.
 
-Both implementations also run "4b" (SageAttention2-4b numerics: INT4 values in [-7, 7] with the same per-thread
-groups, Q smoothing per 128-row block with its fp32 Delta S correction; carried in INT8 mma.sync on every arch, see
-docs/kernels.md) and ``smooth_v``. ``reference_config(impl, D)`` simulates either precision
-(``q_smooth_block`` = the attention CTA's rows). Packed variable-length batches: ``can_run_varlen`` /
-``attention_varlen`` (used by ``sage_patch.varlen``).
-
+Direct calls without the resolver: ``attention`` / ``attention_varlen`` (pv= / qk= pick a variant, ``variant_for``).
 Environment: ``SAGE_PATCH_NO_KERNELS=1`` disables loading; ``SAGE_PATCH_KERNELS_LIB`` loads another .so;
-``SAGE_PATCH_PV=fp16|fp8-mma|fp8-f16`` forces a P~V mode (e.g. to exercise the sm_80 path on newer GPUs).
+``SAGE_PATCH_PV`` / ``SAGE_PATCH_QK_MMA`` prefer a P~V / "4b" Q K^T mode (registry).
 """
 from __future__ import annotations
 
@@ -41,56 +33,35 @@ import os
 
 from . import _lib
 from . import _ops  # registers the custom op torch.ops.sage_patch.attn_8b
+from . import registry
 from ._lib import arch_supported
-
-# The per-thread quantization groups of these kernels: Q rows with equal r % 8 inside each warp tile of
-# q_group_rows(D) rows (32 in the default build: Grouping(32, 8, 1)), keys with equal (c % 8) // 2 in each 64-key block.
-DEFAULT_Q_GROUP_ROWS = 32
-KERNEL_K_GROUPING_ARGS = (64, 8, 2)
-KERNEL_BLOCK_K = 64
-NATIVE_HEAD_DIMS = (64, 128)
-IMPL_FP8PV = "cuda-mma-fp8pv"
-IMPL_FP16PV = "cuda-mma-fp16pv"
-IMPL_WGMMA = "cuda-wgmma-fp8pv"  # sm_90a Hopper kernel ("8b"): INT8 + FP8 wgmma, warp-specialized (hopper_attn.cuh)
-HOPPER_Q_GROUPING_ARGS = (16, 8, 1)
-HOPPER_K_GROUPING_ARGS = (128, 8, 2)
-HOPPER_BLOCK_K = 128
-HOPPER_STATS_SAMPLE = 128  # tokens the Hopper path's K/V means and V base scale come from (kHopSample)
+from .registry import (DEFAULT_Q_GROUP_ROWS, DISABLED, HOPPER_BLOCK_K, HOPPER_K_GROUPING_ARGS,  # noqa: F401
+                       HOPPER_Q_GROUPING_ARGS, HOPPER_STATS_SAMPLE, IMPL_FP8PV, IMPL_FP16PV, IMPL_WGMMA,
+                       KERNEL_BLOCK_K, KERNEL_K_GROUPING_ARGS, NATIVE_HEAD_DIMS, KernelVariant, Target)
 
 _STATUS_CACHE: dict = {}
-_FORCE_PV = os.environ.get("SAGE_PATCH_PV", "").lower() or None  # read once (keeps traced code env-free)
-PV_MODES = {"fp8-mma": 0, "fp16": 1, "fp8-f16": 2, "wgmma": 3}
 QK_BITS = {"8b": 8, "4b": 4}
-# "4b" QK^T MMA: "int4" (packed INT4, mma.sync m16n8k64 s4: sm_80/86/89) or "int8" (INT4 values in INT8 MMA: every
-# arch, the default on sm_90 whose tensor cores have no INT4). SAGE_PATCH_QK_MMA=int4|int8 forces one (tests).
-_FORCE_QK_MMA = os.environ.get("SAGE_PATCH_QK_MMA", "").lower() or None
-# Speed routing: the shortest sequence (min of Sq, Skv) at which a kernel's whole call (pre-passes included) beats
-# torch SDPA (cuDNN), per (head dim, causal), measured on the H200 (B=4 H=32 fp16, docs/benchmarks.md "Hopper kernel,
-# fourteenth session": D=128 non-causal 0.97x at 1.75K, 1.15x at 2K; causal 0.98x at 2K, 1.06x at 2.5K; D=64
-# non-causal 0.98x at 1.75K, 1.02x at 2K; causal 0.98x at 3.5K, 1.02x at 4K). Shorter calls without a key-padding
-# mask run SDPA instead: faster there and exact. SAGE_PATCH_SPEED_ROUTING=0 (or SPEED_ROUTING = False) turns it off.
-SDPA_FASTER_BELOW: dict[str, dict[tuple[int, bool], int]] = {
-    IMPL_WGMMA: {(128, False): 2048, (128, True): 2560, (64, False): 2048, (64, True): 4096},
-}
+# Speed routing (the measured crossovers are each variant's sdpa_faster_below): SAGE_PATCH_SPEED_ROUTING=0 (or
+# SPEED_ROUTING = False) turns it off.
 SPEED_ROUTING = os.environ.get("SAGE_PATCH_SPEED_ROUTING", "1") != "0"
 
 
-def sdpa_faster_reason(impl: str, q, k, *, layout: str, is_causal: bool) -> str | None:
-    """Why SDPA should run this call instead of kernel `impl` (it is faster at this length), or None."""
+def sdpa_faster_reason(variant: KernelVariant, q, k, *, layout: str, is_causal: bool, n=None) -> str | None:
+    """Why SDPA should run this call instead of `variant` (it is faster at this length), or None. n: the length to
+    compare (varlen: the longest sequence); default min(Sq, Skv) of q, k."""
     if not SPEED_ROUTING:
         return None
-    below = SDPA_FASTER_BELOW.get(impl, {}).get((q.shape[-1], bool(is_causal)))
-    sdim = 1 if str(layout).lower() == "bshd" else 2
-    n = min(q.shape[sdim], k.shape[sdim])  # compared, not int()-ed: a symbolic length under torch.compile stays one
-    if below is None or n >= below:
+    below = variant.sdpa_faster_below.get((q.shape[-1], bool(is_causal)))
+    if below is None:
         return None
-    return (f"SDPA is faster than {impl} below {below} tokens (head dim {q.shape[-1]}, causal={bool(is_causal)}; "
-            f"this call {n}): running full precision (SAGE_PATCH_SPEED_ROUTING=0 keeps the kernel)")
-
-
-# Features switched off in this version with the reason (a mode the H200 tests did not pass is listed here, so the
-# resolver never routes to it): keys "4b", "smooth_v", "varlen"; "4b-int4" (the INT4 MMA: "4b" then uses INT8 MMA).
-DISABLED: dict[str, str] = {}
+    if n is None:
+        sdim = 1 if str(layout).lower() == "bshd" else 2
+        n = min(q.shape[sdim], k.shape[sdim])  # compared, not int()-ed: a symbolic length under torch.compile stays one
+    if n >= below:
+        return None
+    return (f"SDPA is faster than {variant.name} below {below} tokens (head dim {q.shape[-1]}, "
+            f"causal={bool(is_causal)}; this call {n}): running full precision (SAGE_PATCH_SPEED_ROUTING=0 keeps "
+            "the kernel)")
 
 
 def _torch():
@@ -146,25 +117,10 @@ def _status() -> dict:
         st["reason"] = f"device {dev} is sm_{major}{minor}: the kernels need sm_80 or newer"
     else:
         st["loaded"] = True
-        st["reason"] = f"loaded for sm_{major}{minor} (impl {_pick_impl(lib.archs, major, minor)})"
+        v, _ = registry.select(Target((major, minor), tuple(lib.archs)))
+        st["reason"] = f"loaded for sm_{major}{minor} (impl {v.name if v else 'none'})"
     _STATUS_CACHE[dev] = st
     return st
-
-
-def hopper_available(archs, major, minor) -> bool:
-    """Whether the sm_90a Hopper kernel can run here (and is not overridden by SAGE_PATCH_PV)."""
-    return (major, minor) == (9, 0) and "90a" in archs and _FORCE_PV in (None, "wgmma") and "wgmma" not in DISABLED
-
-
-def _pick_impl(archs, major, minor, precision="8b") -> str:
-    if _FORCE_PV == "fp16":
-        return IMPL_FP16PV
-    if precision == "8b" and hopper_available(archs, major, minor):
-        return IMPL_WGMMA
-    fp8_archs = [a for a in archs if int(a[:2]) >= 89]
-    if (major, minor) >= (8, 9) and arch_supported(fp8_archs, major, minor):
-        return IMPL_FP8PV
-    return IMPL_FP16PV
 
 
 def _layout_ok(layout) -> bool:
@@ -243,8 +199,16 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
         ms = attn_mask.shape
         if ms[1] != ks[sdim] or ms[0] not in (1, qs[0]):
             return None, f"key-padding mask shape {tuple(ms)} does not match (B, Skv)"
-    major, minor = _ops_cc(q)
-    return _pick_impl(_lib.get().archs, major, minor, precision), "ok"
+    return _select(precision, q, smooth_v=smooth_v, lse=return_lse)
+
+
+def _target(precision, q, *, varlen=False, smooth_v=False, lse=True, cc=None) -> Target:
+    return Target(cc or _ops_cc(q), tuple(_lib.get().archs), precision, int(q.shape[-1]), varlen, bool(smooth_v),
+                  bool(lse))
+
+
+def _select(precision, q, **kw):
+    return registry.select(_target(precision, q, **kw))
 
 
 def _feature_reason(precision, smooth_v, varlen=False):
@@ -270,54 +234,37 @@ def _ops_cc(q):
     return _ops.device_cc(idx if idx is not None else _torch().cuda.current_device())
 
 
-def run(impl, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v):
-    if precision not in QK_BITS or impl not in _IMPL_PV or (impl == IMPL_WGMMA and precision != "8b"):
-        raise RuntimeError(f"no compiled kernel {impl!r} for precision {precision!r}")
-    out, lse = attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                         pv=_IMPL_PV[impl], precision=precision, smooth_v=smooth_v, return_lse=return_lse)
+def run(variant: KernelVariant, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v):
+    """Launch exactly `variant` (from can_run / resolve)."""
+    if precision not in variant.precisions:
+        raise RuntimeError(f"kernel {variant.key!r} does not run precision {precision!r}")
+    out, lse = _attention(variant, q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
+                          precision=precision, smooth_v=smooth_v, return_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
-_IMPL_PV = {IMPL_FP16PV: "fp16", IMPL_FP8PV: "fp8-portable", IMPL_WGMMA: "wgmma"}
+def run_varlen(variant: KernelVariant, precision, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+               is_causal, scale, smooth_v=False, return_lse=False):
+    """Launch exactly `variant` (from can_run_varlen / resolve) on a packed variable-length batch."""
+    if precision not in variant.precisions:
+        raise RuntimeError(f"kernel {variant.key!r} does not run precision {precision!r}")
+    out, lse = _attention_varlen(variant, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 is_causal=is_causal, scale=scale, precision=precision, smooth_v=smooth_v,
+                                 return_lse=return_lse)
+    return (out, lse) if return_lse else out
 
 
-def pv_mode(pv, major: int) -> int:
-    """P~V mode of the C ABI for pv "fp8-portable" (best mma.sync FP8 mode for this GPU), "fp16", "fp8-mma",
-    "fp8-f16" or "wgmma" (the sm_90a Hopper kernel)."""
-    if pv == "fp8-portable":
-        if _FORCE_PV in ("fp8-mma", "fp8-f16"):
-            return PV_MODES[_FORCE_PV]
-        return 2 if major == 9 else 0
-    if pv not in PV_MODES:
-        raise ValueError(f"pv must be None, 'fp8', 'fp8-portable', 'fp16', 'fp8-mma', 'fp8-f16' or 'wgmma', "
-                         f"got {pv!r}")
-    return PV_MODES[pv]
-
-
-def impl_for(q, pv=None, precision="8b", *, cc=None) -> str:
-    """The implementation a direct call with this `pv` runs (for reference_config). cc: q's device's compute
-    capability when the caller has it (saves a look-up)."""
-    major, minor = cc or _ops_cc(q)
-    if pv is None or pv == "fp8":
-        impl = _pick_impl(_lib.get().archs, major, minor, precision)
-        return IMPL_FP8PV if (pv == "fp8" and impl == IMPL_FP16PV) else impl
-    return {"fp16": IMPL_FP16PV, "wgmma": IMPL_WGMMA}.get(pv, IMPL_FP8PV)
-
-
-def _mode(q, pv, precision="8b", *, cc=None):
-    cc = cc or _ops_cc(q)
-    return pv_mode(_IMPL_PV[impl_for(q, pv, precision, cc=cc)], cc[0])
-
-
-def qk_mma(q, qk=None, *, cc=None) -> int:
-    """The C ABI's qk_mma for "4b": qk "int4" -> 1, "int8" -> 0; None: SAGE_PATCH_QK_MMA, else int4 below sm_90."""
-    qk = qk or _FORCE_QK_MMA
-    if qk is None:
-        major, _ = cc or _ops_cc(q)
-        qk = "int4" if major == 8 and "4b-int4" not in DISABLED else "int8"
-    if qk not in ("int4", "int8"):
-        raise ValueError(f"qk must be None, 'int4' or 'int8', got {qk!r}")
-    return 1 if qk == "int4" else 0
+def variant_for(q, pv=None, precision="8b", qk=None, *, cc=None) -> KernelVariant:
+    """The variant a direct call with this `pv` / `qk` runs: pv None = what can_run would pick (SAGE_PATCH_PV /
+    SAGE_PATCH_QK_MMA apply), "fp8" = the preferred FP8 variant here, "fp16" / "fp8-mma" / "fp8-f16" / "wgmma" = that
+    P~V mode; qk ("4b"): None (default for this GPU), "int4" or "int8" MMA. Arch checks are the library's."""
+    t = _target(precision, q, cc=cc)
+    if pv is None:
+        v, why = registry.select(t, qk=qk)
+        if v is None:
+            raise RuntimeError(f"no compiled kernel for this call: {why}")
+        return v
+    return registry.explicit(t, pv, qk)
 
 
 def _eager_direct(*tensors) -> bool:
@@ -343,19 +290,22 @@ def _eager_direct(*tensors) -> bool:
 
 
 def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, pv=None, precision="8b",
-              smooth_v=False, qk=None, return_lse=True):
-    """Direct call of the compiled kernel (no resolver): returns (out, lse); lse is None with return_lse=False (the
-    kernel then skips the LSE work).
+              smooth_v=False, qk=None, return_lse=True, hop_split_max=0):
+    """Direct call of a compiled kernel (no resolver): returns (out, lse); lse is None with return_lse=False (the
+    kernel then skips the LSE work). precision "8b" or "4b"; pv / qk pick the variant (variant_for);
+    hop_split_max: the wgmma kernel's most parts per split tail tile (0: the default 4; 1: no split)."""
+    return _attention(variant_for(q, pv, precision, qk), q, k, v, layout=layout, is_causal=is_causal, scale=scale,
+                      attn_mask=attn_mask, precision=precision, smooth_v=smooth_v, return_lse=return_lse,
+                      hop_split_max=hop_split_max)
 
-    precision: "8b" or "4b". pv: None (the variant can_run would pick), "fp8" (best FP8 P~V mode for this GPU),
-    "fp16", "fp8-mma", "fp8-f16". qk ("4b" only): None (default for this GPU), "int4" or "int8" MMA."""
+
+def _attention(variant, q, k, v, *, layout, is_causal, scale, attn_mask, precision, smooth_v, return_lse,
+               hop_split_max=0):
     torch = _torch()
-    cc = _ops_cc(q)  # once for _mode and qk_mma
-    mode = _mode(q, pv, precision, cc=cc)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     op = _ops._attn_impl if _eager_direct(q, k, v, attn_mask) else torch.ops.sage_patch.attn
-    out, lse = op(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale, mode, QK_BITS[precision],
-                  bool(smooth_v), qk_mma(q, qk, cc=cc), bool(return_lse))
+    out, lse = op(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale, variant.kernel_id,
+                  QK_BITS[precision], bool(smooth_v), bool(return_lse), int(hop_split_max))
     return out, (lse if return_lse else None)
 
 
@@ -390,22 +340,26 @@ def can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v=F
         return None, "B*H > 65535 (grid limit of the pre-passes)"
     if max(q.shape[0], k.shape[0]) >= 2**30:
         return None, "sequence too long"
-    major, minor = _ops_cc(q)
-    return _pick_impl(_lib.get().archs, major, minor, precision), "ok"
+    return _select(precision, q, varlen=True, smooth_v=smooth_v)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False,
                      scale=None, precision="8b", smooth_v=False, pv=None, qk=None, return_lse=True):
     """Direct packed variable-length call: returns (out (total_q, Hq, D), lse (Hq, total_q) or None with
     return_lse=False). max_seqlen_* must be >= every sequence's length (longer sequences are cut there)."""
+    return _attention_varlen(variant_for(q, pv, precision, qk), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, is_causal=is_causal, scale=scale, precision=precision, smooth_v=smooth_v,
+                             return_lse=return_lse)
+
+
+def _attention_varlen(variant, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal, scale,
+                      precision, smooth_v, return_lse):
     torch = _torch()
-    cc = _ops_cc(q)
-    mode = _mode(q, pv, precision, cc=cc)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     direct = _eager_direct(q, k, v, cu_seqlens_q, cu_seqlens_k)
     op = _ops._attn_varlen_impl if direct else torch.ops.sage_patch.attn_varlen
     out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(is_causal), scale,
-                  mode, QK_BITS[precision], bool(smooth_v), qk_mma(q, qk, cc=cc), bool(return_lse))
+                  variant.kernel_id, QK_BITS[precision], bool(smooth_v), bool(return_lse))
     return out, (lse if return_lse else None)
 
 
@@ -415,16 +369,8 @@ def q_group_rows(head_dim: int) -> int:
     return int(lib.handle.sage_q_group_rows(int(head_dim))) if lib.handle is not None else DEFAULT_Q_GROUP_ROWS
 
 
-def reference_config(impl: str = IMPL_FP8PV, head_dim: int = 128):
-    """The reference SimConfig that simulates `impl` exactly (same groupings, block and P~V operands)."""
-    from ..reference import Grouping, SimConfig
-
-    if impl == IMPL_WGMMA:  # 64-row warpgroup tiles (rows g, g+8 of each warp's 16), 128-key blocks
-        return SimConfig(block_k=HOPPER_BLOCK_K, q_group=Grouping(*HOPPER_Q_GROUPING_ARGS),
-                         k_group=Grouping(*HOPPER_K_GROUPING_ARGS), pv="fp8", row_sum="operand",
-                         stats_sample=HOPPER_STATS_SAMPLE)
-    rows = q_group_rows(head_dim)
-    return SimConfig(block_k=KERNEL_BLOCK_K, q_group=Grouping(rows, 8, 1), k_group=Grouping(*KERNEL_K_GROUPING_ARGS),
-                     q_smooth_block=4 * rows, pv="fp16" if impl == IMPL_FP16PV else "fp8")
-
-
+def reference_config(variant: KernelVariant | str = IMPL_FP8PV, head_dim: int = 128):
+    """The reference SimConfig that simulates `variant` exactly (a KernelVariant, or an implementation name)."""
+    if isinstance(variant, str):
+        variant = next((x for x in registry.VARIANTS if x.name == variant), None) or registry.get("mma-fp8")
+    return variant.reference_config(head_dim)

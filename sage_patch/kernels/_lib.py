@@ -7,7 +7,7 @@ import struct
 import threading
 
 LIB_NAME = "libsage_kernels.so"
-ABI_VERSION = 5
+ABI_VERSION = 6
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -22,12 +22,14 @@ class SageAttnParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("B", ctypes.c_int32), ("Hq", ctypes.c_int32), ("Hkv", ctypes.c_int32),
         ("Sq", ctypes.c_int32), ("Skv", ctypes.c_int32), ("D", ctypes.c_int32),
-        ("causal", ctypes.c_int32), ("dtype", ctypes.c_int32), ("pv_mode", ctypes.c_int32),
+        ("causal", ctypes.c_int32), ("dtype", ctypes.c_int32), ("kernel", ctypes.c_int32),  # ABI 6: SAGE_KERNEL_*
         ("device", ctypes.c_int32), ("device_cc", ctypes.c_int32),
         ("sm_scale", ctypes.c_float),
         # ABI 4
         ("qk_bits", ctypes.c_int32), ("smooth_v", ctypes.c_int32),
-        ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p), ("qk_mma", ctypes.c_int32),
+        ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p),
+        # ABI 6: qk_packed is the library's (derived from kernel; 0 here), hop_split_max 0 = the default (4)
+        ("qk_packed", ctypes.c_int32), ("hop_split_max", ctypes.c_int32),
         ("lse_sh", ctypes.c_int64),
     ]
 
@@ -108,9 +110,6 @@ class Lib:
             h.sage_q_group_rows.restype = ctypes.c_int
             h.sage_q_group_rows.argtypes = [ctypes.c_int]
             h.sage_hopper_compiled.restype = ctypes.c_int
-            h.sage_hopper_probe.restype = ctypes.c_int
-            h.sage_hopper_probe.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                            ctypes.c_int, ctypes.c_void_p]
             abi = h.sage_abi_version()
         except AttributeError as e:
             self.reason = f"{path} is not a sage_patch kernel library ({e})"

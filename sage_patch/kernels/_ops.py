@@ -56,8 +56,8 @@ def _stream_ptr(device: torch.device, index: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _launch(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_causal, scale, pv_mode, qk_bits,
-            smooth_v, qk_mma) -> None:
+def _launch(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_causal, scale, kernel, qk_bits,
+            smooth_v, hop_split_max=0) -> None:
     lib = _lib.get()
     if lib.handle is None:
         raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
@@ -81,9 +81,9 @@ def _launch(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_c
     p = _lib.SageAttnParams()
     _lib.fill_params(p, (q.data_ptr(), *qs, k.data_ptr(), *ks, v.data_ptr(), *vs, out.data_ptr(), *os_,
                          lse.data_ptr() if want_lse else 0, kmask_ptr, kmask_sb, 0, *dims,
-                         int(bool(is_causal)), _DTYPE_CODE[q.dtype], int(pv_mode), dev, major * 10 + minor,
+                         int(bool(is_causal)), _DTYPE_CODE[q.dtype], int(kernel), dev, major * 10 + minor,
                          float(scale), int(qk_bits), int(bool(smooth_v)), cu_q_ptr, cu_k_ptr,
-                         int(qk_mma) if qk_bits == 4 else 0, lse_sh))
+                         0, int(hop_split_max), lse_sh))
     ref = ctypes.byref(p)
     h = lib.handle
     nbytes = h.sage_attn_workspace_bytes(ref)
@@ -98,7 +98,7 @@ def _lse_or_empty(q, shape, want_lse):
     return q.new_empty(shape if want_lse else (0,), dtype=torch.float32)
 
 
-def _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma, want_lse=True):
+def _attn_impl(q, k, v, kmask, bshd, is_causal, scale, kernel, qk_bits, smooth_v, want_lse=True, hop_split_max=0):
     (B, Hq, Sq, D), qs = _dims(q, bshd)
     (_, Hkv, Skv, _), ks = _dims(k, bshd)
     _, vs = _dims(v, bshd)
@@ -112,8 +112,8 @@ def _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_
         return out, lse
     _, os_ = _dims(out, bshd)
     _launch(q, k, v, out, lse, dims=(B, Hq, Hkv, Sq, Skv, D), qs=qs, ks=ks, vs=vs, os_=os_, kmask=kmask, cu_q=None,
-            cu_k=None, is_causal=is_causal, scale=scale, pv_mode=pv_mode, qk_bits=qk_bits, smooth_v=smooth_v,
-            qk_mma=qk_mma)
+            cu_k=None, is_causal=is_causal, scale=scale, kernel=kernel, qk_bits=qk_bits, smooth_v=smooth_v,
+            hop_split_max=hop_split_max)
     return out, lse
 
 
@@ -122,10 +122,11 @@ def attn_8b(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[t
             is_causal: bool, scale: float, pv_mode: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """SageAttention2-8b forward. q/k/v fp16|bf16 in BHSD (bshd=False) or BSHD; kmask None or bool (B, Skv).
 
-    pv_mode: 0 = FP8 P~V on e4m3 mma.sync (sm_89+), 1 = FP16 P~V (sm_80+), 2 = FP8 P~V numerics on fp16 mma.sync.
+    pv_mode: the kernel id (SAGE_KERNEL_*: 0 = FP8 P~V on e4m3 mma.sync (sm_89+), 1 = FP16 P~V (sm_80+), 2 = FP8
+    P~V numerics on fp16 mma.sync, 3 = the sm_90a wgmma kernel).
 
     Returns (out in q's layout and dtype, lse fp32 (B, Hq, Sq) natural log, -inf on empty rows)."""
-    return _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, 8, False, 0)
+    return _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, 8, False)
 
 
 @attn_8b.register_fake
@@ -135,31 +136,31 @@ def _attn_8b_fake(q, k, v, kmask, bshd, is_causal, scale, pv_mode):
 
 @torch.library.custom_op("sage_patch::attn", mutates_args=(), device_types="cuda")
 def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[torch.Tensor], bshd: bool,
-         is_causal: bool, scale: float, pv_mode: int, qk_bits: int, smooth_v: bool, qk_mma: int,
-         want_lse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Like attn_8b, plus qk_bits (8: "8b", 4: "4b" = INT4 values with Q smoothing), smooth_v, for "4b" qk_mma
-    (0: INT4 values on INT8 mma.sync, 1: packed INT4 mma.sync m16n8k64) and want_lse."""
-    return _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma, want_lse)
+         is_causal: bool, scale: float, kernel: int, qk_bits: int, smooth_v: bool, want_lse: bool,
+         hop_split_max: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """kernel: the kernel variant's C id (sage_patch.kernels.registry, SAGE_KERNEL_*); qk_bits 8 ("8b") or 4 ("4b" =
+    INT4 values with Q smoothing); smooth_v; want_lse; hop_split_max (wgmma kernel: most parts of a split tail tile,
+    0 = the default 4)."""
+    return _attn_impl(q, k, v, kmask, bshd, is_causal, scale, kernel, qk_bits, smooth_v, want_lse, hop_split_max)
 
 
 @attn.register_fake
-def _attn_fake(q, k, v, kmask, bshd, is_causal, scale, pv_mode, qk_bits, smooth_v, qk_mma, want_lse):
+def _attn_fake(q, k, v, kmask, bshd, is_causal, scale, kernel, qk_bits, smooth_v, want_lse, hop_split_max=0):
     return q.new_empty(q.shape), _lse_or_empty(q, _lse_shape(q, bshd), want_lse)
 
 
 @torch.library.custom_op("sage_patch::attn_varlen", mutates_args=(), device_types="cuda")
 def attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
-                pv_mode: int, qk_bits: int, smooth_v: bool, qk_mma: int,
-                want_lse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                kernel: int, qk_bits: int, smooth_v: bool, want_lse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed variable-length batches: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens int32 (B+1) on q's
     device, max_seqlen_* >= every sequence's length. Returns (out like q, lse fp32 (Hq, total_q))."""
     return _attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
-                             pv_mode, qk_bits, smooth_v, qk_mma, want_lse)
+                             kernel, qk_bits, smooth_v, want_lse)
 
 
-def _attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, pv_mode,
-                      qk_bits, smooth_v, qk_mma, want_lse):
+def _attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, kernel,
+                      qk_bits, smooth_v, want_lse):
     """The body of sage_patch::attn_varlen (kernels.attention_varlen calls it directly in eager mode)."""
     total_q, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -178,11 +179,11 @@ def _attn_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
     _launch(q, k, v, out, lse, dims=(B, Hq, Hkv, int(max_seqlen_q), int(max_seqlen_k), D), qs=st(q), ks=st(k),
             vs=st(v), os_=st(out), kmask=None, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, is_causal=is_causal,
-            scale=scale, pv_mode=pv_mode, qk_bits=qk_bits, smooth_v=smooth_v, qk_mma=qk_mma)
+            scale=scale, kernel=kernel, qk_bits=qk_bits, smooth_v=smooth_v)
     return out, lse
 
 
 @attn_varlen.register_fake
-def _attn_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, pv_mode,
-                      qk_bits, smooth_v, qk_mma, want_lse):
+def _attn_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, kernel,
+                      qk_bits, smooth_v, want_lse):
     return q.new_empty(q.shape), _lse_or_empty(q, (q.shape[1], q.shape[0]), want_lse)

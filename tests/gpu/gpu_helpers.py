@@ -67,7 +67,7 @@ def check_kernel_case(precision, b, hq, hkv, sq, skv, d, *, sim_l1, lse_atol, dt
     qb, kb, vb = (to_bhsd(x, layout) for x in (q, k, v))
     ob = to_bhsd(out, layout)
     m4 = mask[:, None, None, :] if mask is not None else None
-    impl = K.impl_for(q, pv, precision)  # the kernel this call ran (both mma.sync FP8 modes simulate as pv="fp8")
+    impl = K.variant_for(q, pv, precision)  # the kernel variant this call ran (its reference SimConfig)
     sim, sim_lse = simulate(qb, kb, vb, precision, is_causal=causal, attn_mask=m4, return_lse=True,
                             smooth_v=smooth_v, config=K.reference_config(impl, d))
     res = {"case": name, "sim_l1": compare(ob, sim.to(dtype))["rel_l1"], "sim_l1_fp32": compare(ob, sim)["rel_l1"]}

@@ -113,10 +113,10 @@ def test_4b_cuda_graph_and_compile():
     assert torch.equal(out, eager)
 
     def f(q, k, v):
-        return torch.ops.sage_patch.attn(q, k, v, None, False, True, 0.125, 2, 4, True, 0, False)[0] * 2.0
+        return torch.ops.sage_patch.attn(q, k, v, None, False, True, 0.125, 2, 4, True, False)[0] * 2.0
 
     torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v),
-                               torch.ops.sage_patch.attn(q, k, v, None, False, True, 0.125, 2, 4, True, 0, False)[0] * 2.0)
+                               torch.ops.sage_patch.attn(q, k, v, None, False, True, 0.125, 2, 4, True, False)[0] * 2.0)
 
 
 def test_4b_deterministic_and_routed():

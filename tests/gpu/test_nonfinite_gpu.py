@@ -271,7 +271,7 @@ def test_kernel_nonfinite(c: Case):
 
     def impl_check(fails):
         q = torch.empty(1, device=DEV)
-        impl = K.impl_for(q, c.pv, c.precision)
+        impl = K.variant_for(q, c.pv, c.precision).name
         want = K.IMPL_WGMMA if c.pv == "wgmma" else (K.IMPL_FP16PV if c.pv == "fp16" else K.IMPL_FP8PV)
         if impl != want:
             fails.append(f"ran {impl}, expected {want}")

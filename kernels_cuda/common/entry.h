@@ -1,0 +1,19 @@
+// Host entry points of the kernel families, one translation unit each (portable/launch.cu for sm_80..sm_90a,
+// hopper/launch.cu for sm_90a only), called by the C ABI (sage_api.cu) after it has checked the parameters.
+#pragma once
+#include "../sage_kernels.h"
+#include <cuda_runtime.h>
+
+namespace sage {
+
+// the mma.sync path: kernel ids SAGE_KERNEL_MMA_*
+int64_t portable_workspace_bytes(const SageAttnParams& p);
+int portable_fwd(const SageAttnParams& p, cudaStream_t st);
+int portable_q_group_rows(int head_dim);
+
+// the Hopper path (SAGE_KERNEL_WGMMA_FP8): defined only when the build has sm_90a (SAGE_WITH_HOPPER)
+bool hopper_supported(const SageAttnParams& p);
+int64_t hopper_workspace_bytes(const SageAttnParams& p);
+int hopper_fwd(const SageAttnParams& p, cudaStream_t st);
+
+}  // namespace sage

@@ -1,0 +1,421 @@
+// Hopper path: the pre-passes. Sampled K/V statistics (means, V's base scale) and the K/V quantization pass that
+// writes K - mean -> INT8 and V - mean -> FP8 in the exact shared-memory image of one 128-key block.
+#pragma once
+#include "traits.cuh"
+#include "../common/quant.cuh"
+#include "../common/ptx.cuh"
+
+namespace sage {
+
+// ------------------------------------------------------------------------------------------------------------------
+// Pre-pass: one CTA per (128-key block, kv-head, batch). Each thread owns 4 keys and 8 channels: owner o = tid / (D/8)
+// (0..31) holds the keys of V^T slots 4o..4o+3 (hop_kv_key), so per channel its 4 e4m3 bytes are one 32-bit word of the
+// V^T image (one shared store per channel instead of 4 byte stores and their shifts), and its 4 keys are in one K
+// scale group (Grouping(128, 8, 2): group (key % 8) / 2 = o % 4, one running max). A key row is read by D/8 adjacent
+// lanes, 16 bytes each, so every warp load covers whole rows (256 or 128 contiguous bytes per row).
+__host__ __device__ constexpr int hop_kv_threads(int D) { return 4 * D; }  // 32 owners x D / 8 lanes
+// 64 registers per thread: 2 CTAs per SM at D = 128, 4 at D = 64
+__host__ __device__ constexpr int hop_kv_ctas(int D) { return 1024 / hop_kv_threads(D); }
+// block-local key of owner o's load i: V^T slot 4o + i (hop_slot_of_key: slot bits 0, 1, 2-3, 4 = key bits 0, 3, 1-2, 4)
+__host__ __device__ constexpr int hop_kv_key(int o, int i) {
+    return 32 * (o >> 3) + 16 * ((o >> 2) & 1) + 2 * (o & 3) + (i & 1) + 8 * (i >> 1);
+}
+__host__ __device__ constexpr bool hop_kv_keys_ok() {  // (checked at compile time)
+    for (int o = 0; o < 32; ++o)
+        for (int i = 0; i < 4; ++i) {
+            const int k = hop_kv_key(o, i);
+            if ((k & ~31) + hop_slot_of_key(k & 31) != 4 * o + i) return false;
+        }
+    return true;
+}
+static_assert(hop_kv_keys_ok(), "owner o's keys are V^T slots 4o..4o+3");
+// V's quantized value before the e4m3 rounding: one FFMA, v (1 / scale) + (-mean / scale) with the shift precomputed
+__device__ __forceinline__ float hop_kv_vq(float v, float inv, float shift) { return fmaf(v, inv, shift); }
+// 8 raw values (16 bytes) -> floats; bf16 by shifts (exact, as __bfloat1622float2, but without the temporaries that
+// made the bf16 pre-pass spill at 64 registers)
+template <typename T> __device__ __forceinline__ void raw8_to_float(const uint4& u, float (&x)[8]) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            x[2 * i] = __uint_as_float(w[i] << 16);
+            x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    } else {
+        Vec8<T>::load(reinterpret_cast<const T*>(&u), x);
+    }
+}
+// 2 raw values (one 32-bit word) -> floats
+template <typename T> __device__ __forceinline__ float2 raw2_to_float(uint32_t w) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+        return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    } else {
+        return __half22float2(*reinterpret_cast<const __half2*>(&w));
+    }
+}
+// ------------------------------------------------------------------------------------------------------------------
+// Statistics from a sample, the Hopper path's only reduction over a whole head (it replaced a full stats pass that
+// read K and V once more: 15% of a 1K call). Exact means are not needed: any per-channel shift of K leaves the
+// softmax unchanged (q . mu is constant along a row; the LSE adds it back) and any mean subtracted from V is added
+// back exactly, so sampled means cost accuracy only through weaker smoothing. The V scale is a per-channel base
+// (kHopVHeadroom x the sample's max |V - mean|, floored) times a power of two per 128-key block (vfac, chosen by the
+// K/V pass from the block's own values), so no value saturates whatever the sample missed.
+// Sample: ns = min(kHopSample, skv) tokens t_i = floor(i skv / ns). One CTA per (b, kv-head); the reference
+// simulates it (SimConfig.stats_sample).
+constexpr int kHopSample = 128;
+constexpr float kHopVHeadroom = 8.f;        // base = headroom x sample max: blocks beyond it get vfac > 1
+constexpr float kHopVRelFloor = 1.f / 1024.f;  // a channel's base >= this x the largest channel's (bounds vfac)
+constexpr float kHopVAbsFloor = 1e-20f;
+constexpr int kHopVMaxExp = 64;             // vfac <= 2^64 (larger values saturate: |V| > ~1e3 x 2^64 x base)
+constexpr int kHopStatThreads = 256;
+template <int D, typename T>
+__global__ void __launch_bounds__(kHopStatThreads) hopper_sample_stats_kernel(SageAttnParams p, float* kmean,
+                                                                              float* vscale, float* vmean, int* zero,
+                                                                              int nzero) {
+    pdl_launch_dependents();
+    constexpr int LPK = D / 8, RPP = kHopStatThreads / LPK;  // lanes per row (8 channels each), rows per pass
+    __shared__ float red[4][RPP][D];  // per row slot: K sum, V sum, V max, V min
+    __shared__ float wmx[D / 32];
+    const int bh = blockIdx.x, b = bh / p.Hkv, h = bh % p.Hkv;
+    if (zero && bh == 0)  // the attention kernel's tile and split counters, reset in stream order
+        for (int i = threadIdx.x; i < nzero; i += kHopStatThreads) zero[i] = 0;
+    const int skv = len_k(p, b), ns = min(skv, kHopSample);
+    const int cc = threadIdx.x % LPK, rr = threadIdx.x / LPK;
+    const T* kb = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok0_k(p, b) * p.k_ss + 8 * cc;
+    const T* vb = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok0_k(p, b) * p.v_ss + 8 * cc;
+    float ks[8], vs[8], vmx[8], vmn[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { ks[e] = 0.f; vs[e] = 0.f; vmx[e] = -INFINITY; vmn[e] = INFINITY; }
+    constexpr int NI = kHopSample / RPP;
+    uint4 kr[NI], vr[NI];
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {  // all loads in flight first
+        const int j = rr + RPP * i;
+        const int64_t t = j < ns ? (int64_t)j * skv / ns : 0;
+        kr[i] = j < ns ? *reinterpret_cast<const uint4*>(kb + t * p.k_ss) : make_uint4(0u, 0u, 0u, 0u);
+        vr[i] = j < ns ? *reinterpret_cast<const uint4*>(vb + t * p.v_ss) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+        if (rr + RPP * i >= ns) break;
+        float x[8], y[8];
+        raw8_to_float<T>(kr[i], x);
+        raw8_to_float<T>(vr[i], y);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            ks[e] += x[e]; vs[e] += y[e]; vmx[e] = fmax_nan(vmx[e], y[e]); vmn[e] = fmin_nan(vmn[e], y[e]);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        red[0][rr][8 * cc + e] = ks[e]; red[1][rr][8 * cc + e] = vs[e];
+        red[2][rr][8 * cc + e] = vmx[e]; red[3][rr][8 * cc + e] = vmn[e];
+    }
+    __syncthreads();
+    if (threadIdx.x >= D) return;
+    const int d = threadIdx.x;
+    float sk = 0.f, sv = 0.f, mx = -INFINITY, mn = INFINITY;
+    for (int j = 0; j < RPP; ++j) {
+        sk += red[0][j][d]; sv += red[1][j][d]; mx = fmax_nan(mx, red[2][j][d]); mn = fmin_nan(mn, red[3][j][d]);
+    }
+    const float km = ns > 0 ? sk / (float)ns : 0.f;
+    const float vm = ns > 0 && p.smooth_v ? sv / (float)ns : 0.f;
+    // max |V - vm| over the sample, exactly (rounding is monotone); 0 for an empty sequence
+    const float a = ns > 0 ? fmax_nan(0.f, fmax_nan(mx - vm, vm - mn)) : 0.f;
+    float am = a;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, o));
+    if ((d & 31) == 0) wmx[d >> 5] = am;
+    asm volatile("bar.sync 1, %0;\n" ::"n"(D) : "memory");  // the D threads still running
+    am = wmx[0];
+#pragma unroll
+    for (int w = 1; w < D / 32; ++w) am = fmax_nan(am, wmx[w]);
+    // a non-finite sampled value: NaN base (every V value of the head then quantizes to NaN, see hopper_quant_kv_kernel)
+    const float base = finite_or_nan(fmax_nan(fmax_nan(kHopVHeadroom * a, kHopVHeadroom * am * kHopVRelFloor),
+                                              kHopVAbsFloor)) / kFp8Max;
+    kmean[(int64_t)bh * D + d] = km;
+    vmean[(int64_t)bh * D + d] = vm;
+    vscale[(int64_t)bh * D + d] = base;
+}
+
+// ---- the K/V pass's pieces (small functor structs bound to the kernel's registers and shared memory)
+
+// offset of the owner's key i (keys c0 + {0, 1, 8, 9}) in elements, from the token stride
+struct HopKvKeyOff {
+    __device__ __forceinline__ int64_t operator()(int i, int64_t ss) const { return (i & 1 ? ss : 0) + (i >> 1 ? 8 * ss : 0); }
+};
+// quantity q (0 K mean, 1 1 / V scale, 2 V shift) of the lane's 8 channels, from the staged float4 table
+template <int LPK>
+struct HopKvChan {
+    const float4 (&skc)[3][2][LPK];
+    const int& cc;
+    __device__ __forceinline__ void operator()(int q, float (&x)[8]) const {
+        const float4 a = skc[q][0][cc], bq = skc[q][1][cc];
+        x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = bq.x; x[5] = bq.y; x[6] = bq.z; x[7] = bq.w;
+    }
+};
+// whether the owner's key i is inside the sequence (partial blocks), or always (full blocks)
+struct HopKvValid {
+    const int& kbase;
+    const int& o;
+    const int& skv;
+    __device__ __forceinline__ bool operator()(int i) const { return kbase + hop_kv_key(o, i) < skv; }
+};
+struct HopKvAlways {
+    __device__ __forceinline__ bool operator()(int) const { return true; }
+};
+// byte offset of the owner's word of channel d0 + e in the V^T image
+struct HopKvVaddr {
+    const int (&vaddr)[2];
+    __device__ __forceinline__ int operator()(int e) const { return vaddr[e & 1] + (e >> 1) * 8 * kHopBN; }
+};
+// V: e4m3 bytes of (V - mean) / (base vmul^-1) of the owner's 4 keys into the V^T image (raw(i): the owner's 16 bytes
+// of key i; ok(i): key i inside the sequence); returns nonzero if a byte is +-448 or NaN (possibly saturated)
+template <int D, typename T>
+struct HopKvQuantV {
+    const HopKvChan<D / 8>& chan;
+    uint8_t (&vt)[D * kHopBN];
+    const HopKvVaddr& vaddr_of;
+    const int& rot;
+    template <typename Raw, typename Ok>
+    __device__ __forceinline__ uint32_t operator()(Raw raw, float vmul, Ok ok) const {
+        uint32_t sat = 0u;
+        float vi[8], vs[8];
+        chan(1, vi);
+        chan(2, vs);
+        uint4 u[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) u[i] = raw(i);  // (each reload is one load)
+#pragma unroll
+        for (int pp = 0; pp < 4; ++pp) {  // channels d0 + 2 pp, + 1
+            float2 y[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                y[i] = raw2_to_float<T>(pp == 0 ? u[i].x : pp == 1 ? u[i].y : pp == 2 ? u[i].z : u[i].w);
+            uint32_t wd[2];
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                const int e = 2 * pp + s;
+                const float m = vi[e] * vmul, a = vs[e] * vmul;  // exact: vmul = 2^-k
+                float z[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float x = s ? y[i].y : y[i].x;
+                    z[i] = ok(i) ? hop_kv_vq(x, m, a) : 0.f;
+                }
+                wd[s] = cvt_e4m3x4(z[0], z[1], z[2], z[3]);
+                // a byte's magnitude bits >= 0x7e (448, or NaN): + 2 sets its bit 7 (no carry into the next byte)
+                sat |= ((wd[s] & 0x7f7f7f7fu) + 0x02020202u) & 0x80808080u;
+            }
+            *reinterpret_cast<uint32_t*>(vt + vaddr_of(2 * pp)) = rot ? wd[1] : wd[0];
+            *reinterpret_cast<uint32_t*>(vt + vaddr_of(2 * pp + 1)) = rot ? wd[0] : wd[1];
+        }
+        return sat;
+    }
+};
+// the owner's raw V of key i: from the first load's registers, or reloaded (from L2)
+struct HopKvFirst {
+    const uint4 (&vraw)[4];
+    __device__ __forceinline__ uint4 operator()(int i) const { return vraw[i]; }
+};
+template <typename T>
+struct HopKvReload {
+    const HopKvValid& valid;
+    const T* const& vsrc;
+    const HopKvKeyOff& key_off;
+    const SageAttnParams& p;
+    __device__ __forceinline__ uint4 operator()(int i) const {
+        return valid(i) ? *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+};
+// K - mean of the owner's keys kept in registers (padded keys: 0, they load as 0 and |0 - mean| must not count) and
+// its running |max|
+template <int D, typename T>
+struct HopKvKdiff {
+    const HopKvChan<D / 8>& chan;
+    const uint4 (&kraw)[4];
+    float (&kd)[4][8];
+    float& am;
+    template <typename Ok>
+    __device__ __forceinline__ void operator()(Ok ok) const {
+        float m[8];
+        chan(0, m);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float x[8];
+            raw8_to_float<T>(kraw[i], x);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                kd[i][e] = ok(i) ? x[e] - m[e] : 0.f;
+                am = fmax_nan(am, fabsf(kd[i][e]));
+            }
+        }
+    }
+};
+
+template <int D, typename T>
+__global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quant_kv_kernel(SageAttnParams p,
+        const float* kmean, const float* vscale, const float* vmean, int8_t* kimg, float* kscale, uint8_t* vimg,
+        float* vfac, int* kmflag, int nkb) {
+    constexpr int NT = hop_kv_threads(D), LPK = D / 8;  // threads, lanes per key row
+    static_assert(kHopBN == 128 && NT / LPK == 32, "32 owners of 4 keys");
+    // per-channel K mean, 1 / V scale and V's shift (-mean / scale, or the mean) as float4 [quantity][half][lane
+    // chunk]: a lane's 8 channels are two LDS.128 without bank conflicts
+    __shared__ float4 skc[3][2][LPK];
+    __shared__ float omax[32], gscale[9];
+    __shared__ __align__(16) uint8_t vt[D * kHopBN];  // the V^T block image, copied out linearly at the end
+    pdl_wait();
+    pdl_launch_dependents();
+    // grid (block, kv-head, batch): no division for the head index
+    const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z, bh = b * p.Hkv + h;
+    const int skv = len_k(p, b);
+    if (kb > 0 && kb * kHopBN >= skv) return;  // varlen: past this sequence's end (never read)
+    const int o = threadIdx.x / LPK, cc = threadIdx.x % LPK, d0 = 8 * cc;  // owner, its lane's 8 channels
+    const int kbase = kb * kHopBN;
+    const bool full = kbase + kHopBN <= skv;  // CTA-uniform: no per-value validity selects
+    // the owner's keys c0 + {0, 1, 8, 9}: one 64-bit address product, the others by adds
+    const int c0 = hop_kv_key(o, 0);
+    const int64_t tok = tok0_k(p, b) + kbase + c0;
+    const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + d0;
+    const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + d0;
+    HopKvKeyOff key_off{};
+    uint4 kraw[4], vraw[4];  // all loads in flight before any use (raw: half the registers of floats)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (kbase + hop_kv_key(o, i) < skv) {
+            kraw[i] = *reinterpret_cast<const uint4*>(ksrc + key_off(i, p.k_ss));
+            vraw[i] = *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss));
+        } else {
+            kraw[i] = make_uint4(0u, 0u, 0u, 0u);
+            vraw[i] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    if (threadIdx.x < D) {  // (after the loads are issued: these are small L2 reads)
+        const int d = threadIdx.x;
+        float* kc = reinterpret_cast<float*>(skc) + ((d >> 2) & 1) * LPK * 4 + (d >> 3) * 4 + (d & 3);
+        const float vi = 1.f / vscale[(int64_t)bh * D + d];  // the sampled base scale (> 0: floored)
+        const float vm = vmean[(int64_t)bh * D + d];         // 0 without smooth V
+        kc[0] = kmean[(int64_t)bh * D + d];
+        kc[2 * LPK * 4] = vi;
+        kc[4 * LPK * 4] = -vm * vi;
+    }
+    __syncthreads();
+    HopKvChan<LPK> chan{skc, cc};  // quantity q (0 K mean, 1 1 / V scale, 2 V shift) of the lane's channels
+    HopKvValid valid{kbase, o, skv};
+    HopKvAlways always{};
+    // V: e4m3 bytes of (V - mean) / (base vfac) into the V^T image, first with vfac = 1 (returning nonzero if a byte
+    // is +-448 or NaN: possibly saturated), again with the block's vfac if one is. Channel d's word (the owner's 4
+    // keys) goes to row hop_vcol(d), bytes 4o..4o+3. Rows hop_vcol(8 cc + e) of a store fall on 4 of the 8 16-byte
+    // bank groups; lanes with (cc / 4) odd store the odd channel of each pair first, which spreads them over 8.
+    const int rot = (cc >> 2) & 1;
+    // hop_img_off(row, 4o, 128) = (row * 128 | (row % 8) * 16) ^ 4o; row = hop_vcol(d0 + c) for c = 2 pp + s is
+    // (s ^ rot) | ((cc % 4) << 1) | (pp << 3) | ((cc / 4) << 5): pp only adds pp * 1024
+    int vaddr[2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const int row = hop_vcol(d0 + (s ^ rot));
+        vaddr[s] = (row * kHopBN | ((row & 7) << 4)) ^ (4 * o);
+    }
+    HopKvVaddr vaddr_of{vaddr};
+    HopKvQuantV<D, T> quant_v{chan, vt, vaddr_of, rot};
+    HopKvFirst first{vraw};
+    const uint32_t sat = full ? quant_v(first, 1.f, always) : quant_v(first, 1.f, valid);
+    // K - mean kept in registers for the quantization after the group maxima
+    float kd[4][8];
+    float am = 0.f;
+    HopKvKdiff<D, T> kdiff{chan, kraw, kd, am};
+    if (full) kdiff(always); else kdiff(valid);
+#pragma unroll
+    for (int s = LPK / 2; s > 0; s >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, s));
+    if (cc == 0) omax[o] = am;
+    // key-padding mask: one flag per (batch, block), "some key of this block is masked", so the attention kernel
+    // masks (reads the mask) only in those blocks
+    if (p.kmask) {
+        const int masked = threadIdx.x < kHopBN && kbase + (int)threadIdx.x < skv &&
+                           p.kmask[(int64_t)b * p.kmask_sb + kbase + threadIdx.x] == 0;
+        const int any_masked = __syncthreads_or(masked);
+        if (h == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
+    }
+    const int any_sat = __syncthreads_or(sat != 0u);
+    const int64_t blk = (int64_t)bh * nkb + kb;
+    if (threadIdx.x < 4) {  // group g: owners g, g + 4, ..., g + 28; scales and inverses once
+        const int g = threadIdx.x;
+        float m = 0.f;
+#pragma unroll
+        for (int r = 0; r < 8; ++r) m = fmax_nan(m, omax[g + 4 * r]);
+        const float sc = finite_or_nan(m) / 127.f;  // non-finite group: NaN scale, the scores using it are NaN
+        gscale[g] = sc;
+        gscale[4 + g] = sc > 0.f ? 1.f / sc : 0.f;
+        kscale[blk * 4 + g] = sc;
+    }
+    if (threadIdx.x == 4 && !any_sat) vfac[blk] = 1.f;  // else set below
+    __syncthreads();
+    // K: 8 channels of a key = 8 bytes of its image row
+    int8_t* kdst = kimg + blk * kHopBN * D;
+    {
+        const float sc = gscale[o & 3], inv = gscale[4 + (o & 3)];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            uint32_t w[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                uint32_t bt[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) bt[e] = quant_i8_bits(kd[i][4 * q + e], sc, inv);
+                w[q] = pack_low_bytes(bt[0], bt[1], bt[2], bt[3]);
+            }
+            *reinterpret_cast<uint2*>(kdst + hop_img_off(hop_kv_key(o, i), d0, D)) = make_uint2(w[0], w[1]);
+        }
+    }
+    if (any_sat) {  // rare (a value beyond the sampled range): V reloaded (from L2) here, where K's registers are
+        // free; vfac = 2^e, the least e >= 0 with max |V - mean| / base <= 448 vfac (e <= kHopVMaxExp). A
+        // non-finite value in the block (NaN, or Inf, which the first pass saturated to 448: both flag the block)
+        // makes the maximum NaN: the block is requantized with a NaN factor, so its V^T image is NaN and so are
+        // P~V and O of every row that runs the block (vfac itself stays a power of two: the attention kernel
+        // divides by it with integer arithmetic on the exponent)
+        HopKvReload<T> reload{valid, vsrc, key_off, p};
+        float r = 0.f;
+        {
+            float vi[8], vs[8];
+            chan(1, vi);
+            chan(2, vs);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float y[8];
+                raw8_to_float<T>(reload(i), y);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float z = hop_kv_vq(y[e], vi[e], vs[e]);
+                    r = valid(i) ? fmax_nan(r, fabsf(z)) : r;
+                }
+            }
+        }
+#pragma unroll
+        for (int s = 16; s > 0; s >>= 1) r = fmax_nan(r, __shfl_xor_sync(0xffffffffu, r, s));
+        if ((threadIdx.x & 31) == 0) omax[threadIdx.x >> 5] = r;  // (omax was last read before the barrier above)
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            r = 0.f;
+#pragma unroll
+            for (int w = 0; w < NT / 32; ++w) r = fmax_nan(r, omax[w]);
+            r = finite_or_nan(r);
+            int e = 0;
+            if (r > kFp8Max) {  // (false for NaN)
+                const uint32_t u = __float_as_uint(r / kFp8Max);  // >= 1
+                e = min((int)(u >> 23) - 127 + ((u & 0x7fffffu) != 0u), kHopVMaxExp);
+            }
+            vfac[blk] = __uint_as_float((uint32_t)(127 + e) << 23);
+            gscale[8] = r == r ? __uint_as_float((uint32_t)(127 - e) << 23) : r;  // NaN: the block's V^T image NaN
+        }
+        __syncthreads();
+        quant_v(reload, gscale[8], valid);  // rewrites this thread's own image words
+    }
+    __syncthreads();  // the V^T image complete
+    // V^T image out: 16-byte chunks, linear (the staging is already in the image layout)
+    uint8_t* vdst = vimg + blk * kHopBN * D;
+#pragma unroll
+    for (int i = threadIdx.x; i < D * kHopBN / 16; i += NT)
+        reinterpret_cast<uint4*>(vdst)[i] = reinterpret_cast<const uint4*>(vt)[i];
+}
+
+}  // namespace sage

@@ -1,0 +1,85 @@
+// Hopper path: the persistent tile scheduler. Work items (whole tiles, then the parts of split tail tiles), their
+// order over (batch, head, q-block), and the host-side split-tail plan that sizes them.
+#pragma once
+#include "traits.cuh"
+
+namespace sage {
+
+inline int hop_num_sms(int dev) {
+    static int cache[64] = {};
+    if (dev >= 0 && dev < 64 && cache[dev] > 0) return cache[dev];
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 132;
+    if (dev >= 0 && dev < 64) cache[dev] = n;
+    return n;
+}
+
+// Split tail. The persistent grid (one CTA per SM) runs equal non-causal tiles in waves; the ntiles mod nsm tiles of
+// the last wave leave the other SMs idle for a whole tile (Flux, B=1 H=24 N=4608: 576 tiles on 132 SMs, the 5th wave
+// 36% full). Those tiles are split along the keys into `parts` items of consecutive 128-key blocks, each on its own
+// CTA: an item writes its rows' normalised partial output and log2 row sum to the workspace, and the last of a
+// tile's parts to finish (a counter per tile and consumer) combines them in part order (deterministic) and stores
+// the output. Not for causal (heavy-first order already balances), varlen or LSE calls. Items: tiles 0 .. nfull - 1
+// whole, then the parts of tiles nfull .. ntiles - 1 (a tile's parts consecutive).
+constexpr int kHopMinPartBlocks = 4;      // a part's fixed costs (Q prologue, epilogue, combine) ~ 2 blocks
+constexpr int kHopMaxParts = 4;           // (HopWs::pkb); also the default of SageAttnParams.hop_split_max
+struct HopPlan { int nqb, ntiles, nsplit, parts, nitems; };
+inline HopPlan hop_plan(const SageAttnParams& p) {
+    const int nwg = hop_nwg(p.D), bm = hop_bm(nwg), nsm = hop_num_sms(p.device);
+    const int nkb = (p.Skv + kHopBN - 1) / kHopBN;
+    HopPlan P;
+    P.nqb = (p.Sq + bm - 1) / bm;
+    P.ntiles = P.nqb * p.B * p.Hq;
+    P.nsplit = 0;
+    P.parts = 1;
+    const int rem = P.ntiles % nsm;
+    const int split_max = p.hop_split_max > 0 ? p.hop_split_max : kHopMaxParts;  // most parts per tile (1: no split)
+    if (!p.causal && !p.cu_seqlens_q && !p.lse && rem > 0) {
+        int parts = nsm / rem < split_max ? nsm / rem : split_max;
+        parts = parts < kHopMaxParts ? parts : kHopMaxParts;
+        parts = nkb / kHopMinPartBlocks < parts ? nkb / kHopMinPartBlocks : parts;
+        if (parts >= 2) { P.nsplit = rem; P.parts = parts; }
+    }
+    P.nitems = P.ntiles + P.nsplit * (P.parts - 1);
+    return P;
+}
+// Persistent tile order: (batch, head) outer, q-blocks inner from the last (longest causal rows) to the first: the
+// CTAs running at the same time work on the same few heads, so each K/V block comes from HBM once and then from L2
+// (with (batch, head) inner, 132 CTAs stream 132 different heads' K/V: at B=4 H=32 N>=4K that working set is larger
+// than L2 and the kernel re-reads K/V from HBM per q-block). Heads sharing K/V (GQA) are adjacent.
+// Dynamic: after its first tile (blockIdx.x) a CTA takes the next unclaimed tile from a global counter (the producer
+// thread, one atomic per tile, ahead of the consumers), so CTAs that drew short causal tiles take more of them.
+struct HopTile { int b, h, qb; };
+__device__ __forceinline__ HopTile hop_tile(int t, int /*B*/, int Hq, int nqb) {
+    const int bh = t / nqb;
+    return HopTile{bh / Hq, bh % Hq, nqb - 1 - t % nqb};
+}
+__device__ __forceinline__ int hop_num_kv_blocks(const SageAttnParams& p, int q0, int bm, int sq, int skv) {
+    int kv_end = skv;
+    if (p.causal) kv_end = min(kv_end, q0 + bm + (skv - sq));
+    return kv_end > 0 ? (kv_end + kHopBN - 1) / kHopBN : 0;
+}
+struct HopWs {
+    const int8_t* kimg; const float* kscale; const uint8_t* vimg; const float* vscale; const float* vfac;
+    const float* kmean; const float* vmean; const int* kmflag; int* tilectr; int nkb; int nqb;
+    float4* part; int* splitctr;  // split tail (hop_plan): partials, arrival counters
+    int nitems, nfull, parts;     // work items; items < nfull are whole tiles
+    uint32_t pmul;                // ceil(2^32 / parts): u / parts as one multiply-high (no division per tile)
+    int pkb[kHopMaxParts + 1];    // part j of a split tile: blocks pkb[j] .. pkb[j + 1] - 1 (their nkb is w.nkb)
+};
+// work item -> tile, and for a part of a split tile its index among the split tiles (else -1) and part number
+struct HopItem { int tile, split, part; };
+__device__ __forceinline__ HopItem hop_item(int t, const HopWs& w) {
+    if (t < w.nfull) return HopItem{t, -1, 0};
+    const int u = t - w.nfull, sp = (int)__umulhi((uint32_t)u, w.pmul);
+    return HopItem{w.nfull + sp, sp, u - sp * w.parts};
+}
+// blocks [kb0, kb1) of an item whose tile has nkb blocks
+__device__ __forceinline__ int hop_part_kb0(const HopItem& it, const HopWs& w) {
+    return it.split < 0 ? 0 : w.pkb[it.part];
+}
+__device__ __forceinline__ int hop_part_kb1(const HopItem& it, int nkb, const HopWs& w) {
+    return it.split < 0 ? nkb : w.pkb[it.part + 1];
+}
+
+}  // namespace sage

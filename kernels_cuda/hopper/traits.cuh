@@ -1,0 +1,99 @@
+// sage_patch Hopper (sm_90a) "8b" attention: INT8 wgmma for Q K^T, FP8 wgmma for P~ V, warp-specialized.
+// This file: the kernel's traits (warpgroups, stages, block sizes), its operand image layouts and shared memory.
+//
+// Structure (one CTA per SM, persistent over (batch, head, q-block) tiles, q-blocks of a head together (hop_tile),
+// taken from a global counter after the first (tile_scheduler.cuh)):
+//   warpgroup 0  producer: one thread streams pre-quantized K and V^T blocks with cp.async.bulk into an NSTAGE ring
+//                of shared-memory stages (mbarriers: full = bytes landed, empty = both consumers done with it);
+//   warpgroups 1..NWG  consumers (hop_nwg: 3 at D = 128, 4 at D = 64), 64 query rows each (CTA tile 64 NWG rows),
+//                each runs its blocks serially while the others keep the tensor cores busy; quantize their Q rows in the prologue
+//                (per-thread groups Grouping(16, 8, 1), written straight into the wgmma operand layout), then per
+//                128-key block: S = wgmma s8 (Q from smem, K from smem), online softmax in fp32, P~ = e4m3(448 p)
+//                in registers, block = wgmma e4m3 (P~ from registers, V^T from smem) in its own accumulator,
+//                O = O * alpha + block (two-level accumulation), then the stage is released.
+// Pre-pass (hopper_quant_kv_kernel, after hopper_sample_stats_kernel: means and V's base scale from 128 sampled
+// tokens): K - mean(K) -> INT8 with Grouping(128, 8, 2) scales and V - mean -> FP8 with the per-channel base scale
+// times a power of two per block, both written in the exact shared-memory image of one 128-key block (the swizzled
+// K-major layout of wgmma, hop_img_off), so the producer copies each block with one bulk copy, no tensor maps.
+//
+// Launches (hop_launch): sample statistics, then the K/V pre-pass and the attention kernel with programmatic
+// dependent launch (each waits in pdl_wait() before touching global memory; their launch and set-up overlap the
+// previous kernel's end).
+//
+#pragma once
+#include "../common/params.cuh"
+
+namespace sage {
+
+constexpr int kHopBN = 128;        // keys per block (one wgmma N for S; four k32 steps for P~V)
+// consumer warpgroups per CTA (64 query rows each; CTA tile 64 NWG rows, 128 (NWG + 1) threads) per head dim.
+// NWG >= 3 runs each warpgroup's blocks serially (S, softmax, P~V, merge: S and the P~V block never live together,
+// so 160 registers (3 consumers) or 112 (4, D = 64) hold it; at D = 128 P~V in two column halves) and relies on the
+// other warpgroups to keep the tensor cores busy; NWG = 2 overlaps S(kb) with P~V(kb-1) inside the warpgroup (~230
+// registers). H200, same-run A/B (device run 15): D = 128 3 vs 2: +4% at 1K, +7% at 2K, +5% at 16K; D = 64 4 vs 2:
+// +13-14% (3: +7-11%); bitwise identical outputs.
+__host__ __device__ constexpr int hop_nwg(int D) { return D == 64 ? 4 : 3; }
+__host__ __device__ constexpr int hop_bm(int nwg) { return 64 * nwg; }          // query rows per CTA tile
+__host__ __device__ constexpr int hop_threads(int nwg) { return 128 * (nwg + 1); }  // + the producer warpgroup
+constexpr int kHopStages = 3;  // K/V shared-memory ring stages
+// the producer hands tile indices to the consumers through a small mbarrier ring in shared memory (it runs up to
+// kHopStages blocks ahead, so possibly several tiles)
+constexpr int kHopTileRing = 4;
+
+// P~V accumulator columns: D, plus 8 columns (V^T rows of e4m3 ones) that hold the row sums of P~: the tensor cores
+// sum exactly the quantized P~ the output is made of (one FADD per score less; the output normalised by the sum of
+// its own weights is more accurate, docs/benchmarks.md), all 8 columns equal.
+__host__ __device__ constexpr int hop_pv_n(int D) { return D + 8; }
+
+// Shared-memory images of the wgmma operands (Q, K blocks, V^T blocks), K-major, rows of kbytes (64 or 128) bytes,
+// stored one after the other, the 16-byte chunks of row r XOR-permuted by r's place in its 8-row atom (wgmma's
+// 128B / 64B swizzle modes, atoms of 8 * kbytes bytes).
+__host__ __device__ constexpr int hop_img_off(int r, int c, int kbytes) {
+    return r * kbytes + ((((c >> 4) ^ (kbytes == 128 ? (r & 7) : ((r >> 1) & 3)))) << 4) + (c & 15);
+}
+// V^T slot of key k within its 32-key group: slot s holds key 16(s/16) + 8((s%4)/2) + 2((s%16)/4) + s%2, the order in
+// which the S accumulator fragment of a lane is directly the A fragment of P~ (same rule as quant_v_kernel)
+__host__ __device__ constexpr int hop_slot_of_key(int k) {
+    return (k & 16) | (k & 1) | (((k >> 3) & 1) << 1) | (((k >> 1) & 3) << 2);
+}
+
+// V channel order in the P~V accumulator: column j (in the wgmma layout lane t4 holds columns 8i + 2 t4, +1) carries
+// channel hop_vcol(j), bit fields [1:2] and [3:4] swapped, so that lane t4's 32 values of a row are the channels
+// 8 (4c + t4) .. + 7 for c = 0..D/32-1: 16 contiguous bytes of output per c, stored with one 16-byte store (the
+// natural order needs four 4-byte stores, each touching 8 rows' lines: the epilogue was bound by them). An
+// involution: V^T row hop_vcol(d) holds channel d.
+__host__ __device__ constexpr int hop_vcol(int j) { return (j & ~0x1E) | ((j >> 2) & 6) | ((j << 2) & 0x18); }
+
+template <int D, int NWG>
+struct HopSmem {
+    static constexpr int QBYTES = 64 * D;          // per consumer warpgroup
+    static constexpr int KBYTES = kHopBN * D;      // one K block image
+    static constexpr int VBYTES = kHopBN * D;      // one V^T block image (what the producer copies)
+    static constexpr int ONES = (hop_pv_n(D) - D) * kHopBN;  // + 8 rows of e4m3 ones below it (row sums), set once
+    static constexpr int VSTRIDE = VBYTES + ONES;
+    static constexpr int Q_OFF = 0;
+    static constexpr int K_OFF = NWG * QBYTES;
+    static constexpr int V_OFF = K_OFF + kHopStages * KBYTES;
+    static constexpr int EPI_OFF = V_OFF + kHopStages * VSTRIDE;  // V scale, V mean, K mean per consumer x tile parity
+    static constexpr int EPI_FLOATS = 3 * D;
+    static constexpr int BAR_OFF = EPI_OFF + NWG * 2 * EPI_FLOATS * 4;
+    static constexpr int TBAR_OFF = BAR_OFF + 2 * kHopStages * 8;  // tile ring: full / empty mbarriers
+    static constexpr int TILE_OFF = TBAR_OFF + 2 * kHopTileRing * 8;  // tile ring: tile indices
+    static constexpr int FLAG_OFF = TILE_OFF + kHopTileRing * 4;  // per consumer: its split counter's old value
+    static constexpr int TOTAL = FLAG_OFF + NWG * 4 + 1024;  // + slack to align the images to 1024 bytes
+    static_assert(TOTAL < (1 << 18), "descriptor low words (hop_desc_step) assume shared addresses < 2^18");
+};
+
+// everything a head dim fixes, in one place
+template <int D_>
+struct HopTraits {
+    static constexpr int D = D_;
+    static constexpr int NWG = hop_nwg(D);           // consumer warpgroups
+    static constexpr int BM = hop_bm(NWG);           // query rows per CTA tile
+    static constexpr int BN = kHopBN;                // keys per block
+    static constexpr int THREADS = hop_threads(NWG);
+    static constexpr int STAGES = kHopStages;
+    using Smem = HopSmem<D, NWG>;
+};
+
+}  // namespace sage

@@ -1,0 +1,100 @@
+// The portable mma.sync path, one translation unit compiled for every target (sm_80, 86, 89, 90a): the attention
+// kernel's instantiations (head dim x P~V mode x dtype x Q/K mode) and the launch sequence pre-passes -> attention.
+#include "../common/entry.h"
+#include "prepass.cuh"
+#include "attn_body.cuh"
+
+namespace sage {
+
+template <int D, int PV, typename T, int QKM>
+__global__ void __launch_bounds__(kThreads, kAttnMinBlocks) attn_kernel(SageAttnParams p, AttnWs w) {
+    if constexpr (PV == PV_FP16 || kArchHasFp8) {
+        attn_body<D, PV, T, warp_rows(D), QKM>(p, w);
+    }
+    // FP8 P~V below sm_89: never launched (the host checks device_cc >= 89)
+}
+
+// ----------------------------------------------------------------------------------------------
+template <int D, typename T, int PV, int QKM>
+int launch_attn(const SageAttnParams& p, const AttnWs& w, cudaStream_t st) {
+    constexpr int WQ = warp_rows(D), BQ = 4 * WQ;
+    constexpr int smem = AttnSmem<D, PV, WQ, qk_row_bytes(D, QKM)>::TOTAL;
+    auto kern = attn_kernel<D, PV, T, QKM>;
+    const int dev = p.device;
+    if (smem > 48 * 1024) {  // dynamic shared-memory opt-in: once per kernel instantiation and device
+        static bool done[64] = {};
+        if (dev < 0 || dev >= 64 || !done[dev]) {
+            cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+            if (e != cudaSuccess) return (int)e;
+            if (dev >= 0 && dev < 64) done[dev] = true;
+        }
+    }
+    kern<<<dim3(w.sq_pad / BQ, p.Hq, p.B), kThreads, smem, st>>>(p, w);
+    return (int)cudaGetLastError();
+}
+
+template <int D, typename T, int PV>
+int launch_all(const SageAttnParams& p, cudaStream_t st) {
+    const Layout L = make_layout(p);
+    int8_t* qi8 = ws_at<int8_t>(p.workspace, L.qi8);
+    float* qscale = ws_at<float>(p.workspace, L.qscale);
+    float* qshift = ws_at<float>(p.workspace, L.qshift);
+    int8_t* ki8 = ws_at<int8_t>(p.workspace, L.ki8);
+    float* kscale = ws_at<float>(p.workspace, L.kscale);
+    float* kpart = ws_at<float>(p.workspace, L.kpart);
+    uint8_t* vt = ws_at<uint8_t>(p.workspace, L.vt);
+    float* vscale = ws_at<float>(p.workspace, L.vscale);
+    float* vpart = ws_at<float>(p.workspace, L.vpart);
+    float* kmean = ws_at<float>(p.workspace, L.kmean);
+    float* vmax = ws_at<float>(p.workspace, L.vmax);
+    float* vmean = ws_at<float>(p.workspace, L.vmean);
+    float* qmean = ws_at<float>(p.workspace, L.qmean);
+    float* ds = ws_at<float>(p.workspace, L.ds);
+    const int ns = (int)L.nsplit, sqp = (int)L.sq_pad, skp = (int)L.skv_pad, nqb = (int)L.nqb;
+    const int bhq = p.B * p.Hq, bhk = p.B * p.Hkv;
+    const bool q4 = p.qk_bits == 4;
+    const int do_v = (PV != PV_FP16 || p.smooth_v) ? 1 : 0;
+
+    stats_kernel<D, T><<<dim3(ns, bhk, 1 + do_v), kThreads, 0, st>>>(p, kpart, vpart, ns);
+    constexpr int WQ = warp_rows(D), BQ = 4 * WQ;
+    finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, kpart, vpart, ns, kmean, vmax, vmean, do_v);
+    quant_q_kernel<D, T, WQ><<<dim3(sqp / BQ, bhq), kThreads, 0, st>>>(p, qi8, qscale, qshift, qmean, kmean, sqp);
+    quant_k_kernel<D, T><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, kmean, ki8, kscale, skp);
+    quant_v_kernel<D, T, PV><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, vmax, vmean, vt, vscale, skp);
+    if (q4) delta_s_kernel<D, T><<<dim3(skp / kBK, bhq), kThreads, 0, st>>>(p, kmean, qmean, ds, nqb, BQ, skp);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return (int)e;
+
+    const AttnWs w{qi8, qscale, qshift, ki8, kscale, vt, vscale, vmean, ds, nqb, sqp, skp};
+    const int qkm = qk_mode(p);
+    if (qkm == QK_I4_MMA) return launch_attn<D, T, PV, QK_I4_MMA>(p, w, st);
+    if (qkm == QK_I4_I8) return launch_attn<D, T, PV, QK_I4_I8>(p, w, st);
+    return launch_attn<D, T, PV, QK_I8>(p, w, st);
+}
+
+template <int D, typename T>
+int dispatch_pv(const SageAttnParams& p, cudaStream_t st) {
+    const int pv = pv_of_kernel(p.kernel);
+    if (pv == PV_FP16) return launch_all<D, T, PV_FP16>(p, st);
+    if (pv == PV_FP8_F16) return launch_all<D, T, PV_FP8_F16>(p, st);
+    return launch_all<D, T, PV_FP8_MMA>(p, st);
+}
+
+template <typename T>
+int dispatch_d(const SageAttnParams& p, cudaStream_t st) {
+    if (p.D == 64) return dispatch_pv<64, T>(p, st);
+    if (p.D == 128) return dispatch_pv<128, T>(p, st);
+    return SAGE_E_HEADDIM;
+}
+
+int64_t portable_workspace_bytes(const SageAttnParams& p) { return make_layout(p).total; }
+
+int portable_fwd(const SageAttnParams& p, cudaStream_t st) {
+    if (p.dtype == 0) return dispatch_d<__half>(p, st);
+    if (p.dtype == 1) return dispatch_d<__nv_bfloat16>(p, st);
+    return SAGE_E_BADARG;
+}
+
+int portable_q_group_rows(int head_dim) { return warp_rows(head_dim); }
+
+}  // namespace sage

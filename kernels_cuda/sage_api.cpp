@@ -1,0 +1,94 @@
+// The C ABI of libsage_kernels.so (sage_kernels.h) and nothing else: argument checks, the current device, and the
+// dispatch of SageAttnParams.kernel to its kernel family (common/entry.h). Host code only.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "sage_kernels.h"
+#include "common/entry.h"
+
+#ifndef SAGE_ARCHS
+#define SAGE_ARCHS "unknown"
+#endif
+#ifndef SAGE_WITH_HOPPER  // 1 when the build has sm_90a and links hopper/launch.cu
+#define SAGE_WITH_HOPPER 0
+#endif
+
+#if !SAGE_WITH_HOPPER
+namespace sage {  // no sm_90a in this build: sage_attn_fwd refuses the Hopper kernel id before these are reached
+bool hopper_supported(const SageAttnParams&) { return false; }
+int64_t hopper_workspace_bytes(const SageAttnParams&) { return -1; }
+int hopper_fwd(const SageAttnParams&, cudaStream_t) { return SAGE_E_ARCH; }
+}  // namespace sage
+#endif
+
+namespace {
+
+bool is_qk4(int kernel) {
+    return kernel == SAGE_KERNEL_MMA_FP8_QK4 || kernel == SAGE_KERNEL_MMA_FP16_QK4 ||
+           kernel == SAGE_KERNEL_MMA_FP8F16_QK4;
+}
+bool needs_fp8(int kernel) { return kernel != SAGE_KERNEL_MMA_FP16 && kernel != SAGE_KERNEL_MMA_FP16_QK4; }
+// the caller's parameters plus the fields the library derives from them (qk_packed from the kernel id)
+SageAttnParams with_derived(const SageAttnParams& p) {
+    SageAttnParams q = p;
+    q.qk_packed = is_qk4(p.kernel) ? 1 : 0;
+    return q;
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t sage_attn_workspace_bytes(const SageAttnParams* p) {
+    if (!p) return -1;
+    if (p->kernel == SAGE_KERNEL_WGMMA_FP8) return sage::hopper_workspace_bytes(*p);
+    return sage::portable_workspace_bytes(with_derived(*p));
+}
+
+int sage_attn_fwd(const SageAttnParams* p, void* stream) {
+    if (!p || !p->q || !p->k || !p->v || !p->o || !p->workspace) return SAGE_E_BADARG;
+    if (p->B <= 0 || p->Hq <= 0 || p->Hkv <= 0 || p->Sq <= 0 || p->Skv <= 0 || p->Hq % p->Hkv != 0) return SAGE_E_BADARG;
+    if (p->kernel < 0 || p->kernel >= SAGE_KERNEL_COUNT) return SAGE_E_BADARG;
+    if ((p->qk_bits != 0 && p->qk_bits != 8 && p->qk_bits != 4) || (p->smooth_v != 0 && p->smooth_v != 1))
+        return SAGE_E_BADARG;
+    if (is_qk4(p->kernel) && p->qk_bits != 4) return SAGE_E_BADARG;  // packed INT4 MMA: "4b" only
+    if (p->hop_split_max < 0) return SAGE_E_BADARG;
+    if ((p->cu_seqlens_q == nullptr) != (p->cu_seqlens_k == nullptr)) return SAGE_E_BADARG;
+    if (p->cu_seqlens_q && p->kmask) return SAGE_E_BADARG;
+    if ((int64_t)p->B * p->Hq > 65535) return SAGE_E_BADARG;  // grid.y of the pre-passes
+    if (p->device_cc < 80 || (needs_fp8(p->kernel) && p->device_cc < 89)) return SAGE_E_ARCH;
+    cudaStream_t st = static_cast<cudaStream_t>(stream);
+    // our (static) runtime keeps its own current device: follow the caller's
+    int cur = -1;
+    if (cudaGetDevice(&cur) != cudaSuccess || cur != p->device) {
+        cudaError_t e = cudaSetDevice(p->device);
+        if (e != cudaSuccess) return (int)e;
+    }
+    const SageAttnParams q = with_derived(*p);
+    if (q.kernel == SAGE_KERNEL_WGMMA_FP8) {
+        if (!SAGE_WITH_HOPPER || q.device_cc != 90) return SAGE_E_ARCH;
+        if (!sage::hopper_supported(q)) return SAGE_E_BADARG;
+        return sage::hopper_fwd(q, st);
+    }
+    return sage::portable_fwd(q, st);
+}
+
+const char* sage_error_string(int code) {
+    switch (code) {
+        case 0: return "ok";
+        case SAGE_E_BADARG: return "bad argument";
+        case SAGE_E_ARCH: return "device compute capability not supported by this kernel variant";
+        case SAGE_E_HEADDIM: return "head dim not supported (64 and 128 only)";
+        default: return cudaGetErrorString(static_cast<cudaError_t>(code));
+    }
+}
+
+int sage_abi_version(void) { return SAGE_ABI_VERSION; }
+
+const char* sage_compiled_archs(void) { return SAGE_ARCHS; }
+
+int sage_q_group_rows(int head_dim) { return sage::portable_q_group_rows(head_dim); }
+
+int sage_hopper_compiled(void) { return SAGE_WITH_HOPPER; }
+
+}  // extern "C"

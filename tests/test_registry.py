@@ -1,0 +1,171 @@
+"""The kernel-variant registry (sage_patch.kernels.registry): one descriptor per compiled kernel, the one decision
+between them, and resolve() handing the descriptor to the launch (padded and varlen calls alike). CPU only."""
+from __future__ import annotations
+
+import os
+import re
+import types
+
+import pytest
+import torch
+
+import sage_patch.kernels as K
+from sage_patch import resolve as R
+from sage_patch.kernels import registry
+from sage_patch.kernels.registry import Target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALL = ("80", "86", "89", "90a")
+
+
+def _key(cc, precision, archs=ALL, **kw):
+    v, why = registry.select(Target(cc, archs, precision), **kw)
+    return v.key if v else why
+
+
+@pytest.mark.parametrize("cc,precision,key,kernel_id,name", [
+    ((8, 0), "8b", "mma-fp16", 1, K.IMPL_FP16PV),
+    ((8, 6), "4b", "mma-fp16-qk4", 5, K.IMPL_FP16PV),      # packed INT4 MMA where it is native
+    ((8, 9), "8b", "mma-fp8", 0, K.IMPL_FP8PV),
+    ((8, 9), "4b", "mma-fp8-qk4", 4, K.IMPL_FP8PV),
+    ((9, 0), "8b", "wgmma-fp8", 3, K.IMPL_WGMMA),
+    ((9, 0), "4b", "mma-fp8f16", 2, K.IMPL_FP8PV),         # "4b" stays on the portable kernel, INT8 MMA, fp8-f16
+])
+def test_default_variant_per_gpu(cc, precision, key, kernel_id, name):
+    v, why = registry.select(Target(cc, ALL, precision))
+    assert why == "ok" and (v.key, v.kernel_id, v.name) == (key, kernel_id, name)
+    assert precision in v.precisions
+
+
+def test_build_targets_and_disabled_modes(monkeypatch):
+    assert _key((9, 0), "8b", archs=("80", "89")) == "mma-fp16"  # no sm_90 SASS with FP8: the sm_80 code runs
+    assert _key((9, 0), "8b", archs=("80", "86", "89", "90")) == "mma-fp8f16"  # no 90a: the portable FP8 kernel
+    monkeypatch.setitem(registry.DISABLED, "wgmma", "wgmma: disabled (test)")
+    assert _key((9, 0), "8b") == "mma-fp8f16"
+    monkeypatch.setitem(registry.DISABLED, "4b-int4", "int4: disabled (test)")
+    assert _key((8, 0), "4b") == "mma-fp16" and _key((8, 9), "4b") == "mma-fp8"
+
+
+def test_forced_modes_choose_a_variant():
+    assert _key((9, 0), "8b", pv="fp16") == "mma-fp16"
+    assert _key((9, 0), "8b", pv="fp8-mma") == "mma-fp8"
+    assert _key((9, 0), "4b", pv="fp16") == "mma-fp16"        # the GPU's default Q K^T mode (INT8 on sm_90)
+    assert _key((9, 0), "4b", qk="int4") == "mma-fp8f16-qk4"  # the GPU's default P~V mode
+    assert _key((8, 9), "4b", qk="int8") == "mma-fp8"
+    assert _key((8, 0), "8b", pv="fp8-mma") == "mma-fp16"     # a mode that cannot run here: the default
+    assert _key((8, 9), "8b", pv="wgmma") == "mma-fp8"
+    with pytest.raises(ValueError):
+        registry.select(Target((9, 0), ALL, "8b"), pv="fp9")
+
+
+def test_explicit_variants_of_direct_calls():
+    t = Target((9, 0), ALL, "8b")
+    assert registry.explicit(t, "fp8").key == "wgmma-fp8"
+    assert registry.explicit(t, "fp8-f16").key == "mma-fp8f16"
+    assert registry.explicit(Target((8, 9), ALL, "4b"), "fp16").key == "mma-fp16-qk4"
+    assert registry.explicit(Target((9, 0), ALL, "4b"), "fp8-f16", "int4").key == "mma-fp8f16-qk4"
+    assert registry.explicit(Target((8, 0), ALL, "8b"), "fp8").key == "mma-fp8"  # the library refuses it (arch)
+    with pytest.raises(RuntimeError):
+        registry.explicit(Target((9, 0), ALL, "4b"), "wgmma")
+
+
+def test_descriptors_are_unique_and_frozen():
+    assert len({v.key for v in registry.VARIANTS}) == len({v.kernel_id for v in registry.VARIANTS}) == 7
+    assert {v.name for v in registry.VARIANTS} == {K.IMPL_FP8PV, K.IMPL_FP16PV, K.IMPL_WGMMA}
+    with pytest.raises(Exception):
+        registry.VARIANTS[0].kernel_id = 5  # frozen
+
+
+def test_kernel_ids_match_the_c_header():
+    text = open(os.path.join(ROOT, "kernels_cuda", "sage_kernels.h")).read()
+    ids = {m.group(1): int(m.group(2)) for m in re.finditer(r"SAGE_KERNEL_(\w+) = (\d+)", text)}
+    want = {"MMA_FP8": "mma-fp8", "MMA_FP16": "mma-fp16", "MMA_FP8F16": "mma-fp8f16", "WGMMA_FP8": "wgmma-fp8",
+            "MMA_FP8_QK4": "mma-fp8-qk4", "MMA_FP16_QK4": "mma-fp16-qk4", "MMA_FP8F16_QK4": "mma-fp8f16-qk4"}
+    assert {c: ids[c] for c in want} == {c: registry.get(k).kernel_id for c, k in want.items()}
+    assert ids["COUNT"] == len(registry.VARIANTS)
+
+
+def test_reference_config_per_variant():
+    w = registry.get("wgmma-fp8").reference_config(64)
+    assert w.block_k == 128 and w.row_sum == "operand" and w.stats_sample == 128
+    assert (w.q_group.tile, w.k_group.tile) == (16, 128)
+    assert registry.get("mma-fp16").reference_config(128).pv == "fp16"
+    m = registry.get("mma-fp8-qk4").reference_config(128)
+    assert m.block_k == 64 and m.pv == "fp8" and m.q_smooth_block == 4 * K.q_group_rows(128)
+    assert K.reference_config(K.IMPL_WGMMA, 64) == w  # by implementation name, as before
+
+
+def test_sdpa_crossover_is_data_of_the_variant():
+    assert registry.get("wgmma-fp8").sdpa_faster_below[(128, False)] == 2048
+    assert all(not v.sdpa_faster_below for v in registry.VARIANTS if v.family == "mma")
+
+
+# ---- resolve hands the descriptor to the launch ---------------------------------------------------------------
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CPU tensors posing as CUDA ones on an sm_90 device with a loaded library; launches recorded."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"), raising=False)
+    monkeypatch.setattr(R, "_kernels_loaded", lambda: True)
+    monkeypatch.setattr(K, "_status", lambda: {"loaded": True, "reason": "fake", "path": None, "archs": list(ALL)})
+    monkeypatch.setattr(K, "_ops_cc", lambda q: (9, 0))
+    monkeypatch.setattr(K._lib, "_LIB", types.SimpleNamespace(handle=None, reason="fake", path=None, archs=list(ALL)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    calls = []
+
+    def run_varlen(variant, precision, q, *a, **kw):
+        calls.append(("varlen", variant, precision))
+        out = q.new_zeros(q.shape)
+        return (out, q.new_zeros(q.shape[1], q.shape[0])) if kw.get("return_lse") else out
+
+    def run(variant, precision, q, *a, **kw):
+        calls.append(("padded", variant, precision))
+        return q.new_zeros(q.shape)
+
+    monkeypatch.setattr(K, "run_varlen", run_varlen)
+    monkeypatch.setattr(K, "run", run)
+    return calls
+
+
+def test_resolve_returns_the_variant(fake_cuda, monkeypatch):
+    monkeypatch.setattr(K, "SPEED_ROUTING", False)
+    q = torch.randn(1, 2, 64, 128, dtype=torch.float16)
+    from sage_patch.masks import MaskInfo
+
+    d = R.resolve("8b", q, q, q, layout="bhsd", is_causal=False, mask=MaskInfo("none", None), dropout_p=0.0,
+                  return_lse=False, smooth_v=False)
+    assert d.variant is registry.get("wgmma-fp8") and d.impl == K.IMPL_WGMMA and d.reason is None
+    import sage_patch
+
+    sage_patch.attention(q, q, q, precision="4b")
+    assert fake_cuda[-1] == ("padded", registry.get("mma-fp8f16"), "4b")
+
+
+def test_varlen_goes_through_resolve_and_is_recorded(fake_cuda, monkeypatch):
+    from sage_patch.report import GLOBAL_STATS
+    from sage_patch.varlen import varlen_attention
+
+    monkeypatch.setattr(K, "SPEED_ROUTING", False)
+    GLOBAL_STATS.reset()
+    q = torch.randn(40, 4, 64, dtype=torch.float16)
+    k = torch.randn(50, 2, 64, dtype=torch.float16)
+    cu_q = torch.tensor([0, 15, 40], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 50], dtype=torch.int32)
+    out, lse = varlen_attention(q, k, k, cu_q, cu_k, is_causal=True, return_lse=True)
+    assert fake_cuda == [("varlen", registry.get("wgmma-fp8"), "8b")]
+    d = GLOBAL_STATS.to_dict()
+    assert d["calls"] == 1 and d["impl"] == {K.IMPL_WGMMA: 1}
+
+
+def test_varlen_speed_routing_uses_the_longest_sequence(fake_cuda, monkeypatch):
+    from sage_patch.masks import MaskInfo
+
+    monkeypatch.setattr(K, "SPEED_ROUTING", True)
+    q = torch.randn(40, 4, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    kw = dict(layout="varlen", is_causal=False, mask=MaskInfo("none", None), dropout_p=0.0, return_lse=False,
+              smooth_v=False)
+    d = R.resolve("8b", q, q, q, varlen=R.Varlen(cu, cu, 25, 25), **kw)
+    assert d.impl == "sdpa" and d.variant is None and "25" in d.reason
+    d = R.resolve("8b", q, q, q, varlen=R.Varlen(cu, cu, 5000, 5000), **kw)
+    assert d.variant is registry.get("wgmma-fp8")
