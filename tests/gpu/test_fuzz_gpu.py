@@ -53,4 +53,8 @@ def test_fuzz_grid_gpu():
     detail = "\n".join(f"{kind}: {msg} | {c}" for c, kind, msg in failures[:30])
     assert not failures, f"failures by kind {dict(kinds)}:\n{detail}"
     assert len(infos) >= min(GPU_CASES, 1000), f"only {len(infos)} cases in {GPU_SECONDS} s"
-    assert sum(v for k, v in impls.items() if k.startswith("cuda-")) > len(infos) // 4  # the kernels really ran
+    # the grid really exercises the kernels: every call a kernel must serve ran one (checked per case above), and
+    # such calls are a good share of the grid
+    eligible = sum(_kernel_fits(c) for c, _ in infos)
+    assert eligible >= len(infos) // 10
+    assert sum(v for k, v in impls.items() if k.startswith("cuda-")) >= eligible
