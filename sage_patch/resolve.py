@@ -94,9 +94,10 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
             variant, why = kernels.can_run(precision, q, k, v, layout=layout, is_causal=is_causal, attn_mask=kmask,
                                            return_lse=return_lse, smooth_v=smooth_v)
         if variant is not None:
-            n = min(varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else None
-            slow = kmask is None and kernels.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal,
-                                                                n=n)
+            # Speed routing compares with one SDPA call of the same batch; a packed batch's alternative is a loop of
+            # SDPA calls, one per sequence, which the measured crossover does not describe: varlen keeps the kernel.
+            slow = kmask is None and varlen is None and kernels.sdpa_faster_reason(variant, q, k, layout=layout,
+                                                                                   is_causal=is_causal)
             if slow:
                 return _full(requested, slow)
             reason = None if precision == requested else f"{requested} unavailable ({first_why}); using {precision}"

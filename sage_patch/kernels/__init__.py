@@ -9,7 +9,7 @@ Contract used by sage_patch.resolve:
   and ``can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v) -> (variant | None, reason)``:
   the ``registry.KernelVariant`` that would run, or None with the reason none can. ``attn_mask`` is None or a bool
   key-padding mask (B, Skv), True = attend (resolve normalizes masks first).
-- ``sdpa_faster_reason(variant, q, k, *, layout, is_causal, n=None)``: why SDPA should run instead (speed routing).
+- ``sdpa_faster_reason(variant, q, k, *, layout, is_causal)``: why SDPA should run instead (speed routing).
 - ``run(variant, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v)`` and
   ``run_varlen(variant, precision, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``: launch
   exactly that variant; ``out`` or ``(out, lse)``, lse fp32 natural log ((B, H, Sq), varlen (Hq, total_q)).
@@ -46,17 +46,15 @@ QK_BITS = {"8b": 8, "4b": 4}
 SPEED_ROUTING = os.environ.get("SAGE_PATCH_SPEED_ROUTING", "1") != "0"
 
 
-def sdpa_faster_reason(variant: KernelVariant, q, k, *, layout: str, is_causal: bool, n=None) -> str | None:
-    """Why SDPA should run this call instead of `variant` (it is faster at this length), or None. n: the length to
-    compare (varlen: the longest sequence); default min(Sq, Skv) of q, k."""
+def sdpa_faster_reason(variant: KernelVariant, q, k, *, layout: str, is_causal: bool) -> str | None:
+    """Why SDPA should run this call instead of `variant` (it is faster at min(Sq, Skv) of q, k), or None."""
     if not SPEED_ROUTING:
         return None
     below = variant.sdpa_faster_below.get((q.shape[-1], bool(is_causal)))
     if below is None:
         return None
-    if n is None:
-        sdim = 1 if str(layout).lower() == "bshd" else 2
-        n = min(q.shape[sdim], k.shape[sdim])  # compared, not int()-ed: a symbolic length under torch.compile stays one
+    sdim = 1 if str(layout).lower() == "bshd" else 2
+    n = min(q.shape[sdim], k.shape[sdim])  # compared, not int()-ed: a symbolic length under torch.compile stays one
     if n >= below:
         return None
     return (f"SDPA is faster than {variant.name} below {below} tokens (head dim {q.shape[-1]}, "
