@@ -1,6 +1,7 @@
 """One function decides, for each call, the precision and implementation that actually run, and why."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -8,6 +9,10 @@ import torch
 
 from . import kernels
 from .precisions import SAFER
+
+
+# The reference simulation on a GPU without a usable kernel: only when asked for (read once, constant to tracing).
+SIMULATE_ON_GPU = os.environ.get("SAGE_PATCH_SIMULATE_ON_GPU", "") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -53,8 +58,8 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
 
     Order: explicit full; what no quantized path honours (dropout, autograd, float masks); the policy's
     fallback rules; then the compiled kernel if it can run this call (else the next safer precision it can
-    run) unless SDPA is faster at this length (kernels.SDPA_FASTER_BELOW); without loaded kernels (CPU, or no
-    build), the reference simulation.
+    run) unless SDPA is faster at this length (the variant's measured crossover); on CPU the reference simulation;
+    on a GPU without a usable kernel, full precision (the simulation only with SAGE_PATCH_SIMULATE_ON_GPU=1).
     """
     if requested == "full":
         return _full(requested, None)
@@ -77,8 +82,15 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
     if not q.is_cuda:
         return Decision(requested, requested, "reference", "reference simulation (tensors on CPU)")
     if not _kernels_loaded():
-        return Decision(requested, requested, "reference",
-                        f"reference simulation (compiled kernels not loaded: {_kernels_reason()})")
+        if SIMULATE_ON_GPU:
+            return Decision(requested, requested, "reference",
+                            f"reference simulation on the GPU (SAGE_PATCH_SIMULATE_ON_GPU=1; compiled kernels not "
+                            f"loaded: {_kernels_reason()})")
+        # The simulation is the slowest, most memory-hungry path: on a GPU it runs only when asked for.
+        return _full(requested, f"{requested} needs a compiled kernel and none is usable here ({_kernels_reason()}): "
+                                "running full precision. Build the kernels for this GPU (SAGE_PATCH_CUDA_ARCHS, "
+                                "README 'Install'), or set SAGE_PATCH_SIMULATE_ON_GPU=1 to run the reference "
+                                "simulation of the numerics instead")
 
     kmask = mask.mask if mask.kind == "key_padding" else None
     first_why = None
