@@ -18,7 +18,7 @@ PKG = ROOT / "sage_patch"
 
 # Layers, bottom to top: a module imports only from its own layer or lower ones, and nothing imports in a circle.
 LAYERS = [
-    {"precisions", "sdpa_semantics", "accuracy", "configs"},
+    {"precisions", "sdpa_semantics", "accuracy", "configs", "layer_scope"},
     {"masks", "policy", "report"},
     {"reference"},
     {"kernels", "full"},
@@ -243,13 +243,28 @@ def test_diffusers_inject_unload_restores_processors():
     m = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
                                num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
                                guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
     procs = dict(m.attn_processors)
-    sage_patch.inject(m, "8b")
-    assert all(type(p).__name__.startswith("Sage") for p in (mod.__dict__["processor"] for _, mod in
-               [(n, m.get_submodule(n.rsplit(".processor", 1)[0])) for n in procs]))
-    sage_patch.unload(m)
-    assert all(a is b for a, b in zip(m.attn_processors.values(), procs.values()))
-    assert len(sage_patch.report(m)) == 0
+    backends = dict(_AttentionBackendRegistry._backends)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    before = [dict(mod.__dict__) for mod in m.modules()]
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 64, 16, generator=g), encoder_hidden_states=torch.randn(1, 13, 32, generator=g),
+                  pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
+                  guidance=torch.tensor([3.5]), img_ids=torch.zeros(64, 3), txt_ids=torch.zeros(13, 3), return_dict=False)
+    with torch.no_grad():
+        ref = m(**inputs)[0]
+        sage_patch.inject(m, "8b")
+        routed = m(**inputs)[0]
+        assert {n: s["used"] for n, s in sage_patch.report(m).to_dict().items()} == \
+            {n.removesuffix(".processor"): {"8b": 1} for n in procs}
+        assert all(a is b for a, b in zip(m.attn_processors.values(), procs.values()))   # processors untouched
+        sage_patch.unload(m)
+        assert all(a is b for a, b in zip(m.attn_processors.values(), procs.values()))
+        assert len(sage_patch.report(m)) == 0 and [dict(mod.__dict__) for mod in m.modules()] == before
+        assert torch.nn.functional.scaled_dot_product_attention is sdpa and _AttentionBackendRegistry._backends == backends
+        assert not torch.equal(routed, ref) and torch.equal(m(**inputs)[0], ref)
 
 
 def test_registration_when_only_diffusers_was_imported_first():
