@@ -105,6 +105,8 @@ def test_import_graph_is_a_tower_without_circles():
     for u in list(units):
         visit(u)
     assert "routing" not in {_unit(t) for t in graph["api"]}, "api must know nothing of layers"
+    below = {_unit(t) for src, targets in graph.items() if _unit(src) == "kernels" for t in targets}
+    assert "reference" not in below, "kernels (the hardware layer) describes its numerics as data; reference reads it"
 
 
 def _run(code: str) -> str:
