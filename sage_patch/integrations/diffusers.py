@@ -35,8 +35,8 @@ Why this design and not the alternatives (issue 31). Until then each processor's
 globals rewritten per layer into synthetic `sys.modules` entries, behind a proxy processor that had to pass for the
 wrapped class (isinstance, `__class__()`, copy, signature) and a `set_processor` hook per layer: about 830 lines. The
 ambient binding does the same at equal behaviour (exact enable/disable, compile fullgraph, CPU offload, LoRA,
-IP-Adapter, `set_attention_backend`, tested in tests/test_diffusers_integration.py) in about half, at the price of
-two documented process-wide pass-throughs while enabled. Registering a "sage" backend in diffusers' own registry
+IP-Adapter, `set_attention_backend`, tested in tests/test_diffusers_integration.py) in about 530, processors
+untouched, at the price of two documented process-wide pass-throughs while a model is enabled. Registering a "sage" backend in diffusers' own registry
 (`set_attention_backend`) was weighed too: its names are a closed Enum, it would take over the user's backend choice
 for full layers, and processors that call torch's SDPA directly (SD3, CogVideoX) never reach it.
 

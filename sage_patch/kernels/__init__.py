@@ -1,7 +1,8 @@
 """Compiled kernels (kernels_cuda/): loading, capability checks and launch.
 
 The kernel variants and the choice between them live in ``registry`` (one frozen ``KernelVariant`` per compiled
-kernel: name, C kernel id, Q K^T and P~V modes, precisions, numerics layout for the reference, constraints, SDPA crossover).
+kernel: name, C kernel id, Q K^T and P~V modes, precisions, numerics layout for the reference, constraints, SDPA
+crossover).
 Contract used by sage_patch.resolve:
 
 - ``status() -> dict``: {"loaded": bool, "reason": str, "path": str | None, "archs": list[str]}.

@@ -2,9 +2,10 @@
 SAGE_KERNEL_* in sage_kernels.h), and the one place that decides which of them serves a call.
 
 Each descriptor carries everything the rest of the package needs to know about its kernel: the name reports show
-(``name``), the C kernel id (``kernel_id``), the Q K^T and P~V modes, the precisions it serves, its quantization
-grouping as a ``KernelLayout`` (data the reference simulation interprets to simulate it exactly), its capability constraints (small predicates, each
-returning the reason it cannot run a call or None) and the measured SDPA crossover (``sdpa_faster_below``).
+(``name``), the C kernel id (``kernel_id``), the Q K^T and P~V modes, the precisions it serves, its numerics layout
+(``reference_config``: a ``KernelLayout``, data the reference simulation interprets to simulate it exactly), its
+capability constraints (small predicates, each returning the reason it cannot run a call or None) and the measured
+SDPA crossover (``sdpa_faster_below``).
 ``select`` walks ``VARIANTS`` in order of preference and returns the first whose constraints all pass;
 ``sage_patch.resolve`` gets that descriptor and ``kernels.run(variant, ...)`` launches exactly it.
 

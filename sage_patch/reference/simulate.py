@@ -207,7 +207,7 @@ def simulate(q, k, v, precision, *, is_causal=False, scale=None, attn_mask=None,
     """
     from ..masks import combined_bool_mask
 
-    cfg = _DEFAULT_CONFIG if config is None else config if isinstance(config, SimConfig) else SimConfig.of(config)
+    cfg = config if isinstance(config, SimConfig) else _DEFAULT_CONFIG if config is None else SimConfig.of(config)
     sq, skv = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     qt = _Quantized(precision, q, k, v, cfg, smooth_v)
