@@ -211,32 +211,34 @@ def time_forward(model, inputs, clock, warmup, reps):
 
 def attention_time(model, inputs, clock):
     """One forward with every routed attention call timed (needs sage enabled; policy "full" = the original
-    attention path). Returns (total attention ms, forward ms, calls)."""
-    from sage_patch.integrations import diffusers as sd
+    attention path). A routed call arrives at torch's SDPA or at a backend of diffusers' registry (both routed
+    while sage is enabled) inside a routed layer; only the outermost such call is timed. Returns (total attention
+    ms, forward ms, calls)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    marks, undo = [], []
+    from sage_patch import layer_scope
+    from sage_patch.routing import LayerBinding
+
+    marks, depth = [], [0]
 
     def timed(fn):
         def wrapper(*args, **kwargs):
-            a = clock.mark()
-            out = fn(*args, **kwargs)
-            marks.append((a, clock.mark()))
-            return out
+            if depth[0] or not isinstance(layer_scope.current(), LayerBinding):
+                return fn(*args, **kwargs)
+            depth[0] += 1
+            try:
+                a = clock.mark()
+                out = fn(*args, **kwargs)
+                marks.append((a, clock.mark()))
+                return out
+            finally:
+                depth[0] -= 1
         return wrapper
 
-    for proc in model.attn_processors.values():
-        route = getattr(proc, "route", None)
-        if route is None:
-            continue
-        for modname in route.modules:
-            g = sys.modules[modname].__dict__
-            for k, v in list(g.items()):
-                if getattr(v, "__self__", None) is route and getattr(v, "__func__", None) is sd._Route.dispatch:
-                    g[k] = timed(v)
-                    undo.append((g, k, v))
-        f = route.functional.__dict__
-        undo.append((f, "scaled_dot_product_attention", f["scaled_dot_product_attention"]))
-        f["scaled_dot_product_attention"] = timed(f["scaled_dot_product_attention"])
+    backends = dict(_AttentionBackendRegistry._backends)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    _AttentionBackendRegistry._backends.update({k: timed(v) for k, v in backends.items()})
+    torch.nn.functional.scaled_dot_product_attention = timed(sdpa)
     try:
         with torch.no_grad():
             a = clock.mark()
@@ -245,8 +247,8 @@ def attention_time(model, inputs, clock):
         total = clock.ms(a, b)
         attn = sum(clock.ms(x, y) for x, y in marks)
     finally:
-        for g, k, v in undo:
-            g[k] = v
+        _AttentionBackendRegistry._backends.update(backends)
+        torch.nn.functional.scaled_dot_product_attention = sdpa
     return attn, total, len(marks)
 
 

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from . import kernels
+from . import kernels, layer_scope
 from .full import full_attention
 from .masks import classify_mask
 from .precisions import check_precision
@@ -112,12 +112,18 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
          precision=None):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, with torch's semantics (sdpa_semantics): (..., H,
     S, D) layout, 2-D masks broadcast as (Sq, Skv), is_causal aligned top-left as torch does. dropout_p > 0 runs in
-    full precision. precision None means "8b"; per-layer precisions inside a model come from `route_sdpa` or
-    `inject`, which route torch's own SDPA calls (this function knows nothing of layers)."""
+    full precision. precision None means: inside a routed layer's forward (route_sdpa, inject, a diffusers or
+    transformers adapter), that layer's attention (its policy, stats, guard), found through `layer_scope`; else "8b".
+    """
     call = from_torch_sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
-    return call.finish(run_attention(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal,
-                                     scale=scale, attn_mask=call.attn_mask, precision=precision or "8b",
-                                     dropout_p=dropout_p))
+    layer = layer_scope.current() if precision is None else None
+    if layer is not None:
+        out = layer.attention(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal, scale=scale,
+                              attn_mask=call.attn_mask, dropout_p=dropout_p)
+    else:
+        out = run_attention(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal, scale=scale,
+                            attn_mask=call.attn_mask, precision=precision or "8b", dropout_p=dropout_p)
+    return call.finish(out)
 
 
 def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *, attn_mask=None,

@@ -2,7 +2,8 @@
 through sage_patch, `unload(model)` restores exactly what was there.
 
 The adapter is chosen by what the object is, one per mechanism:
-- diffusers models and pipelines: `integrations.diffusers` (each layer's processor is wrapped; see there why);
+- diffusers models and pipelines: `integrations.diffusers` (each attention module is the ambient layer while its
+  forward runs, as in route_sdpa; processors are untouched; see there why);
 - transformers models: `integrations.transformers` (the "sage" AttentionInterface; unload switches back to the
   implementation the model had, "sdpa" for one built with "sage");
 - anything else: the generic SDPA adapter (`routing.route_sdpa`, kept open until unload; unload models in reverse

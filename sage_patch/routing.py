@@ -1,23 +1,32 @@
 """Routing of attention calls from model layers through sage_patch, under a policy: the layer half of every adapter.
 
 Adapters (the generic SDPA one here, transformers' and diffusers' in sage_patch.integrations) pick their modules with
-`select_modules`, bind each to a `LayerBinding` with `attach` (name, index, policy, stats, shared step state; removed
-by `detach`), and call `binding.attention(...)`; a call that goes elsewhere is recorded by `binding.record_fallback`.
-`route_sdpa(model, policy)` is the generic mechanism: while active, every
-`torch.nn.functional.scaled_dot_product_attention` call made inside one of the model's attention modules runs
-through sage_patch with that layer's precision.
+the one selector `select_modules` (each adapter's way of recognising an attention module is a `Recogniser`,
+registered as data), bind each to a `LayerBinding` with `attach` (name, index, policy, stats, shared step state;
+removed by `detach`), and call `binding.attention(...)` (or `binding.run(...)`, which is one opaque op under
+torch.compile); a call that goes elsewhere is recorded by `binding.record_fallback`.
+
+Calls an adapter does not receive itself find their layer through `layer_scope`: `enter_on_forward` makes a binding
+the ambient layer while its module's forward runs, and `SDPA` (an `Interposer`) replaces
+`torch.nn.functional.scaled_dot_product_attention` by `routed_sdpa` while any model needs it, which sends a call
+made inside a routed layer to that layer and every other call to torch unchanged. `route_sdpa(model, policy)` is the
+generic mechanism built from these; the diffusers adapter uses the same pieces.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import fnmatch
+import functools
+import inspect
 import logging
 import re
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from . import layer_scope
 from .api import run_attention
 from .guard import Guard
 from .policy import Policy
@@ -29,8 +38,6 @@ logger = logging.getLogger("sage_patch")
 
 BINDING_ATTR = "_sage_patch_binding"  # attribute holding a LayerBinding on each routed attention module
 
-_current: contextvars.ContextVar["LayerBinding | None"] = contextvars.ContextVar("sage_patch_layer", default=None)
-
 
 @dataclass
 class StepState:
@@ -39,8 +46,13 @@ class StepState:
     num_steps: int | None = None
 
 
+_LAYERS: "weakref.WeakValueDictionary[int, LayerBinding]" = weakref.WeakValueDictionary()  # by LayerBinding.id
+
+
 class LayerBinding:
     """One attention layer's routing state. `observer`, when set (calibration), sees every call's q/k/v."""
+
+    _next_id = 0
 
     def __init__(self, name: str, index: int | None, policy: Policy, stats: LayerStats | None = None,
                  steps: StepState | None = None):
@@ -49,11 +61,27 @@ class LayerBinding:
         self.steps = steps or StepState()
         self.guard = Guard()
         self.observer = None
+        self.id = LayerBinding._next_id   # names the layer to the compiled op
+        LayerBinding._next_id += 1
+        _LAYERS[self.id] = self
+        self.refresh()
 
     def requested(self) -> str:
         """The policy's precision for this layer at the current step, after any runtime-guard demotion."""
         return self.guard.effective(
             self.policy.precision_for(self.name, self.index, self.steps.step, self.steps.num_steps))
+
+    def refresh(self) -> None:
+        """Cache `requested()` for traced code (call when the policy or the step changes)."""
+        self._precision = self.requested()
+
+    def passes_full(self) -> bool:
+        """Whether a call should run the caller's own full-precision function unchanged (the layer is "full" and no
+        calibration observer watches it). Eager calls read the policy each time; under torch.compile the value
+        cached by `refresh` is used, so a graph is specialized per pattern of precisions, not per step or call."""
+        if not torch.compiler.is_compiling():
+            self._precision = self.requested()
+        return self._precision == "full" and self.observer is None
 
     def attention(self, q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, dropout_p=0.0,
                   return_lse=False):
@@ -67,6 +95,15 @@ class LayerBinding:
             self.guard.after_call(self, precision, q, k, v, call, res[0] if return_lse else res)
         return res
 
+    def run(self, q, k, v, *, layout, is_causal, scale, attn_mask, dropout_p):
+        """`attention` for calls that torch.compile may trace: there it is one opaque op (the reference simulation
+        and the kernels' launch are not traceable, and a graph break inside a routed forward is not supported);
+        its precision decision and stats happen when the op runs, so the report stays exact under compile."""
+        if torch.compiler.is_compiling():
+            return torch.ops.sage_patch.routed_attention(q, k, v, attn_mask, self.id, layout, bool(is_causal), scale,
+                                                         float(dropout_p))
+        return self.attention(q, k, v, layout=layout, is_causal=bool(is_causal), scale=scale, attn_mask=attn_mask,
+                              dropout_p=dropout_p)
 
     def record_fallback(self, impl: str, reason: str | None = None) -> None:
         """Record a call that this layer sent to `impl` in full precision instead of sage_patch's attention (the one
@@ -74,6 +111,29 @@ class LayerBinding:
         self.stats.record(Decision(self.requested(), "full", impl, reason))
         if reason and not torch.compiler.is_compiling():
             log_fallback_once(reason)
+
+    def record_passthrough(self, impl: str, reason: str | None = None) -> None:
+        """`record_fallback` for a call handed back to the caller's own function (routed_sdpa, diffusers'
+        dispatcher). Not counted while torch.compile traces: such calls are traced as the caller wrote them, and
+        Python bookkeeping done at trace time would not repeat per run."""
+        if not torch.compiler.is_compiling():
+            self.record_fallback(impl, reason)
+
+
+@torch.library.custom_op("sage_patch::routed_attention", mutates_args=())
+def _routed_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                         layer_id: int, layout: str, is_causal: bool, scale: float | None,
+                         dropout_p: float) -> torch.Tensor:
+    layer = _LAYERS.get(layer_id)
+    if layer is None:
+        raise RuntimeError(f"sage_patch: routed layer {layer_id} no longer exists (model freed or unloaded)")
+    return layer.attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
+                           dropout_p=dropout_p).contiguous()
+
+
+@_routed_attention_op.register_fake
+def _(q, k, v, attn_mask, layer_id, layout, is_causal, scale, dropout_p):
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))  # q's layout, v's head dim
 
 
 def attach(module: torch.nn.Module, name: str, policy: Policy, steps: StepState | None = None,
@@ -86,6 +146,7 @@ def attach(module: torch.nn.Module, name: str, policy: Policy, steps: StepState 
         b.name, b.index, b.policy, b.stats.name = name, index, policy, name
         if steps is not None:
             b.steps = steps
+        b.refresh()
     else:
         stats = getattr(module, STATS_ATTR, None)
         b = LayerBinding(name, index, policy, stats if isinstance(stats, LayerStats) else None, steps)
@@ -102,34 +163,156 @@ def detach(module: torch.nn.Module) -> None:
             delattr(module, attr)
 
 
-def select_modules(model: torch.nn.Module, is_target) -> list:
-    """The one module selector: (name, module) of every named sub-module accepted by `is_target(name, module)`,
-    in named_modules order (the names policies match)."""
-    return [(n, m) for n, m in model.named_modules() if n and is_target(n, m)]
-
-
 def layer_index(name: str) -> int | None:
     """The block index in a module name ('model.layers.3.self_attn' -> 3; last number wins), or None."""
     nums = re.findall(r"\.(\d+)(?:\.|$)", name)
     return int(nums[-1]) if nums else None
 
 
-ATTENTION_CLASS_SUFFIXES = ("Attention", "SelfAttention")
+# ---- the one module selector ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Recogniser:
+    """How one adapter recognises an attention module, as data. `attributes`: the module has all of them. Else
+    `forward_mentions`: its class's forward source names one of them (when the source is unreadable,
+    `class_suffixes` decide). Else `class_suffixes`: its class name ends in one of them."""
+    class_suffixes: tuple[str, ...] = ()
+    forward_mentions: tuple[str, ...] = ()
+    attributes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.attributes:
+            return f"modules with {', '.join(self.attributes)}"
+        what = f"module classes whose name ends in {' or '.join(repr(x) for x in self.class_suffixes)}"
+        return (f"module classes whose forward names {' or '.join(self.forward_mentions)} (else {what})"
+                if self.forward_mentions else what)
 
 
-def is_attention_module(name: str, module: torch.nn.Module) -> bool:
-    """The default `select` of route_sdpa: the module's class name ends in one of ATTENTION_CLASS_SUFFIXES."""
-    return type(module).__name__.endswith(ATTENTION_CLASS_SUFFIXES)
+RECOGNISERS: dict[str, Recogniser] = {"sdpa": Recogniser(class_suffixes=("Attention", "SelfAttention"))}
 
+
+def register_recogniser(adapter: str, recogniser: Recogniser) -> None:
+    """Each adapter registers how it recognises its attention modules (at its import)."""
+    RECOGNISERS[adapter] = recogniser
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_mentions(cls: type, words: tuple[str, ...]) -> bool | None:
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+    return any(w in src for w in words)
+
+
+def is_attention_module(module: torch.nn.Module, adapter: str = "sdpa") -> bool:
+    """The one attention-module predicate, applying `adapter`'s registered Recogniser."""
+    r = RECOGNISERS[adapter]
+    if r.attributes:
+        return all(hasattr(module, a) for a in r.attributes)
+    if r.forward_mentions:
+        found = _forward_mentions(type(module), r.forward_mentions)
+        if found is not None:
+            return found
+    return type(module).__name__.endswith(r.class_suffixes)
+
+
+def select_modules(model: torch.nn.Module, adapter: str = "sdpa", targets=None) -> list:
+    """The one module selector (PEFT's check_target_module_exists): (name, module) of every named sub-module the
+    `targets` accept, in named_modules order (the names policies match). `targets`: None, every attention module
+    of `adapter` (is_attention_module); a glob or list of globs on the module name, those attention modules whose
+    name matches one; a callable (name, module) -> bool, the modules it accepts (it replaces the recogniser)."""
+    if callable(targets):
+        return [(n, m) for n, m in model.named_modules() if n and targets(n, m)]
+    globs = (targets,) if isinstance(targets, str) else tuple(targets or ())
+    return [(n, m) for n, m in model.named_modules() if n and is_attention_module(m, adapter)
+            and (not globs or any(fnmatch.fnmatchcase(n, g) for g in globs))]
+
+
+# ---- the ambient layer and torch's SDPA -------------------------------------------------------------------------
+
+def enter_on_forward(module: torch.nn.Module, binding: LayerBinding) -> list:
+    """Make `binding` the ambient layer (layer_scope) while `module`'s forward runs. Returns the hook handles."""
+    entered = []  # a post hook runs even when the pre hook did not (an earlier hook raised): leave only what entered
+
+    def pre(_m, _args):
+        layer_scope.enter(binding)
+        entered.append(True)
+
+    def post(_m, _args, _out):
+        if entered:
+            entered.pop()
+            layer_scope.leave()
+
+    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+
+
+class Interposer:
+    """A process-wide replacement, in place while at least one routed model needs it: `acquire` installs it for the
+    first user, `release` restores the originals when the last one lets go."""
+
+    def __init__(self, install, restore):
+        self._install, self._restore, self.users = install, restore, 0
+
+    def acquire(self) -> None:
+        if self.users == 0:
+            self._install()
+        self.users += 1
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self._restore()
+
+
+_torch_sdpa = [torch.nn.functional.scaled_dot_product_attention]  # the function routed_sdpa replaced
+
+
+def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention while `SDPA` is acquired: a call made inside a routed layer
+    runs that layer's attention; a "full" layer, a call torch semantics refuse, or a call outside any routed
+    layer run torch's own function with the caller's arguments."""
+    layer, original = layer_scope.current(), _torch_sdpa[0]
+    args = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if not isinstance(layer, LayerBinding):
+        return original(query, key, value, **args)
+    if layer.passes_full():
+        layer.record_passthrough("sdpa")
+        return original(query, key, value, **args)
+    try:
+        call = from_torch_sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+    except (TypeError, ValueError) as e:  # a call torch refuses: torch says so, in its own words
+        layer.record_passthrough("sdpa", f"unsupported SDPA call ({e}): torch SDPA")
+        return original(query, key, value, **args)
+    return call.finish(layer.run(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal, scale=scale,
+                                 attn_mask=call.attn_mask, dropout_p=dropout_p))
+
+
+def _install_sdpa():
+    _torch_sdpa[0] = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = routed_sdpa
+
+
+def _restore_sdpa():
+    if torch.nn.functional.scaled_dot_product_attention is routed_sdpa:
+        torch.nn.functional.scaled_dot_product_attention = _torch_sdpa[0]
+
+
+SDPA = Interposer(_install_sdpa, _restore_sdpa)
+
+
+# ---- route_sdpa: the generic adapter ----------------------------------------------------------------------------
 
 def _nothing_selected(model: torch.nn.Module, select) -> None:
     """route_sdpa found no module to route: warn (logger and warnings), naming what it looked for and the
     modules that look like attention by name, so the caller can pass `select=`. A warning, not an error: the
     context manager stays a no-op on a model without attention, as it always was."""
-    if select is is_attention_module:
-        looked_for = f"module classes whose name ends in {' or '.join(repr(x) for x in ATTENTION_CLASS_SUFFIXES)}"
-    else:
+    if select is None:
+        looked_for = RECOGNISERS["sdpa"].describe()
+    elif callable(select):
         looked_for = f"modules accepted by select={getattr(select, '__qualname__', repr(select))}"
+    else:
+        looked_for = f"attention modules named {select!r}"
     candidates = sorted({f"{n} ({type(m).__name__})" for n, m in model.named_modules()
                          if n and re.search(r"attn|attention", f"{n}.{type(m).__name__}", re.I)})
     hint = (f"; modules that look like attention: {', '.join(candidates[:5])}"
@@ -141,45 +324,24 @@ def _nothing_selected(model: torch.nn.Module, select) -> None:
 
 
 @contextlib.contextmanager
-def route_sdpa(model: torch.nn.Module, policy=None, *, select=is_attention_module):
+def route_sdpa(model: torch.nn.Module, policy=None, *, select=None):
     """Send every F.scaled_dot_product_attention call made inside `model`'s attention modules through
     sage_patch under `policy` (path, dict, Policy, precision name or None). Calls outside those modules are
-    untouched. Restores everything on exit. Yields the dict of bindings by module name."""
+    untouched. `select`: which modules (select_modules' `targets`: None, globs, or (name, module) -> bool).
+    Restores everything on exit. Yields the dict of bindings by module name."""
     pol = Policy.from_any(policy)
-    bindings, handles = {}, []
     steps = StepState()
-    for name, mod in select_modules(model, select):
-        b = bindings[name] = attach(mod, name, pol, steps)
-        tokens = []
-
-        def pre(_m, _args, b=b, tokens=tokens):
-            tokens.append(_current.set(b))
-
-        def post(_m, _args, _out, tokens=tokens):
-            if tokens:
-                _current.reset(tokens.pop())
-
-        handles.append(mod.register_forward_pre_hook(pre))
-        handles.append(mod.register_forward_hook(post, always_call=True))
-
+    bindings, handles = {}, []
+    for name, mod in select_modules(model, "sdpa", select):
+        bindings[name] = attach(mod, name, pol, steps)
+        handles += enter_on_forward(mod, bindings[name])
     if not bindings:
         _nothing_selected(model, select)
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        b = _current.get()
-        if b is None:
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
-        call = from_torch_sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
-        return call.finish(b.attention(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal,
-                                       scale=scale, attn_mask=call.attn_mask, dropout_p=dropout_p))
-
-    torch.nn.functional.scaled_dot_product_attention = routed
+    SDPA.acquire()
     try:
         yield bindings
     finally:
-        torch.nn.functional.scaled_dot_product_attention = original
+        SDPA.release()
         for h in handles:
             h.remove()
         for name, mod in model.named_modules():

@@ -18,7 +18,7 @@ PKG = ROOT / "sage_patch"
 
 # Layers, bottom to top: a module imports only from its own layer or lower ones, and nothing imports in a circle.
 LAYERS = [
-    {"precisions", "sdpa_semantics", "accuracy", "configs"},
+    {"precisions", "sdpa_semantics", "accuracy", "configs", "layer_scope"},
     {"masks", "policy", "report"},
     {"reference"},
     {"kernels", "full"},
@@ -105,6 +105,8 @@ def test_import_graph_is_a_tower_without_circles():
     for u in list(units):
         visit(u)
     assert "routing" not in {_unit(t) for t in graph["api"]}, "api must know nothing of layers"
+    below = {_unit(t) for src, targets in graph.items() if _unit(src) == "kernels" for t in targets}
+    assert "reference" not in below, "kernels (the hardware layer) describes its numerics as data; reference reads it"
 
 
 def _run(code: str) -> str:
@@ -243,13 +245,30 @@ def test_diffusers_inject_unload_restores_processors():
     m = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
                                num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
                                guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
     procs = dict(m.attn_processors)
-    sage_patch.inject(m, "8b")
-    assert all(type(p).__name__.startswith("Sage") for p in (mod.__dict__["processor"] for _, mod in
-               [(n, m.get_submodule(n.rsplit(".processor", 1)[0])) for n in procs]))
-    sage_patch.unload(m)
-    assert all(a is b for a, b in zip(m.attn_processors.values(), procs.values()))
-    assert len(sage_patch.report(m)) == 0
+    backends = dict(_AttentionBackendRegistry._backends)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    before = [dict(mod.__dict__) for mod in m.modules()]
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 64, 16, generator=g), encoder_hidden_states=torch.randn(1, 13, 32,
+                  generator=g), pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
+                  guidance=torch.tensor([3.5]), img_ids=torch.zeros(64, 3), txt_ids=torch.zeros(13, 3),
+                  return_dict=False)
+    with torch.no_grad():
+        ref = m(**inputs)[0]
+        sage_patch.inject(m, "8b")
+        routed = m(**inputs)[0]
+        assert {n: s["used"] for n, s in sage_patch.report(m).to_dict().items()} == \
+            {n.removesuffix(".processor"): {"8b": 1} for n in procs}
+        assert all(a is b for a, b in zip(m.attn_processors.values(), procs.values()))   # processors untouched
+        sage_patch.unload(m)
+        assert all(a is b for a, b in zip(m.attn_processors.values(), procs.values()))
+        assert len(sage_patch.report(m)) == 0 and [dict(mod.__dict__) for mod in m.modules()] == before
+        assert torch.nn.functional.scaled_dot_product_attention is sdpa     # the pass-throughs are gone
+        assert _AttentionBackendRegistry._backends == backends
+        assert not torch.equal(routed, ref) and torch.equal(m(**inputs)[0], ref)
 
 
 def test_registration_when_only_diffusers_was_imported_first():
@@ -296,3 +315,26 @@ def test_reports_of_five_tiny_models_unchanged_since_c347a5f():
         sys.path.pop(0)
     expected = json.loads((ROOT / "tests" / "data" / "reports_c347a5f.json").read_text())
     assert json.loads(json.dumps(dump_reports.dump(), sort_keys=True)) == expected
+
+
+class _DirectAttention(torch.nn.Module):
+    """A layer that calls sage_patch.sdpa itself instead of torch's SDPA."""
+
+    def forward(self, x):
+        return sage_patch.sdpa(x, x, x)
+
+
+def test_sdpa_called_inside_a_routed_layer_runs_that_layer():
+    """precision=None inside a routed layer means that layer's attention (policy, stats), as before issue 31; api
+    finds it through layer_scope without importing routing. Outside any layer it means "8b"."""
+    net = torch.nn.Sequential(_DirectAttention(), _DirectAttention())
+    x = torch.randn(1, 2, 160, 16, generator=torch.Generator().manual_seed(0))
+    policy = {"default": "8b", "layers": [{"match": "1", "precision": "full"}]}
+    with torch.no_grad(), sage_patch.route_sdpa(net, policy):
+        out = [net[0](x), net[1](x)]
+    assert {n: s["used"] for n, s in sage_patch.report(net).to_dict().items()} == {"0": {"8b": 1}, "1": {"full": 1}}
+    torch.testing.assert_close(out[1], torch.nn.functional.scaled_dot_product_attention(x, x, x))
+    with torch.no_grad():
+        assert torch.equal(out[0], sage_patch.sdpa(x, x, x, precision="8b"))
+        assert torch.equal(sage_patch.sdpa(x, x, x), out[0]) and not torch.equal(out[0], out[1])
+        assert torch.equal(net[1](x), out[0])     # unrouted: the layer is gone, precision None is "8b" again

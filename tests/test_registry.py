@@ -95,6 +95,21 @@ def test_reference_config_per_variant():
     assert K.reference_config(K.IMPL_WGMMA, 64) == w  # by implementation name, as before
 
 
+def test_reference_interprets_the_kernel_layout():
+    """The registry describes a kernel's numerics as data; the reference turns it into the simulation's config."""
+    from sage_patch.reference import Grouping, SimConfig, simulate
+
+    w = registry.get("wgmma-fp8").reference_config(64)
+    cfg = SimConfig.of(w)
+    assert (cfg.q_group, cfg.k_group) == (Grouping(16, 8, 1), Grouping(128, 8, 2))
+    assert (cfg.block_k, cfg.row_sum, cfg.stats_sample, cfg.pv) == (128, "operand", 128, "fp8")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 64, generator=g) for _ in range(3))
+    out = simulate(q, k, v, "8b", config=w)
+    assert torch.equal(out, simulate(q, k, v, "8b", config=cfg))
+    assert not torch.equal(out, simulate(q, k, v, "8b"))       # the layout is in effect, not the defaults
+
+
 def test_sdpa_crossover_is_data_of_the_variant():
     assert registry.get("wgmma-fp8").sdpa_faster_below[(128, False)] == 2048
     assert all(not v.sdpa_faster_below for v in registry.VARIANTS if v.family == "mma")

@@ -116,6 +116,18 @@ def test_route_sdpa_custom_select_routes_and_does_not_warn(recwarn):
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning) and "route_sdpa" in str(w.message)]
 
 
+def test_route_sdpa_select_globs_narrow_the_attention_modules():
+    net = TinyNet()
+    with sage_patch.route_sdpa(net, "8b", select=["layers.0", "layers.2"]) as bindings:
+        net(torch.randn(1, 8, 32))
+    assert list(bindings) == ["layers.0", "layers.2"] and all(b.stats.calls == 1 for b in bindings.values())
+    assert set(sage_patch.report(net).to_dict()) == {"layers.0", "layers.2"}
+    with pytest.warns(RuntimeWarning, match="attention modules named 'layers.9'"):
+        with sage_patch.route_sdpa(net, "8b", select="layers.9") as bindings:
+            pass
+    assert bindings == {}
+
+
 def test_route_sdpa_warning_names_a_custom_select():
     def only_mixers(name, module):
         return name.endswith("mixer")

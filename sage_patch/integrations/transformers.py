@@ -35,13 +35,18 @@ import torch
 from sage_patch.policy import Policy, default_policy
 from sage_patch.reference import exact_attention
 from sage_patch.report import log_fallback_once
-from sage_patch.routing import BINDING_ATTR, LayerBinding, StepState, attach, detach, select_modules
+from sage_patch.routing import (BINDING_ATTR, LayerBinding, Recogniser, StepState, attach, detach,
+                                register_recogniser, select_modules)
 
 logger = logging.getLogger("sage_patch")
 
 NAME = "sage"
 LIBRARY = "transformers"
 _PREVIOUS_IMPL = "_sage_patch_previous_attn_implementation"  # on a model that inject() switched to "sage"
+
+# An attention module is one whose forward calls transformers' attention interface.
+register_recogniser(LIBRARY, Recogniser(forward_mentions=("ALL_ATTENTION_FUNCTIONS", "attention_interface"),
+                                        class_suffixes=("Attention",)))
 
 # Keywords handled explicitly by sage_attention_forward (each can change the result).
 _HANDLED_KWARGS = frozenset({"is_causal", "sliding_window", "softcap", "s_aux", "output_attentions",
@@ -124,20 +129,6 @@ def uses_sage(model: torch.nn.Module) -> bool:
     return any(getattr(getattr(m, "config", None), "_attn_implementation", None) == NAME for m in model.modules())
 
 
-@functools.lru_cache(maxsize=None)
-def _calls_attention_interface(cls) -> bool:
-    try:
-        src = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return cls.__name__.endswith("Attention")
-    return "ALL_ATTENTION_FUNCTIONS" in src or "attention_interface" in src
-
-
-def is_target(name: str, module: torch.nn.Module) -> bool:
-    """A module whose forward calls transformers' attention interface."""
-    return _calls_attention_interface(type(module))
-
-
 def bind(model: torch.nn.Module, policy=None, only_sage: bool = False) -> dict[str, LayerBinding]:
     """Bind every attention module of `model` (names relative to `model`); with `only_sage`, only those whose
     config uses "sage" (a composite model may run its vision tower on another implementation). An existing
@@ -145,7 +136,7 @@ def bind(model: torch.nn.Module, policy=None, only_sage: bool = False) -> dict[s
     the model is switched to "sage" survives the switch). New bindings get the default policy."""
     explicit = None if policy is None else Policy.from_any(policy)
     steps, out = StepState(), {}
-    for name, mod in select_modules(model, is_target):
+    for name, mod in select_modules(model, LIBRARY):
         if only_sage and getattr(getattr(mod, "config", None), "_attn_implementation", NAME) != NAME:
             continue
         old = getattr(mod, BINDING_ATTR, None)
@@ -174,7 +165,7 @@ def inject(model: torch.nn.Module, policy=None) -> dict[str, LayerBinding]:
 def unload(model: torch.nn.Module) -> None:
     """Remove every binding; a model that uses "sage" goes back to its implementation before `inject` ("sdpa"
     for a model built with "sage")."""
-    for _name, mod in select_modules(model, is_target):
+    for _name, mod in select_modules(model, LIBRARY):
         detach(mod)
     if uses_sage(model):
         model.set_attn_implementation(model.__dict__.pop(_PREVIOUS_IMPL, None) or "sdpa")

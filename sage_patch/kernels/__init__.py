@@ -1,7 +1,8 @@
 """Compiled kernels (kernels_cuda/): loading, capability checks and launch.
 
 The kernel variants and the choice between them live in ``registry`` (one frozen ``KernelVariant`` per compiled
-kernel: name, C kernel id, Q K^T and P~V modes, precisions, reference ``SimConfig``, constraints, SDPA crossover).
+kernel: name, C kernel id, Q K^T and P~V modes, precisions, numerics layout for the reference, constraints, SDPA
+crossover).
 Contract used by sage_patch.resolve:
 
 - ``status() -> dict``: {"loaded": bool, "reason": str, "path": str | None, "archs": list[str]}.
@@ -368,7 +369,8 @@ def q_group_rows(head_dim: int) -> int:
 
 
 def reference_config(variant: KernelVariant | str = IMPL_FP8PV, head_dim: int = 128):
-    """The reference SimConfig that simulates `variant` exactly (a KernelVariant, or an implementation name)."""
+    """The numerics layout of `variant` (a KernelVariant, or an implementation name), as data: pass it to
+    `reference.simulate(..., config=...)` to simulate that kernel exactly."""
     if isinstance(variant, str):
         variant = next((x for x in registry.VARIANTS if x.name == variant), None) or registry.get("mma-fp8")
     return variant.reference_config(head_dim)

@@ -2,9 +2,10 @@
 SAGE_KERNEL_* in sage_kernels.h), and the one place that decides which of them serves a call.
 
 Each descriptor carries everything the rest of the package needs to know about its kernel: the name reports show
-(``name``), the C kernel id (``kernel_id``), the Q K^T and P~V modes, the precisions it serves, its quantization
-grouping as the reference ``SimConfig`` that simulates it exactly, its capability constraints (small predicates, each
-returning the reason it cannot run a call or None) and the measured SDPA crossover (``sdpa_faster_below``).
+(``name``), the C kernel id (``kernel_id``), the Q K^T and P~V modes, the precisions it serves, its numerics layout
+(``reference_config``: a ``KernelLayout``, data the reference simulation interprets to simulate it exactly), its
+capability constraints (small predicates, each returning the reason it cannot run a call or None) and the measured
+SDPA crossover (``sdpa_faster_below``).
 ``select`` walks ``VARIANTS`` in order of preference and returns the first whose constraints all pass;
 ``sage_patch.resolve`` gets that descriptor and ``kernels.run(variant, ...)`` launches exactly it.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 from ._lib import arch_supported
 
@@ -141,20 +142,39 @@ class KernelVariant:
                 return why
         return None
 
-    def reference_config(self, head_dim: int = 128):
-        """The reference SimConfig that simulates this kernel exactly (same groupings, block and P~V operands)."""
-        from ..reference import Grouping, SimConfig
-
+    def reference_config(self, head_dim: int = 128) -> "KernelLayout":
+        """This kernel's numerics layout (groupings, block, P~V operands), as data that the reference simulation
+        takes as its config (`simulate(..., config=layout)`: reference.SimConfig.of) to simulate it exactly."""
         if self.family == "wgmma":  # 64-row warpgroup tiles (rows g, g+8 of each warp's 16), 128-key blocks
-            return SimConfig(block_k=HOPPER_BLOCK_K, q_group=Grouping(*HOPPER_Q_GROUPING_ARGS),
-                             k_group=Grouping(*HOPPER_K_GROUPING_ARGS), pv="fp8", row_sum="operand",
-                             stats_sample=HOPPER_STATS_SAMPLE)
+            return KernelLayout(block_k=HOPPER_BLOCK_K, q_group=Groups(*HOPPER_Q_GROUPING_ARGS),
+                                k_group=Groups(*HOPPER_K_GROUPING_ARGS), pv="fp8", row_sum="operand",
+                                stats_sample=HOPPER_STATS_SAMPLE)
         from . import q_group_rows
 
         rows = q_group_rows(head_dim)
-        return SimConfig(block_k=KERNEL_BLOCK_K, q_group=Grouping(rows, 8, 1),
-                         k_group=Grouping(*KERNEL_K_GROUPING_ARGS), q_smooth_block=4 * rows,
-                         pv="fp16" if self.pv == "fp16" else "fp8")
+        return KernelLayout(block_k=KERNEL_BLOCK_K, q_group=Groups(rows, 8, 1), k_group=Groups(*KERNEL_K_GROUPING_ARGS),
+                            q_smooth_block=4 * rows, pv="fp16" if self.pv == "fp16" else "fp8")
+
+
+class Groups(NamedTuple):
+    """A quantization grouping as data (reference.Grouping interprets it): token t is in group
+    (t // tile) * (mod // div) + ((t % tile) % mod) // div."""
+    tile: int
+    mod: int = 1
+    div: int = 1
+
+
+@dataclass(frozen=True)
+class KernelLayout:
+    """What the reference simulation must follow to compute exactly what a kernel computes; the fields are those of
+    reference.SimConfig with the same meaning (the hardware layer describes, the reference layer interprets)."""
+    block_k: int
+    q_group: Groups
+    k_group: Groups
+    pv: str
+    q_smooth_block: int = 128
+    row_sum: str = "p"
+    stats_sample: int = 0
 
 
 _COMMON = (_head_dim,)

@@ -9,6 +9,7 @@ Inputs are never modified: every step works on fp32 copies.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -52,6 +53,13 @@ class SimConfig:
                                                 # evenly spaced tokens (softmax is invariant to K's shift, V's is
                                                 # added back), V's scale a sampled per-channel base times a power of
                                                 # two per block_k block (quantize_fp8_sampled_blocks)
+
+    @classmethod
+    def of(cls, layout) -> "SimConfig":
+        """The SimConfig of a kernel's numerics layout given as data (kernels.registry.KernelLayout: fields named
+        as here, groupings as (tile, mod, div))."""
+        fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
+        return cls(**{k: Grouping(*v) if k in ("q_group", "k_group") else v for k, v in fields.items()})
 
     def __post_init__(self):
         if self.block_k < 1 or self.block_k % self.fp4_block and self.block_k % 16:
@@ -188,15 +196,18 @@ def _chunked_matmul(p, v, cfg: SimConfig):
 
 
 def simulate(q, k, v, precision, *, is_causal=False, scale=None, attn_mask=None, return_lse=False,
-             smooth_v=False, config: SimConfig | None = None):
+             smooth_v=False, config=None):
     """Simulate a quantized precision. q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D|Dv), Hq % Hkv == 0.
+
+    config: a SimConfig, a kernel's numerics layout (sage_patch.kernels.reference_config: SimConfig.of), or None
+    (the SageAttention2 mma.sync defaults).
 
     attn_mask: None or bool broadcastable to (B, Hq, Sq, Skv), True = attend. Causal is bottom-right aligned.
     Returns out (fp32, (B, Hq, Sq, Dv)) and, with return_lse, the natural-log LSE (fp32, (B, Hq, Sq); -inf on empty rows).
     """
     from ..masks import combined_bool_mask
 
-    cfg = config or _DEFAULT_CONFIG
+    cfg = config if isinstance(config, SimConfig) else _DEFAULT_CONFIG if config is None else SimConfig.of(config)
     sq, skv = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     qt = _Quantized(precision, q, k, v, cfg, smooth_v)

@@ -58,21 +58,23 @@ def _patch_diffusers():
     from diffusers import ModelMixin
 
     from sage_patch.integrations import diffusers as sd
+    from sage_patch.routing import LayerBinding, select_modules
 
-    for meth in ("sdpa", "dispatch"):
-        orig = getattr(sd._Route, meth)
+    # a routed diffusers call either runs the layer's attention (run) or goes back to diffusers' own path, "full"
+    for meth in ("run", "record_passthrough"):
+        orig = getattr(LayerBinding, meth)
 
         def counted(self, *args, _orig=orig, **kwargs):
             COUNTS["diffusers_calls"] += 1
             return _orig(self, *args, **kwargs)
 
-        setattr(sd._Route, meth, counted)
+        setattr(LayerBinding, meth, counted)
 
     def pre_hook(module, args):
         if isinstance(module, ModelMixin) and not sd.is_enabled(module) \
                 and not getattr(module, "_sage_upstream_seen", False):
             object.__setattr__(module, "_sage_upstream_seen", True)   # enable once; a test may disable it
-            if any(True for _ in sd._attention_modules(module)):
+            if select_modules(module, sd.LIBRARY):
                 sd.enable(module, {"default": "full"})
                 COUNTS["diffusers_models_enabled"] += 1
 
