@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--impls", default=DEFAULT_IMPLS, help=f"comma list of {', '.join(LABELS)}")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--profile", default="8192", metavar="N",
-                    help="per-kernel device time of one call of each implementation at B H N D=128 non-causal "
+                    help="per-kernel device time of one call of ours and SA2's at B H N D=128 non-causal "
                          "(torch.profiler; comma list of N; 'none' to skip)")
     a = ap.parse_args(argv)
     a.ns = csv_ints(a.ns, "ns")
@@ -198,6 +198,8 @@ def accuracy(impls, sa2, cases=ACC_CASES, b=2, h=8) -> dict:
 
 
 def profiles(impls, sa2, ns, b, h, d=128) -> list:
+    """Device time of each kernel of one whole call (quantization passes vs attention) of ours and SA2's."""
+    impls = [i for i in impls if i not in PEERS]
     out = []
     for n in ns:
         q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))

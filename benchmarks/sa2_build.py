@@ -119,6 +119,22 @@ def cuda_home() -> str:
     raise SystemExit("no CUDA toolkit found: set CUDA_HOME (nvcc and include/cuda.h under it)")
 
 
+# torch's ATen/cuda/CUDAContext.h (included by their fused.cu) includes the CUDA math libraries' headers
+CUDA_LIBRARY_HEADERS = ("cusparse.h", "cublas_v2.h", "cublasLt.h", "cusolverDn.h")
+
+
+def cuda_include_dirs(cuda: str, site_packages: str) -> list[str]:
+    """The toolkit's include dir, then those of pip's nvidia-* packages (torch's CUDA wheels depend on them: a machine
+    with nvcc but without the toolkit's math-library headers has them there)."""
+    import glob
+
+    return [os.path.join(cuda, "include")] + sorted(glob.glob(os.path.join(site_packages, "nvidia", "*", "include")))
+
+
+def missing_headers(dirs: list[str]) -> list[str]:
+    return [h for h in CUDA_LIBRARY_HEADERS if not any(os.path.exists(os.path.join(d, h)) for d in dirs)]
+
+
 def torch_flags() -> dict:
     """Include and library paths and defines of this torch, as its BuildExtension would use them."""
     import torch
@@ -131,12 +147,14 @@ def torch_flags() -> dict:
     with warnings.catch_warnings():  # newer torch: deprecated and empty (pybind11 handles its ABI itself)
         warnings.simplefilter("ignore")
         pybind = getattr(ce, "_get_pybind11_abi_build_flags", lambda: [])()
-    return {"include": inc, "lib": os.path.join(root, "lib"), "defines": [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"] + pybind}
+    return {"include": inc, "lib": os.path.join(root, "lib"), "defines": [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"] + pybind,
+            "site_packages": os.path.dirname(root)}
 
 
 def compile_commands(src: str, obj_dir: str, arch: str, cuda: str, tf: dict) -> list[tuple[str, str, list[str]]]:
     """(extension, object path, command) for every translation unit of EXTENSIONS."""
-    inc = [f"-I{p}" for p in [os.path.join(src, "csrc")] + tf["include"] + [os.path.join(cuda, "include")]]
+    inc = [f"-I{p}" for p in [os.path.join(src, "csrc")] + tf["include"]
+           + cuda_include_dirs(cuda, tf.get("site_packages", ""))]
     gencode = ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
     cmds = []
     for ext, sources in EXTENSIONS.items():
@@ -174,6 +192,11 @@ def build(src: str, out: str, arch: str, jobs: int, compile_only: bool = False) 
     if missing:
         raise SystemExit(f"--src {src!r} lacks {missing}: run `sa2_build.py prepare` first")
     cuda, tf = cuda_home(), torch_flags()
+    dirs = cuda_include_dirs(cuda, tf["site_packages"])
+    if missing_headers(dirs):  # fail before minutes of compiling, not at the last unit
+        raise SystemExit(f"no {', '.join(missing_headers(dirs))} in {dirs}: torch's CUDA headers (used by "
+                         f"csrc/fused/fused.cu) need the CUDA toolkit's cuSPARSE/cuBLAS/cuSOLVER dev headers under "
+                         f"CUDA_HOME or pip's nvidia-* packages")
     pkg = os.path.join(out, "sageattention")
     obj_dir = os.path.join(out, "obj")
     if os.path.exists(pkg):

@@ -180,3 +180,37 @@ def test_report_places_the_section_under_its_gpu(tmp_path):
 
 def test_shipped_benchmark_page_is_what_the_data_renders():
     assert report.main(["--check"]) == 0
+
+
+def test_sa2_calls_are_the_user_facing_functions_with_their_arch_defaults():
+    """sa2_fp8 is what sageattn() runs on sm_89, sa2_fp16 what it runs on sm_80: same function, same options."""
+    import types
+
+    calls = []
+
+    def record(name):
+        return lambda q, k, v, **kw: calls.append((name, q, kw)) or q
+
+    fake = types.SimpleNamespace(**{f: record(f) for f in ("sageattn_qk_int8_pv_fp8_cuda",
+                                                          "sageattn_qk_int8_pv_fp16_cuda")})
+    q = torch.zeros(1, 1, 4, 64)
+    for name, causal in (("sa2_fp8", True), ("sa2_fp16", False)):
+        assert bench.impl_fn(name, q, q, q, causal, fake)() is q
+    assert calls[0] == ("sageattn_qk_int8_pv_fp8_cuda", q,
+                        {"tensor_layout": "HND", "is_causal": True, "pv_accum_dtype": "fp32+fp16"})
+    assert calls[1] == ("sageattn_qk_int8_pv_fp16_cuda", q,
+                        {"tensor_layout": "HND", "is_causal": False, "pv_accum_dtype": "fp32"})
+
+
+def test_cuda_library_headers_are_looked_for_in_the_toolkit_and_pip_packages(tmp_path):
+    cuda, site = tmp_path / "cuda", tmp_path / "site"
+    (cuda / "include").mkdir(parents=True)
+    (site / "nvidia" / "cu13" / "include").mkdir(parents=True)
+    dirs = sa2_build.cuda_include_dirs(str(cuda), str(site))
+    assert dirs == [str(cuda / "include"), str(site / "nvidia" / "cu13" / "include")]
+    assert sa2_build.missing_headers(dirs) == list(sa2_build.CUDA_LIBRARY_HEADERS)
+    for h in sa2_build.CUDA_LIBRARY_HEADERS[:2]:
+        (cuda / "include" / h).write_text("")
+    for h in sa2_build.CUDA_LIBRARY_HEADERS[2:]:
+        (site / "nvidia" / "cu13" / "include" / h).write_text("")
+    assert sa2_build.missing_headers(dirs) == []
