@@ -9,6 +9,8 @@ then sustained-load and end-to-end tables where measured), each with date, comma
 Input kinds (recognised by their keys):
 - kernel: `benchmarks/bench_kernel.py`'s bench.json ({meta, rows, accuracy}); rows hold TOPS per implementation.
 - sustained ({"kind": "sustained", meta, rows}): per shape and implementation burst / sustained TOPS and SM clock.
+- portable_vs_sa2 ({"kind": "portable_vs_sa2", meta, rows, accuracy}): `benchmarks/bench_portable_vs_sa2.py`, our
+  portable kernel and the public SageAttention2 kernels; meta names the labels and the (ours, theirs) ratio pairs.
 - end_to_end ({"kind": "end_to_end", meta, runs: [{gpu, date, command, rows}]}), and `bench_diffusers.py --json`
   output ({meta, records}) and `bench_transformers.py`'s bench_transformers.json ({meta, results}).
 The page is regenerated, never appended to: a new run replaces the file of its GPU and kind.
@@ -112,6 +114,66 @@ def render_kernel(data: dict) -> list:
     return out
 
 
+def _tops(x) -> str:
+    return f"{x:.1f}" if isinstance(x, (int, float)) else "n/a"
+
+
+def render_portable_vs_sa2(data: dict) -> list:
+    """The portable kernel against the public SageAttention2 kernels: TOPS per implementation, the ratio of each
+    (ours, theirs) pair of meta["pairs"], the errors of calls that did not run, per-kernel times, accuracy."""
+    meta, rows = data.get("meta", {}), data["rows"]
+    labels = meta.get("labels", {})
+    impls = [k for k in rows[0] if k not in SHAPE_KEYS and not k.endswith(("_ms", "_error"))]
+    for r in rows[1:]:
+        impls += [k for k in r if k not in SHAPE_KEYS and not k.endswith(("_ms", "_error")) and k not in impls]
+    pairs = [(a, b) for a, b in meta.get("pairs", []) if a in impls and b in impls]
+    name = lambda i: labels.get(i, LABELS.get(i, i))  # noqa: E731
+    cols = ["B", "H", "D", "causal", "N"] + [name(i) for i in impls] + [f"{name(a)} / {name(b)}" for a, b in pairs]
+    body = []
+    for r in rows:
+        line = [r["B"], r["H"], r["D"], "yes" if r["causal"] else "no", r["N"]] + [_tops(r.get(i)) for i in impls]
+        line += [f"{r[a] / r[b]:.2f}" if r.get(a) and r.get(b) else "n/a" for a, b in pairs]
+        body.append(line)
+    out = ["Our portable mma.sync kernel (what Ada and Ampere GPUs run) against the public SageAttention2 mma.sync "
+           "kernels of the same P~V precision, both compiled for and run on this GPU: attention TOPS (4·B·H·N²·D / "
+           "time, halved for causal), whole call (quantization passes included); ratio > 1: ours faster.", ""]
+    out += run_lines(meta)
+    build = meta.get("sa2_build") or {}
+    if build:
+        up = build.get("upstream") or {}
+        out.append(f"- **SageAttention2 build**: {up.get('upstream', 'upstream')} commit {up.get('commit', '?')}, "
+                   f"sm_{build.get('arch', '?')}, built in {build.get('total_s', '?')} s by benchmarks/sa2_build.py.")
+    variants = meta.get("variants") or {}
+    if variants:
+        out.append("- **Our kernels**: " + "; ".join(f"{name(i)} = registry {v['variant']} ({v['name']}, kernel id "
+                                                     f"{v['kernel_id']})" for i, v in variants.items()) + ".")
+    out += [""] + table(cols, body)
+    errors: dict = {}
+    for r in rows:
+        for i in impls:
+            if r.get(i + "_error"):
+                errors.setdefault(i, []).append(r)
+    for i, failed in errors.items():
+        r = failed[0]
+        out += ["", f"- {name(i)} did not run in {len(failed)} of {len(rows)} shapes; first, D={r['D']} "
+                    f"causal={r['causal']} N={r['N']}: {r[i + '_error']}"]
+    for prof in meta.get("profile") or []:
+        out += ["", f"Device time per kernel of one call ({prof['shape']}), us:", ""]
+        for i, split in prof["ms_per_call"].items():
+            parts = ", ".join(f"{k} {v * 1000:.1f}" for k, v in split.items() if k != "total")
+            out.append(f"- {name(i)}: total {split.get('total', 0) * 1000:.1f} ({parts})")
+    acc = data.get("accuracy") or {}
+    if acc.get("rows"):
+        acc_impls = [i for i in impls if any(i in r for r in acc["rows"])]
+        cells = lambda m: (f"{m['cos']:.6f} / {m['rel_l1']:.4f}" if "cos" in m  # noqa: E731
+                           else f"error: {m.get('error', '?')}")
+        acc_body = [[r["B"], r["H"], r["D"], "yes" if r["causal"] else "no", r["N"]]
+                    + [cells(r[i]) if i in r else "" for i in acc_impls] for r in acc["rows"]]
+        out += ["", f"Accuracy, cos / rel. L1 vs float64 ({acc.get('inputs', '')}):", ""]
+        out += table(["B", "H", "D", "causal", "N"] + [name(i) for i in acc_impls], acc_body)
+    return out
+
+
 def render_sustained(data: dict) -> list:
     rows = data["rows"]
     impls = [k for k in rows[0] if k not in SHAPE_KEYS]
@@ -197,6 +259,8 @@ def render(data_dir: str) -> str:
         lines += [f"## {gpu}", ""]
         for src, data in sec.get("kernel", []):
             lines += [f"### Attention kernel (`{src}`)", ""] + render_kernel(data) + [""]
+        for src, data in sec.get("portable_vs_sa2", []):
+            lines += [f"### Portable kernel vs public SageAttention2 (`{src}`)", ""] + render_portable_vs_sa2(data) + [""]
         for src, data in sec.get("sustained", []):
             lines += [f"### Sustained load (`{src}`)", ""] + render_sustained(data) + [""]
         if sec.get("e2e"):

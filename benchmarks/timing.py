@@ -160,9 +160,10 @@ def kernel_split(fn: Callable, calls: int = 5, warmup: int = 3) -> dict:
         torch.cuda.synchronize()
     out: dict = {}
     for ev in prof.events():
-        if not str(ev.device_type).endswith("CUDA") or "kernel" not in ev.name:
+        # "kernel" in any case: CUDA C++ kernels are often CamelCase (QuantInt8Kernel); memcpy/memset events have none
+        if not str(ev.device_type).endswith("CUDA") or "kernel" not in ev.name.lower():
             continue
-        m = re.search(r"(\w+_kernel)", ev.name)
+        m = re.search(r"(\w+_kernel|\w+Kernel)", ev.name)
         name = m.group(1) if m else ev.name[:40]
         out[name] = out.get(name, 0.0) + ev.device_time_total / calls / 1000.0
     out = {k: round(v, 4) for k, v in out.items()}
