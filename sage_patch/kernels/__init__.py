@@ -153,7 +153,8 @@ def _dtype_dim_gqa_reason(q, k, v, hdim, torch):
 
 def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smooth_v):
     if precision == "fp4":
-        return None, "fp4 needs Blackwell FP4 tensor cores (sm_100/sm_120); no fp4 kernel for this GPU"
+        return None, ("fp4 has no compiled kernel in this version, on any GPU (SageAttention3's NVFP4 needs "
+                      "Blackwell FP4 tensor cores, sm_100a/sm_120a; not written yet)")
     why = _unserved_reason(precision, smooth_v)
     if why:
         return None, why
