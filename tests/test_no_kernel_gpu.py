@@ -102,6 +102,7 @@ def test_fp4_with_no_kernel_anywhere_runs_full(device_cc):
     K._lib._LIB.archs = list(NEW_ARCHS)
     d = _resolve("fp4")
     assert d.impl == "sdpa" and d.precision == "full" and "sm_110" in d.reason
+    assert "compute_120 (PTX)" in d.reason  # the library's targets, PTX named as such
 
 
 def test_fp4_stand_in_keeps_speed_routing(device_cc, monkeypatch):
@@ -118,7 +119,7 @@ def test_ptx_only_library_serves_hopper_with_the_portable_kernel(device_cc):
     device_cc["cc"] = (9, 0)
     K._lib._LIB.archs = ["compute_90"]
     st = K.status()
-    assert st["loaded"] and "sm_90" in st["reason"]
+    assert st["loaded"] and "compute_90 PTX JIT-compiled by the driver" in st["reason"]
     from sage_patch.kernels import registry
 
     v, _ = registry.select(registry.Target((9, 0), ("compute_90",), "8b"))

@@ -167,6 +167,11 @@ def arch_image(archs, major: int, minor: int) -> str | None:
     return max(ptx, key=target_cc) if ptx else None
 
 
+def format_targets(archs) -> str:
+    """'80 90a compute_120' -> 'sm_80, sm_90a, compute_120 (PTX)' for messages."""
+    return ", ".join(f"{a} (PTX)" if is_ptx(a) else f"sm_{a}" for a in archs) or "no target"
+
+
 def arch_supported(archs, major: int, minor: int) -> bool:
     """Whether a library with these targets (SASS "80", "90a"; PTX "compute_120") runs on major.minor."""
     return arch_image(archs, major, minor) is not None
