@@ -148,7 +148,9 @@ def compile_command(nvcc: str, unit: Unit, archs: list[str], obj_path: str, thre
 
 
 def link_command(nvcc: str, objs: list[str], out_path: str) -> list[str]:
-    return [nvcc, "-shared", "-o", out_path, *objs]
+    # -nodlink: the units are whole-program (no -rdc), so there is no device code to link; without it nvcc adds an
+    # empty device-link cubin for its default arch (sm_75), SASS that a PTX-only build must not hold
+    return [nvcc, "-shared", "-nodlink", "-o", out_path, *objs]
 
 
 def nvcc_commands(nvcc: str, archs: list[str], out_path: str, obj_dir: str, threads: int | None = None):

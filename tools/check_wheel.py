@@ -68,16 +68,15 @@ def needed_libs(lib: str) -> list[str]:
 
 
 def cuobjdump_images(cuobjdump: str, lib: str) -> tuple[list[str], list[str]]:
-    """([sm_XY of every kernel cubin], [compute_XY of every PTX]) in the library's fatbins. The one cubin named after
-    the library itself is the link step's stub (no kernel): left out."""
-    stem = os.path.basename(lib).split(".")[0]
+    """([sm_XY of every cubin], [compute_XY of every PTX]) in the library's fatbins (the build links with -nodlink:
+    no device-link stub cubin, so every cubin is a unit's)."""
     res = []
     for flag, what in (("--list-elf", r"ELF file\s+\d+: (\S+)\.(sm_\w+)\.cubin"),
                        ("--list-ptx", r"PTX file\s+\d+: (\S+)\.(sm_\w+|compute_\w+)\.ptx")):
         r = subprocess.run([cuobjdump, flag, lib], capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"{cuobjdump} {flag} {lib} failed: {r.stderr.strip()}")
-        res.append([arch for name, arch in re.findall(what, r.stdout) if not name.startswith(stem)])
+        res.append([arch for _, arch in re.findall(what, r.stdout)])
     elf, ptx = res
     return elf, ["compute_" + p.split("_", 1)[1] for p in ptx]  # cuobjdump names a PTX by its target: sm_120
 

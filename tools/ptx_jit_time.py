@@ -48,11 +48,13 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, 8, a.tokens, 128, device="cuda", generator=g, dtype=torch.float16)
     _timed(lambda: torch.nn.functional.scaled_dot_product_attention(x, x, x))  # torch's own warm-up
+    hopper = K.registry.get("wgmma-fp8").why_not(K.registry.Target((major, minor), tuple(st["archs"]), "8b"))
     res = {"device": torch.cuda.get_device_name(), "arch": f"sm_{major}{minor}", "library": st["path"],
-           "targets": st["archs"], "image": image, "cuda_cache_disable": os.environ.get("CUDA_CACHE_DISABLE"),
+           "targets": st["archs"], "image": image, "status": st["reason"], "wgmma_why_not": hopper,
+           "cuda_cache_disable": os.environ.get("CUDA_CACHE_DISABLE"),
            "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING", "LAZY (default)"), "cases": []}
     print(f"{res['device']} ({res['arch']}): library image {image}; CUDA_CACHE_DISABLE="
-          f"{res['cuda_cache_disable']}")
+          f"{res['cuda_cache_disable']}\nstatus: {st['reason']}\nwgmma kernel: {hopper or 'serves 8b'}")
     t_all = time.perf_counter()
     for precision, d, causal in CASES:
         q = torch.randn(1, 8, a.tokens, d, device="cuda", generator=g, dtype=torch.float16)
