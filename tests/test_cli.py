@@ -62,32 +62,19 @@ DEFAULT_ARCHS = ["80", "86", "89", "90a", "100", "120", "compute_120"]
 
 
 @pytest.fixture
-def fake_gpu(monkeypatch):
-    """`sage-patch info` on a CUDA device of the capability the test sets, with a library of DEFAULT_ARCHS: CPU
-    tensors pose as CUDA ones, so the resolver and the registry run their real checks on that capability."""
-    import types
-
+def fake_gpu(fake_cuda, monkeypatch):
+    """`sage-patch info` on a CUDA device of the capability the test sets, with a library of DEFAULT_ARCHS
+    (conftest.fake_cuda), torch.cuda answering for that device."""
     import sage_patch.cli as cli
     import sage_patch.kernels as K
-    import sage_patch.kernels._ops as ops
-    import sage_patch.resolve as R
 
-    cc = {}
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"), raising=False)
-    monkeypatch.setattr(K._lib, "_LIB", types.SimpleNamespace(handle=object(), reason="loaded", path="/x/lib.so",
-                                                              archs=list(DEFAULT_ARCHS)))
-    monkeypatch.setattr(K, "_cuda_available", lambda: True)
-    monkeypatch.setattr(K, "_STATUS_CACHE", {})
+    fake = fake_cuda(DEFAULT_ARCHS)
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: cc["cc"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: fake["cc"])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Fake GPU")
-    monkeypatch.setattr(ops, "device_cc", lambda dev: cc["cc"])
-    monkeypatch.setattr(R, "_kernels_loaded", lambda: bool(K._status()["loaded"]))
-    monkeypatch.setattr(R, "_kernels_reason", lambda: str(K._status()["reason"]))
     monkeypatch.setattr(cli, "_call_tensor", lambda on_cuda: torch.empty(1, 8, 8192, 128, dtype=torch.float16))
-    return cc
+    return fake
 
 
 def _info_rows(capsys):

@@ -1,7 +1,5 @@
 """A CUDA device the library holds no kernel for (sm_120, sm_75): quantized precisions run full precision with
 a reason naming the device and what to do, never the reference simulation (unless asked for); CPU keeps it."""
-import types
-
 import pytest
 import torch
 
@@ -15,23 +13,10 @@ ARCHS = ["80", "86", "89", "90a"]
 
 
 @pytest.fixture
-def device_cc(monkeypatch):
+def device_cc(fake_cuda):
     """CPU tensors posing as CUDA ones, on a device of the capability the test sets, with a library of ARCHS:
-    kernels.status() runs its real checks on that capability."""
-    cc = {}
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"), raising=False)
-    monkeypatch.setattr(K._lib, "_LIB", types.SimpleNamespace(handle=object(), reason="loaded", path="fake.so",
-                                                              archs=list(ARCHS)))
-    monkeypatch.setattr(K, "_cuda_available", lambda: True)
-    monkeypatch.setattr(K, "_STATUS_CACHE", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    import sage_patch.kernels._ops as ops
-
-    monkeypatch.setattr(ops, "device_cc", lambda dev: cc["cc"])
-    # resolve caches these for torch.compile; here they must follow the faked device
-    monkeypatch.setattr(R, "_kernels_loaded", lambda: bool(K._status()["loaded"]))
-    monkeypatch.setattr(R, "_kernels_reason", lambda: str(K._status()["reason"]))
-    return cc
+    kernels.status() runs its real checks on that capability (conftest.fake_cuda)."""
+    return fake_cuda(ARCHS)
 
 
 @pytest.mark.parametrize("cc, name", [((12, 0), "sm_120"), ((7, 5), "sm_75")])
@@ -87,7 +72,7 @@ def _resolve(precision, n=64):
 ])
 def test_fp4_runs_the_fastest_precision_with_a_kernel(device_cc, monkeypatch, cc, archs, precision, variant):
     device_cc["cc"] = cc
-    monkeypatch.setattr(K._lib._LIB, "archs", list(archs))
+    device_cc["lib"].archs = list(archs)
     monkeypatch.setattr(K, "SPEED_ROUTING", False)  # the choice of kernel, not the SDPA crossover, is tested here
     d = _resolve("fp4")
     assert (d.precision, d.variant.key if d.variant else None) == (precision, variant), d
@@ -99,7 +84,7 @@ def test_fp4_runs_the_fastest_precision_with_a_kernel(device_cc, monkeypatch, cc
 
 def test_fp4_with_no_kernel_anywhere_runs_full(device_cc):
     device_cc["cc"] = (11, 0)  # Jetson Thor: no SASS of major 11, and the compute_120 PTX does not JIT below 12.0
-    K._lib._LIB.archs = list(NEW_ARCHS)
+    device_cc["lib"].archs = list(NEW_ARCHS)
     d = _resolve("fp4")
     assert d.impl == "sdpa" and d.precision == "full" and "sm_110" in d.reason
     assert "compute_120 (PTX)" in d.reason  # the library's targets, PTX named as such
@@ -117,7 +102,7 @@ def test_ptx_only_library_serves_hopper_with_the_portable_kernel(device_cc):
     """A library holding only compute_90 PTX (the JIT test build): the wgmma kernel needs sm_90a SASS, so 8b runs the
     portable FP8 kernel, and the reason says why."""
     device_cc["cc"] = (9, 0)
-    K._lib._LIB.archs = ["compute_90"]
+    device_cc["lib"].archs = ["compute_90"]
     st = K.status()
     assert st["loaded"] and "compute_90 PTX JIT-compiled by the driver" in st["reason"]
     from sage_patch.kernels import registry
