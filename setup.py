@@ -1,7 +1,10 @@
 """Build hook: compiles kernels_cuda/ into a plain C-ABI shared library when nvcc is available.
 
-Without nvcc the package still installs; sage_patch then runs the reference and full paths and
-`sage-patch info` says why the kernels are missing.
+What a build that cannot make the library does is SAGE_PATCH_KERNELS's (kernels_cuda/build_kernels.py): by default a
+failed compile fails the build, and a missing nvcc installs the package without kernels (with a warning);
+SAGE_PATCH_KERNELS=required makes both errors (release wheels: tools/release_wheel.py), =optional neither.
+A wheel that carries libsage_kernels.so is tagged py3-none-<platform> (plain C ABI: no Python or torch version in
+it); one without it is pure (py3-none-any).
 """
 import os
 import sys
@@ -9,36 +12,41 @@ import sys
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels_cuda"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "kernels_cuda"))
+
+import build_kernels  # noqa: E402  kernels_cuda/build_kernels.py
+
+
+def _kernels_dir(build_lib: str) -> str:
+    return os.path.join(build_lib, "sage_patch", "kernels")
 
 
 class BuildWithKernels(build_py):
     def run(self):
         super().run()
-        try:
-            import build_kernels  # kernels_cuda/build_kernels.py
-        except ImportError:
-            return
-        build_kernels.build_into(os.path.join(self.build_lib, "sage_patch", "kernels"), inplace_dir=os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "sage_patch", "kernels"))
+        build_kernels.build_into(_kernels_dir(self.build_lib), inplace_dir=_kernels_dir(HERE))
 
 
 cmdclass = {"build_py": BuildWithKernels}
-try:  # a wheel that carries libsage_kernels.so is platform-specific (but not Python-specific: plain C ABI)
+try:
     try:
         from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
     except ImportError:
         from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
 
     class BdistWheel(_bdist_wheel):
-        def finalize_options(self):
-            super().finalize_options()
-            try:
-                import build_kernels
+        """Tags the wheel by what the build made: the library in the build tree -> platform wheel, else pure."""
 
-                self.root_is_pure = not build_kernels.will_build()
-            except ImportError:
-                pass
+        def run(self):
+            if not self.skip_build:
+                self.run_command("build")
+            build_lib = self.get_finalized_command("build_py").build_lib
+            binary = os.path.isfile(os.path.join(_kernels_dir(build_lib), build_kernels.LIB_NAME))
+            self.root_is_pure = not binary
+            if binary:  # install into the wheel's root as platform code (platlib), not under .data/purelib
+                self.distribution.has_ext_modules = lambda: True
+            super().run()
 
         def get_tag(self):
             py, abi, plat = super().get_tag()

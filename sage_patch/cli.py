@@ -43,42 +43,137 @@ def _number(kind, lo=None, hi=None, lo_open=False):
     return parse
 
 
-def _info(args) -> int:
+# The call `sage-patch info` resolves per precision: long enough to be past every measured SDPA crossover, the head
+# dim and dtype the kernels serve natively; the speed-routing line says what changes below the crossover.
+INFO_CALL = dict(batch=1, heads=8, tokens=8192, head_dim=128)
+
+
+def _library_info() -> dict:
+    from .kernels import _lib
+
+    lib = _lib.get()
+    return {"found": lib.handle is not None, "path": lib.path, "abi": _lib.ABI_VERSION if lib.handle else None,
+            "sass": [f"sm_{a}" for a in lib.archs if not _lib.is_ptx(a)],
+            "ptx": [a for a in lib.archs if _lib.is_ptx(a)], "reason": lib.reason}
+
+
+def _device_info() -> dict | None:
     import torch
 
-    from . import __version__, kernels
-    from .integrations import STATUS
+    from .kernels import _lib
 
-    lines = [f"sage-patch {__version__}", f"python {platform.python_version()}", f"torch {torch.__version__}"]
-    for lib in ("transformers", "diffusers"):
-        try:
-            mod = __import__(lib)
-            lines.append(f"{lib} {mod.__version__}: integration {STATUS.get(lib, 'not attempted')}")
-        except ImportError:
-            lines.append(f"{lib}: not installed")
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            cap = torch.cuda.get_device_capability(i)
-            lines.append(f"GPU {i}: {torch.cuda.get_device_name(i)} (sm_{cap[0]}{cap[1]})")
-    else:
-        lines.append("GPU: none visible to torch (quantized precisions run the reference simulation)")
-    st = kernels.status()
-    if st["loaded"]:
-        lines.append(f"kernels: loaded from {st['path']} (archs: {', '.join(st['archs']) or '?'})")
-    else:
-        lines.append(f"kernels: not loaded: {st['reason']}")
-    if kernels.SPEED_ROUTING:
-        for variant in kernels.registry.VARIANTS:
-            table = variant.sdpa_faster_below
-            if not table:
-                continue
+    if not torch.cuda.is_available():
+        return None
+    dev = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(dev)
+    image = _lib.arch_image(_lib.get().archs, major, minor)
+    return {"index": dev, "name": torch.cuda.get_device_name(dev), "arch": f"sm_{major}{minor}", "image": image,
+            "jit": bool(image and _lib.is_ptx(image))}
+
+
+def _call_tensor(on_cuda: bool):
+    """Q (= K = V) of INFO_CALL, uninitialized: the resolver looks at shape, dtype, strides and device only."""
+    import torch
+
+    c = INFO_CALL
+    return torch.empty(c["batch"], c["heads"], c["tokens"], c["head_dim"], dtype=torch.float16,
+                       device="cuda" if on_cuda else "cpu")
+
+
+def _precision_decisions(on_cuda: bool) -> dict:
+    """What each precision runs for INFO_CALL on this device, as the resolver decides it (the decision itself, not
+    a re-derivation)."""
+    import torch
+
+    from .masks import MaskInfo
+    from .precisions import PRECISIONS
+    from .resolve import resolve
+
+    q = _call_tensor(on_cuda)
+    out = {}
+    with torch.no_grad():
+        for p in ("full",) + tuple(x for x in PRECISIONS if x != "full"):
+            d = resolve(p, q, q, q, layout="bhsd", is_causal=False, mask=MaskInfo("none", None), dropout_p=0.0,
+                        return_lse=False, smooth_v=False)
+            impl = "reference simulation (ground truth)" if d.impl == "reference" else d.impl
+            out[p] = {"runs": d.precision, "impl": impl, "kernel": d.variant.key if d.variant else None,
+                      "reason": d.reason}
+    return out
+
+
+def _speed_routing() -> list[str]:
+    from . import kernels
+
+    if not kernels.SPEED_ROUTING:
+        return ["speed routing: off (SAGE_PATCH_SPEED_ROUTING=0): the kernels run at every length"]
+    lines = []
+    for variant in kernels.registry.VARIANTS:
+        table = variant.sdpa_faster_below
+        if table:
             rule = ", ".join(f"D={d}{' causal' if c else ''} < {n}" for (d, c), n in sorted(table.items()))
             lines.append(f"speed routing: {variant.name} calls run SDPA below the measured crossover ({rule} tokens)")
+    return lines
+
+
+def info_dict() -> dict:
+    """Everything `sage-patch info` reports (its --json output)."""
+    import torch
+
+    from . import __version__
+    from .integrations import STATUS
+
+    integrations = {}
+    for name in ("transformers", "diffusers"):
+        try:
+            integrations[name] = {"version": __import__(name).__version__, "status": STATUS.get(name, "not attempted")}
+        except ImportError:
+            integrations[name] = {"version": None, "status": "not installed"}
+    device = _device_info()
+    return {"version": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda, "library": _library_info(), "device": device,
+            "call": dict(INFO_CALL, dtype="float16", causal=False, mask=None),
+            "precisions": _precision_decisions(device is not None), "speed_routing": _speed_routing(),
+            "integrations": integrations}
+
+
+def info_text(d: dict) -> str:
+    lib, dev, c = d["library"], d["device"], d["call"]
+    lines = [f"sage-patch {d['version']}  python {d['python']}  torch {d['torch']} (CUDA {d['torch_cuda'] or 'none'})"]
+    if lib["found"]:
+        lines.append(f"kernel library: {lib['path']} (ABI {lib['abi']})")
+        lines.append(f"  SASS: {' '.join(lib['sass']) or 'none'}   PTX: {' '.join(lib['ptx']) or 'none'}"
+                     + ("   (PTX: JIT-compiled by the driver on a GPU no SASS fits)" if lib["ptx"] else ""))
     else:
-        lines.append("speed routing: off (SAGE_PATCH_SPEED_ROUTING=0): the kernels run at every length")
-    print("\n".join(lines))
-    if args.json:
-        print(json.dumps({"kernels": st, "integrations": STATUS}, indent=2, default=str))
+        lines.append(f"kernel library: not loaded: {lib['reason']}")
+    if dev is None:
+        lines.append("device: CPU only (no CUDA device visible to torch): quantized precisions run the reference "
+                     "simulation, the numerics' ground truth (slow; on a GPU the kernels run)")
+    else:
+        image = ("nothing in the library runs here" if not dev["image"] else
+                 f"runs {dev['image']}" + (" PTX, JIT-compiled at the first call" if dev["jit"] else " SASS"))
+        lines.append(f"device: cuda:{dev['index']} {dev['name']} ({dev['arch']}): {image}" if lib["found"] else
+                     f"device: cuda:{dev['index']} {dev['name']} ({dev['arch']})")
+    lines.append(f"what each precision runs for a call of B={c['batch']} H={c['heads']} N={c['tokens']} "
+                 f"D={c['head_dim']} fp16, no mask (resolver's decision):")
+    for p, r in d["precisions"].items():
+        what = r["impl"] if r["impl"] != "sdpa" else "torch SDPA"
+        if r["kernel"]:
+            what += f" [{r['kernel']}]"
+        via = f"as {r['runs']}: " if r["runs"] != p else ""
+        reason = r["reason"] or ""
+        if r["impl"].startswith("reference"):
+            reason = reason.removeprefix("reference simulation ").strip("()")
+        lines.append(f"  {p:<4}  {via}{what}" + (f"  -- {reason}" if reason else ""))
+    lines += d["speed_routing"]
+    lines.append("integrations: " + ", ".join(
+        f"{k} {v['version']} ({v['status']})" if v["version"] else f"{k}: not installed"
+        for k, v in d["integrations"].items()))
+    return "\n".join(lines)
+
+
+def _info(args) -> int:
+    d = info_dict()
+    print(json.dumps(d, indent=2, default=str) if args.json else info_text(d))
     return 0
 
 
@@ -238,10 +333,14 @@ def _calibrate(args) -> int:
 
 
 def main(argv=None) -> int:
+    from . import __version__
+
     p = _Parser(prog="sage-patch", description=__doc__)
+    p.add_argument("--version", action="version", version=f"sage-patch {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    pi = sub.add_parser("info", help="versions, GPU and arch, which kernels load and why not")
-    pi.add_argument("--json", action="store_true", help="also print machine-readable status")
+    pi = sub.add_parser("info", help="the kernel library and its targets, the GPU, and what each precision runs "
+                                     "on it and why")
+    pi.add_argument("--json", action="store_true", help="print the same as JSON only")
     pi.set_defaults(fn=_info)
     pv = sub.add_parser("validate", help="validate a policy YAML file (exit 1 with the message if bad)")
     pv.add_argument("file")

@@ -39,6 +39,12 @@ def _kernels_reason() -> str:
     return str(kernels.status()["reason"])
 
 
+def _next_precision(requested: str, precision: str) -> str:
+    """The precision tried after `precision` found no kernel: the next safer one, except that "fp4" (no kernel on any
+    GPU yet) first tries "4b", kept only where its kernel is faster than "8b" (see resolve)."""
+    return "4b" if requested == precision == "fp4" else SAFER[precision]
+
+
 def _full(requested: str, reason: str | None) -> Decision:
     return Decision(requested, "full", "sdpa", reason)
 
@@ -58,7 +64,9 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
 
     Order: explicit full; what no quantized path honours (dropout, autograd, float masks); the policy's
     fallback rules; then the compiled kernel if it can run this call (else the next safer precision it can
-    run) unless SDPA is faster at this length (the variant's measured crossover); on CPU the reference simulation;
+    run; for "fp4", which has no kernel yet, the fastest precision that runs: "4b" where its kernel has native INT4
+    MMA, else "8b") unless SDPA is faster at this length (the variant's measured crossover); on CPU the reference
+    simulation;
     on a GPU without a usable kernel, full precision (the simulation only with SAGE_PATCH_SIMULATE_ON_GPU=1).
     """
     if requested == "full":
@@ -105,6 +113,9 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
         else:
             variant, why = kernels.can_run(precision, q, k, v, layout=layout, is_causal=is_causal, attn_mask=kmask,
                                            return_lse=return_lse, smooth_v=smooth_v)
+        if variant is not None and requested == "fp4" and precision == "4b" and variant.qk != "int4":
+            # 4b carried in INT8 MMA does the 8b work plus Q smoothing: 8b is the faster stand-in there
+            variant, why = None, f"4b runs on INT8 MMA here ({variant.key}): 8b is faster"
         if variant is not None:
             # Speed routing compares with one SDPA call of the same batch; a packed batch's alternative is a loop of
             # SDPA calls, one per sequence, which the measured crossover does not describe: varlen keeps the kernel.
@@ -112,8 +123,10 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
                                                                                    is_causal=is_causal)
             if slow:
                 return _full(requested, slow)
-            reason = None if precision == requested else f"{requested} unavailable ({first_why}); using {precision}"
+            reason = None if precision == requested else (
+                f"{requested} unavailable ({first_why}); using {precision}"
+                + (", the fastest precision with a kernel here" if requested == "fp4" else ""))
             return Decision(requested, precision, variant.name, reason, variant)
         first_why = first_why or why
-        precision = SAFER[precision]
+        precision = _next_precision(requested, precision)
     return _full(requested, f"{requested} unavailable: {first_why}")

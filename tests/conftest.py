@@ -20,6 +20,33 @@ def qkv():
     return structured_qkv
 
 
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """fake_cuda(archs) -> a dict whose "cc" the test sets: CPU tensors then pose as CUDA ones on a device of that
+    capability, with a loaded library of those build targets (`lib` in the dict), so kernels.status(), the registry
+    and the resolver run their real checks on it."""
+    def make(archs):
+        import types
+
+        import sage_patch.kernels as K
+        import sage_patch.kernels._ops as ops
+        import sage_patch.resolve as R
+
+        fake = {"lib": types.SimpleNamespace(handle=object(), reason="loaded", path="/fake/libsage_kernels.so",
+                                             archs=list(archs))}
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"), raising=False)
+        monkeypatch.setattr(K._lib, "_LIB", fake["lib"])
+        monkeypatch.setattr(K, "_cuda_available", lambda: True)
+        monkeypatch.setattr(K, "_STATUS_CACHE", {})
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(ops, "device_cc", lambda dev: fake["cc"])
+        # resolve caches these for torch.compile; here they must follow the faked device
+        monkeypatch.setattr(R, "_kernels_loaded", lambda: bool(K._status()["loaded"]))
+        monkeypatch.setattr(R, "_kernels_reason", lambda: str(K._status()["reason"]))
+        return fake
+    return make
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

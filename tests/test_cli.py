@@ -1,6 +1,10 @@
 """The sage-patch command line."""
+import json
 import subprocess
 import sys
+
+import pytest
+import torch
 
 from sage_patch.cli import main
 
@@ -15,11 +19,102 @@ def test_validate_good_and_bad(tmp_path, capsys):
     assert "layers[0].index" in err and "line 3" in err
 
 
-def test_info_says_why_kernels_are_missing(capsys):
+def test_info_says_why_kernels_are_missing(capsys, monkeypatch, tmp_path):
+    import sage_patch.kernels as K
+
+    monkeypatch.setenv("SAGE_PATCH_KERNELS_LIB", str(tmp_path / "libsage_kernels.so"))
+    monkeypatch.setattr(K._lib, "_LIB", None)
+    monkeypatch.setattr(K, "_STATUS_CACHE", {})
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "torch" in out and "kernels:" in out
-    assert "not loaded:" in out or "loaded from" in out
+    assert "torch" in out and "kernel library: not loaded: libsage_kernels.so not found in" in out
+
+
+def test_version(capsys):
+    import sage_patch
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"sage-patch {sage_patch.__version__}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU view")
+def test_info_on_cpu_names_the_reference_for_each_precision(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) <= 24  # one screen
+    assert "device: CPU only" in out
+    rows = {l.split()[0]: l for l in out.splitlines() if l.startswith("  ")}
+    assert rows["full"].split()[1:3] == ["torch", "SDPA"]
+    for p in ("8b", "4b", "fp4"):
+        assert "reference simulation (ground truth)" in rows[p] and "tensors on CPU" in rows[p], rows[p]
+
+
+def test_info_json_is_json_only(capsys):
+    assert main(["info", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)  # nothing but JSON on stdout
+    assert set(d["precisions"]) == {"full", "8b", "4b", "fp4"}
+    assert set(d["library"]) >= {"found", "path", "abi", "sass", "ptx", "reason"}
+    assert d["call"]["tokens"] >= 4096 and d["precisions"]["full"]["impl"] == "sdpa"
+
+
+DEFAULT_ARCHS = ["80", "86", "89", "90a", "100", "120", "compute_120"]
+
+
+@pytest.fixture
+def fake_gpu(fake_cuda, monkeypatch):
+    """`sage-patch info` on a CUDA device of the capability the test sets, with a library of DEFAULT_ARCHS
+    (conftest.fake_cuda), torch.cuda answering for that device."""
+    import sage_patch.cli as cli
+    import sage_patch.kernels as K
+
+    fake = fake_cuda(DEFAULT_ARCHS)
+    monkeypatch.setattr(K, "SPEED_ROUTING", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: fake["cc"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Fake GPU")
+    monkeypatch.setattr(cli, "_call_tensor", lambda on_cuda: torch.empty(1, 8, 8192, 128, dtype=torch.float16))
+    return fake
+
+
+def _info_rows(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    return out, {l.split()[0]: l for l in out.splitlines() if l.startswith("  ") and not l.startswith("  SASS")}
+
+
+def test_info_on_hopper(fake_gpu, capsys):
+    fake_gpu["cc"] = (9, 0)
+    out, rows = _info_rows(capsys)
+    assert "SASS: sm_80 sm_86 sm_89 sm_90a sm_100 sm_120   PTX: compute_120" in out
+    assert "device: cuda:0 Fake GPU (sm_90): runs sm_90a SASS" in out
+    assert "cuda-wgmma-fp8pv [wgmma-fp8]" in rows["8b"] and "--" not in rows["8b"]
+    assert "as 8b: cuda-wgmma-fp8pv [wgmma-fp8]" in rows["fp4"]
+    assert "fp4 has no compiled kernel" in rows["fp4"] and "the fastest precision with a kernel here" in rows["fp4"]
+    assert "[mma-fp8f16]" in rows["4b"]
+    d = (main(["info", "--json"]), json.loads(capsys.readouterr().out))[1]
+    assert d["precisions"]["fp4"]["runs"] == "8b" and d["device"]["arch"] == "sm_90" and not d["device"]["jit"]
+
+
+def test_info_on_ada_runs_fp4_as_4b(fake_gpu, capsys):
+    fake_gpu["cc"] = (8, 9)
+    _, rows = _info_rows(capsys)
+    assert "as 4b:" in rows["fp4"] and "[mma-fp8-qk4]" in rows["fp4"]
+
+
+def test_info_on_a_gpu_newer_than_every_sass_target(fake_gpu, capsys):
+    fake_gpu["cc"] = (13, 0)
+    out, rows = _info_rows(capsys)
+    assert "(sm_130): runs compute_120 PTX, JIT-compiled at the first call" in out
+    assert "[mma-fp8]" in rows["8b"] and "as 8b:" in rows["fp4"]
+
+
+def test_info_on_a_gpu_no_target_fits(fake_gpu, capsys):
+    fake_gpu["cc"] = (7, 5)
+    out, rows = _info_rows(capsys)
+    assert "(sm_75): nothing in the library runs here" in out
+    for p in ("8b", "4b", "fp4"):
+        assert "as full: torch SDPA" in rows[p] and "sm_75" in rows[p]
 
 
 def test_info_shows_speed_routing(capsys, monkeypatch):

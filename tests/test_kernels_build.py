@@ -39,18 +39,22 @@ def fresh_lib(monkeypatch):
 
 
 def test_parse_archs(bk):
-    assert bk.parse_archs(None) == ["80", "86", "89", "90a"]
-    assert bk.parse_archs("") == ["80", "86", "89", "90a"]
+    default = ["80", "86", "89", "90a", "100", "120", "compute_120"]
+    assert bk.parse_archs(None) == default and bk.parse_archs("") == default
     assert bk.parse_archs("90a") == ["90a"]
     assert bk.parse_archs("80;90a") == ["80", "90a"]
     assert bk.parse_archs("8.0, 9.0a sm_89") == ["80", "90a", "89"]
-    with pytest.raises(ValueError):
-        bk.parse_archs("75")
+    assert bk.parse_archs("sm_120 compute_90") == ["120", "compute_90"]  # compute_*: PTX, not SASS
+    for bad in ("75", "compute_90a", "sm_110"):
+        with pytest.raises(ValueError, match="SAGE_PATCH_CUDA_ARCHS.*allowed"):
+            bk.parse_archs(bad)
 
 
 def test_gencode_flags(bk):
     assert bk.gencode_flags(["80", "90a"]) == ["-gencode=arch=compute_80,code=sm_80",
                                                "-gencode=arch=compute_90a,code=sm_90a"]
+    assert bk.gencode_flags(["120", "compute_120"]) == ["-gencode=arch=compute_120,code=sm_120",
+                                                        "-gencode=arch=compute_120,code=compute_120"]
     compiles, link = bk.nvcc_commands("nvcc", ["90a"], "/tmp/x.so", "/tmp/o", threads=2)
     for cmd in compiles:
         assert "-c" in cmd and "all-warnings" in cmd and "-Werror" in cmd
@@ -60,34 +64,97 @@ def test_gencode_flags(bk):
 
 def test_one_translation_unit_per_arch_family(bk):
     """The portable path for every target, the Hopper path for sm_90a only (and only when it is a target)."""
-    compiles, _ = bk.nvcc_commands("nvcc", ["80", "86", "89", "90a"], "/tmp/x.so", "/tmp/o")
+    compiles, _ = bk.nvcc_commands("nvcc", bk.DEFAULT_ARCHS, "/tmp/x.so", "/tmp/o")
     by_src = {os.path.relpath(c[-1], os.path.join(ROOT, "kernels_cuda")): c for c in compiles}
     assert set(by_src) == {"sage_api.cpp", os.path.join("portable", "launch.cu"), os.path.join("hopper", "launch.cu")}
     hop = [f for f in by_src[os.path.join("hopper", "launch.cu")] if f.startswith("-gencode")]
     assert hop == ["-gencode=arch=compute_90a,code=sm_90a"]
-    assert len([f for f in by_src[os.path.join("portable", "launch.cu")] if f.startswith("-gencode")]) == 4
+    portable = [f for f in by_src[os.path.join("portable", "launch.cu")] if f.startswith("-gencode")]
+    assert portable == bk.gencode_flags(bk.DEFAULT_ARCHS) and "code=compute_120" in portable[-1]
     assert not any(f.startswith("-gencode") for f in by_src["sage_api.cpp"])
     assert "-DSAGE_WITH_HOPPER=1" in by_src["sage_api.cpp"]
+    assert '-DSAGE_ARCHS="80 86 89 90a 100 120 compute_120"' in by_src["sage_api.cpp"]
     compiles, _ = bk.nvcc_commands("nvcc", ["80", "89"], "/tmp/x.so", "/tmp/o")
     assert len(compiles) == 2 and "-DSAGE_WITH_HOPPER=0" in compiles[0]
+    # the PTX-only build (JIT tests): no SASS anywhere, and no Hopper unit (wgmma needs sm_90a SASS)
+    compiles, _ = bk.nvcc_commands("nvcc", ["compute_90"], "/tmp/x.so", "/tmp/o")
+    flags = [f for c in compiles for f in c if f.startswith("-gencode")]
+    assert flags == ["-gencode=arch=compute_90,code=compute_90"] and "-DSAGE_WITH_HOPPER=0" in compiles[0]
 
 
-def test_build_skipped_by_env(bk, tmp_path, monkeypatch, capsys):
+def test_build_skipped_by_env(bk, tmp_path, build_env, capsys):
+    monkeypatch = build_env
     monkeypatch.setenv("SAGE_PATCH_NO_KERNELS", "1")
     assert bk.build_into(str(tmp_path / "a"), inplace_dir=str(tmp_path / "b")) is None
     assert "SAGE_PATCH_NO_KERNELS" in capsys.readouterr().err
     assert not (tmp_path / "a" / "libsage_kernels.so").exists()
 
 
-def test_build_without_nvcc_succeeds_quietly(bk, tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv("SAGE_PATCH_NO_KERNELS", raising=False)
-    monkeypatch.delenv("SAGE_PATCH_KERNELS_REQUIRED", raising=False)
-    monkeypatch.setattr(bk, "find_nvcc", lambda: None)
+@pytest.fixture
+def build_env(monkeypatch):
+    for var in ("SAGE_PATCH_NO_KERNELS", "SAGE_PATCH_KERNELS_REQUIRED", "SAGE_PATCH_KERNELS", "SAGE_PATCH_CUDA_ARCHS",
+                "SAGE_PATCH_PREBUILT_LIBRARY"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_build_without_nvcc_warns_unless_required(bk, tmp_path, build_env, capsys):
+    build_env.setattr(bk, "find_nvcc", lambda: None)
     assert bk.build(str(tmp_path)) is None
-    assert "nvcc not found" in capsys.readouterr().err
-    monkeypatch.setenv("SAGE_PATCH_KERNELS_REQUIRED", "1")
-    with pytest.raises(RuntimeError, match="nvcc not found"):
-        bk.build(str(tmp_path))
+    assert "WARNING" in capsys.readouterr().err
+    for var, value in (("SAGE_PATCH_KERNELS_REQUIRED", "1"), ("SAGE_PATCH_KERNELS", "required")):
+        with build_env.context() as m:
+            m.setenv(var, value)
+            with pytest.raises(bk.KernelBuildError, match="(?s)nvcc not found.*SAGE_PATCH_KERNELS=optional"):
+                bk.build(str(tmp_path))
+
+
+def _fake_nvcc(tmp_path):
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'fake nvcc: error: this compiler rejects everything' >&2\nexit 3\n")
+    nvcc.chmod(0o755)
+    return str(nvcc)
+
+
+def test_failed_compile_is_an_error_unless_optional(bk, tmp_path, build_env, capsys):
+    build_env.setenv("SAGE_PATCH_NVCC", _fake_nvcc(tmp_path))
+    for mode in ("", "auto", "required"):
+        build_env.setenv("SAGE_PATCH_KERNELS", mode)
+        with pytest.raises(bk.KernelBuildError) as e:
+            bk.build(str(tmp_path / "out"))
+        assert "nvcc failed (exit 3)" in str(e.value) and "SAGE_PATCH_KERNELS=optional" in str(e.value)
+        assert "rejects everything" in capsys.readouterr().err  # the compiler's own message is shown
+    build_env.setenv("SAGE_PATCH_KERNELS", "optional")
+    assert bk.build(str(tmp_path / "out")) is None
+    assert "WITHOUT the CUDA kernels" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "libsage_kernels.so").exists()
+
+
+def test_kernels_mode_rejects_bad_values(bk, build_env):
+    build_env.setenv("SAGE_PATCH_KERNELS", "sometimes")
+    with pytest.raises(ValueError, match="SAGE_PATCH_KERNELS='sometimes': allowed auto, required, optional"):
+        bk.kernels_mode()
+    build_env.setenv("SAGE_PATCH_KERNELS", "optional")
+    build_env.setenv("SAGE_PATCH_KERNELS_REQUIRED", "1")
+    with pytest.raises(ValueError, match="contradicts"):
+        bk.kernels_mode()
+    build_env.setenv("SAGE_PATCH_KERNELS", "")
+    assert bk.kernels_mode() == "required"
+
+
+def test_prebuilt_library_must_hold_the_targets(bk, tmp_path, build_env, monkeypatch):
+    lib = tmp_path / "libsage_kernels.so"
+    lib.write_bytes(b"x")
+    monkeypatch.setattr(bk, "library_targets", lambda path: ["80", "90a"])
+    build_env.setenv("SAGE_PATCH_PREBUILT_LIBRARY", str(lib))
+    with pytest.raises(bk.KernelBuildError, match="holds 80 90a, this build wants 80 86 89 90a 100 120 compute_120"):
+        bk.build_into(str(tmp_path / "build"))
+    build_env.setenv("SAGE_PATCH_CUDA_ARCHS", "90a;80")
+    assert bk.build_into(str(tmp_path / "build")) == str(tmp_path / "build" / "libsage_kernels.so")
+    assert (tmp_path / "build" / "libsage_kernels.so").read_bytes() == b"x"
+    build_env.setenv("SAGE_PATCH_PREBUILT_LIBRARY", str(tmp_path / "missing.so"))
+    with pytest.raises(bk.KernelBuildError, match="no such file"):
+        bk.build_into(str(tmp_path / "build"))
 
 
 def test_status_explains_missing_library(fresh_lib, tmp_path):
@@ -121,6 +188,28 @@ def test_arch_compatibility():
     assert not K.arch_supported(["86"], 8, 0)
     assert K.arch_supported(["90a"], 9, 0) and not K.arch_supported(["90a"], 10, 0)
     assert not K.arch_supported(["80", "86", "89", "90a"], 12, 0)
+
+
+@pytest.mark.parametrize("cc, image", [
+    ((8, 0), "sm_80"), ((8, 7), "sm_86"), ((8, 9), "sm_89"), ((9, 0), "sm_90a"), ((10, 0), "sm_100"),
+    ((10, 3), "sm_100"), ((12, 0), "sm_120"), ((12, 1), "sm_120"),
+    ((13, 0), "compute_120"),   # newer than every SASS target: the driver JIT-compiles the PTX
+    ((11, 0), None),            # no SASS of major 11, and PTX compute_120 does not run below 12.0
+    ((7, 5), None),
+])
+def test_arch_image_of_the_default_build(cc, image):
+    archs = ["80", "86", "89", "90a", "100", "120", "compute_120"]
+    assert _lib.arch_image(archs, *cc) == image
+    assert K.arch_supported(archs, *cc) is (image is not None)
+
+
+def test_arch_image_ptx_only():
+    assert _lib.arch_image(["compute_90"], 9, 0) == "compute_90"
+    assert _lib.arch_image(["compute_80", "compute_90"], 9, 0) == "compute_90"   # the newest PTX that fits
+    assert _lib.arch_image(["compute_80", "compute_90"], 8, 6) == "compute_80"
+    assert _lib.arch_image(["compute_90"], 8, 9) is None                          # PTX never runs on an older GPU
+    assert _lib.arch_image(["compute_80", "90a"], 9, 0) == "sm_90a"              # SASS first
+    assert _lib.target_cc("compute_120") == (12, 0) and _lib.target_cc("90a") == (9, 0)
 
 
 def test_fp4_and_4b_reasons():
@@ -232,8 +321,9 @@ def test_compiles_one_arch(bk, tmp_path, monkeypatch):
     assert path and os.path.getsize(path) > 100_000
 
 
-def test_build_into_drops_stale_library(bk, tmp_path, monkeypatch):
+def test_build_into_drops_stale_library(bk, tmp_path, build_env):
     """A library left in the source tree must not be shipped by a build that did not make it."""
+    monkeypatch = build_env
     monkeypatch.setenv("SAGE_PATCH_NO_KERNELS", "1")
     build_lib = tmp_path / "build_lib"
     build_lib.mkdir()

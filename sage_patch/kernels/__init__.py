@@ -98,7 +98,7 @@ def _status() -> dict:
     torch = _torch()
     if not _cuda_available():
         return {"loaded": False,
-                "reason": (f"library loaded ({lib.path}, sm_{', sm_'.join(lib.archs)}) but no CUDA device is "
+                "reason": (f"library loaded ({lib.path}, {_lib.format_targets(lib.archs)}) but no CUDA device is "
                            f"visible to torch (torch {torch.__version__}, CUDA {torch.version.cuda})"),
                 "path": lib.path, "archs": list(lib.archs)}
     dev = torch.cuda.current_device()
@@ -109,15 +109,17 @@ def _status() -> dict:
 
     major, minor = device_cc(dev)
     st = {"loaded": False, "reason": lib.reason, "path": lib.path, "archs": list(lib.archs)}
-    if not arch_supported(lib.archs, major, minor):
-        st["reason"] = (f"library built for sm_{', sm_'.join(lib.archs)} but device {dev} is sm_{major}{minor}: "
+    image = _lib.arch_image(lib.archs, major, minor)
+    if image is None:
+        st["reason"] = (f"library built for {_lib.format_targets(lib.archs)} but device {dev} is sm_{major}{minor}: "
                         "rebuild with SAGE_PATCH_CUDA_ARCHS including it")
     elif (major, minor) < (8, 0):
         st["reason"] = f"device {dev} is sm_{major}{minor}: the kernels need sm_80 or newer"
     else:
         st["loaded"] = True
         v, _ = registry.select(Target((major, minor), tuple(lib.archs)))
-        st["reason"] = f"loaded for sm_{major}{minor} (impl {v.name if v else 'none'})"
+        jit = f", {image} PTX JIT-compiled by the driver" if _lib.is_ptx(image) else ""
+        st["reason"] = f"loaded for sm_{major}{minor} (impl {v.name if v else 'none'}{jit})"
     _STATUS_CACHE[dev] = st
     return st
 
@@ -154,7 +156,8 @@ def _dtype_dim_gqa_reason(q, k, v, hdim, torch):
 
 def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smooth_v):
     if precision == "fp4":
-        return None, "fp4 needs Blackwell FP4 tensor cores (sm_100/sm_120); no fp4 kernel for this GPU"
+        return None, ("fp4 has no compiled kernel in this version, on any GPU (SageAttention3's NVFP4 needs "
+                      "Blackwell FP4 tensor cores, sm_100a/sm_120a; not written yet)")
     why = _unserved_reason(precision, smooth_v)
     if why:
         return None, why

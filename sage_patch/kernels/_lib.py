@@ -143,14 +143,35 @@ def reset() -> None:
     _LIB = None
 
 
-def arch_supported(archs: list[str], major: int, minor: int) -> bool:
-    """SASS compatibility: sm_XY runs on the same major with minor >= Y; sm_90a only on 9.0 exactly."""
-    for a in archs:
-        if a.endswith("a"):
-            if a[:-1] == f"{major}{minor}":
-                return True
-            continue
-        am, an = int(a[:-1]), int(a[-1])
-        if am == major and an <= minor:
-            return True
-    return False
+def target_cc(target: str) -> tuple[int, int]:
+    """'90a' -> (9, 0), '120' -> (12, 0), 'compute_120' -> (12, 0): the capability a build target is for."""
+    digits = target.removeprefix("compute_").rstrip("a")
+    return int(digits[:-1]), int(digits[-1])
+
+
+def is_ptx(target: str) -> bool:
+    """'compute_XY' targets are PTX (JIT-compiled by the driver); the others SASS."""
+    return target.startswith("compute_")
+
+
+def arch_image(archs, major: int, minor: int) -> str | None:
+    """The image of a library with these targets that runs on a device of capability major.minor, as the driver
+    chooses it: SASS first (sm_XY on the same major with minor >= Y; an arch-specific sm_XYa on X.Y only), else the
+    newest PTX compute_XY with X.Y <= the device (JIT-compiled at the first launch). None: nothing runs there."""
+    cc = (major, minor)
+    sass = [a for a in archs if not is_ptx(a) and (target_cc(a) == cc if a.endswith("a") else
+                                                   target_cc(a)[0] == major and target_cc(a) <= cc)]
+    if sass:
+        return "sm_" + max(sass, key=lambda a: (target_cc(a), a.endswith("a")))
+    ptx = [a for a in archs if is_ptx(a) and (target_cc(a) == cc if a.endswith("a") else target_cc(a) <= cc)]
+    return max(ptx, key=target_cc) if ptx else None
+
+
+def format_targets(archs) -> str:
+    """'80 90a compute_120' -> 'sm_80, sm_90a, compute_120 (PTX)' for messages."""
+    return ", ".join(f"{a} (PTX)" if is_ptx(a) else f"sm_{a}" for a in archs) or "no target"
+
+
+def arch_supported(archs, major: int, minor: int) -> bool:
+    """Whether a library with these targets (SASS "80", "90a"; PTX "compute_120") runs on major.minor."""
+    return arch_image(archs, major, minor) is not None

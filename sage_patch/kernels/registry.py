@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple
 
-from ._lib import arch_supported
+from ._lib import arch_supported, target_cc
 
 # C kernel ids (kernels_cuda/sage_kernels.h, SAGE_KERNEL_*)
 KERNEL_MMA_FP8, KERNEL_MMA_FP16, KERNEL_MMA_FP8F16, KERNEL_WGMMA_FP8 = 0, 1, 2, 3
@@ -54,7 +54,9 @@ DISABLED: dict[str, str] = {}
 class Target:
     """What a variant's constraints look at: the device, the build, and the call's features."""
     cc: tuple[int, int]                # the tensors' device compute capability
-    archs: tuple[str, ...]             # SASS targets compiled into the library ("80", "90a", ...)
+    # targets compiled into the library: SASS "80", "90a", "120", ... and PTX "compute_120" (JIT-compiled on any
+    # newer device: a device is served where _lib.arch_image finds either)
+    archs: tuple[str, ...]
     precision: str = "8b"
     head_dim: int = 128
     varlen: bool = False
@@ -72,15 +74,15 @@ def _needs_cc(lo: tuple[int, int], what: str) -> Constraint:
 
 
 def _needs_fp8_build(t: Target):
-    fp8 = [a for a in t.archs if int(a[:2]) >= 89]
+    fp8 = [a for a in t.archs if target_cc(a) >= (8, 9)]  # SASS or PTX compiled with the e4m3 instructions
     return None if arch_supported(fp8, *t.cc) else f"the build has no FP8 target for sm_{t.cc[0]}{t.cc[1]}"
 
 
 def _needs_hopper(t: Target):
     if t.cc != (9, 0):
         return f"the wgmma kernel runs on sm_90 only (device is sm_{t.cc[0]}{t.cc[1]})"
-    if "90a" not in t.archs:
-        return "the build has no sm_90a target"
+    if "90a" not in t.archs:  # wgmma is arch-specific: a portable PTX (compute_90) cannot carry it
+        return "the build has no sm_90a SASS (the wgmma kernel cannot be JIT-compiled from portable PTX)"
     return DISABLED.get("wgmma")
 
 
