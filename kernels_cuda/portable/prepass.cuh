@@ -238,6 +238,21 @@ __global__ void __launch_bounds__(kThreads) quant_q_kernel(SageAttnParams p, int
     }
 }
 
+// K - mean(K) of one key, channels 8 j .. 8 j + 7 of the half row at src (mean: that half's channel means, in shared
+// memory), in fp32 as the quantization and Delta S passes both need it; a key past the sequence end (valid false)
+// gives 0 (it is padding, and |0 - mean| must not count in a scale)
+template <typename T>
+__device__ __forceinline__ void load_k_centred(const T* src, const float* mean, int j, bool valid, float (&x)[8]) {
+    if (valid) {
+        Vec8<T>::load(src + 8 * j, x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] -= mean[8 * j + e];
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = 0.f;
+    }
+}
+
 // 2b. K - mean(K) -> INT8 (INT4 values for "4b"), groups Grouping(64, 8, 2): in each 64-key block keys with equal
 // (c % 8) / 2 share a scale. Varlen: per sequence (its own mean; blocks restart at the sequence start).
 template <int D, typename T>
@@ -258,14 +273,7 @@ __global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, con
     float am = 0.f;
 #pragma unroll
     for (int j = 0; j < CH; ++j) {
-        if (key < skv) {
-            Vec8<T>::load(src + 8 * j, x[j]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) x[j][e] -= smean[hh * H + 8 * j + e];
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) x[j][e] = 0.f;
-        }
+        load_k_centred(src, smean + hh * H, j, key < skv, x[j]);
 #pragma unroll
         for (int e = 0; e < 8; ++e) am = fmax_nan(am, fabsf(x[j][e]));
     }
@@ -412,16 +420,7 @@ __global__ void __launch_bounds__(kThreads) delta_s_kernel(SageAttnParams p, con
     const T* src = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (tok0_k(p, b) + key) * p.k_ss + hh * H;
     float x[CH][8];
 #pragma unroll
-    for (int j = 0; j < CH; ++j) {
-        if (key < skv) {
-            Vec8<T>::load(src + 8 * j, x[j]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) x[j][e] -= smean[hh * H + 8 * j + e];
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) x[j][e] = 0.f;
-        }
-    }
+    for (int j = 0; j < CH; ++j) load_k_centred(src, smean + hh * H, j, key < skv, x[j]);
     const int nq = min(nqb, (sq + bq - 1) / bq);
     const float mul = p.sm_scale * kLog2e;
     for (int qb = 0; qb < nq; ++qb) {
