@@ -331,3 +331,24 @@ def test_build_into_drops_stale_library(bk, tmp_path, build_env):
     assert bk.build_into(str(build_lib), inplace_dir=str(tmp_path / "src")) is None
     assert not (build_lib / "libsage_kernels.so").exists()
     assert bk.will_build() is False
+
+
+@pytest.mark.skipif(_built_library() is None, reason="libsage_kernels.so not built here")
+def test_workspace_layout_sizes_pinned():
+    """The workspace carve-ups (WsCarver sequences in portable/traits.cuh, hopper/launch.cu) size exactly as the
+    layouts they replaced: byte counts of the library before the change, for "8b" FP8 / FP16 P~V, "4b" (+ Delta S)
+    and the Hopper kernel with a key-padding mask (causal: never split, so no SM count enters)."""
+    h = ctypes.CDLL(_built_library())
+    h.sage_attn_workspace_bytes.restype = ctypes.c_int64
+    kmask = (ctypes.c_uint8 * 8)()
+    cases = [(dict(kernel=0, qk_bits=8), 487680),  # the sum of 12 regions, each 256-aligned (see the layout)
+             (dict(kernel=1, qk_bits=8), 585984),
+             (dict(kernel=4, qk_bits=4), 327936)]
+    if h.sage_hopper_compiled():
+        cases.append((dict(kernel=3, qk_bits=8, causal=1, device_cc=90, kmask=1), 269312))
+    for fields, expected in cases:
+        p = _lib.SageAttnParams()
+        p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = 2, 8, 2, 100, 130, 128
+        for name, value in fields.items():
+            setattr(p, name, ctypes.cast(kmask, ctypes.c_void_p).value if name == "kmask" else value)
+        assert h.sage_attn_workspace_bytes(ctypes.byref(p)) == expected, fields

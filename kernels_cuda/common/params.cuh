@@ -1,5 +1,5 @@
 // Shared by every kernel family: the launch parameters (SageAttnParams, sage_kernels.h), numeric constants, the
-// kernel-variant ids of the C ABI, workspace alignment and the varlen sequence offsets.
+// kernel-variant ids of the C ABI and the varlen sequence offsets.
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -17,9 +17,6 @@ constexpr float kFp8Max = 448.f;
 constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448)
 constexpr float kLnFp8Max = 6.104793232414985f;    // ln(448)
 
-__host__ __device__ inline int64_t align256(int64_t x) { return (x + 255) & ~int64_t(255); }
-// the workspace carve-up: a typed pointer `off` bytes into the workspace (offsets from a *Layout, 256-aligned)
-template <typename P> inline P* ws_at(void* ws, int64_t off) { return reinterpret_cast<P*>(static_cast<uint8_t*>(ws) + off); }
 
 __host__ __device__ __forceinline__ int qk_max(const SageAttnParams& p) { return p.qk_bits == 4 ? 7 : 127; }
 

@@ -253,6 +253,71 @@ struct HopKvKdiff {
     }
 };
 
+// The V factor of a block holding a value beyond the sampled range (any byte of the first pass saturated):
+// vfac = 2^e, the least e >= 0 with max |V - mean| / base <= 448 vfac (e <= kHopVMaxExp), written to *vfac, and
+// its inverse to gscale[8] for the requantization. A non-finite value in the block (NaN, or Inf, which the first pass
+// saturated to 448: both flag the block) makes the maximum NaN: the block is requantized with a NaN factor, so its V^T
+// image is NaN and so are P~V and O of every row that runs the block (vfac itself stays a power of two: the attention
+// kernel divides by it with integer arithmetic on the exponent). reload(i): the owner's raw V of key i, from L2.
+template <int NT, typename T, typename Chan>
+__device__ __forceinline__ void hop_kv_block_vfac(const HopKvReload<T>& reload, const HopKvValid& valid,
+                                                  const Chan& chan, float* omax, float* gscale, float* vfac) {
+    float r = 0.f;
+    {
+        float vi[8], vs[8];
+        chan(1, vi);
+        chan(2, vs);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float y[8];
+            raw8_to_float<T>(reload(i), y);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float z = hop_kv_vq(y[e], vi[e], vs[e]);
+                r = valid(i) ? fmax_nan(r, fabsf(z)) : r;
+            }
+        }
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) r = fmax_nan(r, __shfl_xor_sync(0xffffffffu, r, s));
+    // (the caller last read omax before a barrier)
+    if ((threadIdx.x & 31) == 0) omax[threadIdx.x >> 5] = r;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        r = 0.f;
+#pragma unroll
+        for (int w = 0; w < NT / 32; ++w) r = fmax_nan(r, omax[w]);
+        r = finite_or_nan(r);
+        int e = 0;
+        if (r > kFp8Max) {  // (false for NaN)
+            const uint32_t u = __float_as_uint(r / kFp8Max);  // >= 1
+            e = min((int)(u >> 23) - 127 + ((u & 0x7fffffu) != 0u), kHopVMaxExp);
+        }
+        *vfac = __uint_as_float((uint32_t)(127 + e) << 23);
+        gscale[8] = r == r ? __uint_as_float((uint32_t)(127 - e) << 23) : r;  // NaN: the block's V^T image NaN
+    }
+    __syncthreads();
+}
+
+// K: the owner's 4 keys of K - mean (kd) as INT8 with its group's scale sc (inverse inv), 8 channels of a key = 8
+// bytes of its row in the block's K image kdst
+template <int D>
+__device__ __forceinline__ void hop_kv_store_k(int8_t* kdst, const float (&kd)[4][8], float sc, float inv, int o,
+                                               int d0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        uint32_t w[2];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            uint32_t bt[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) bt[e] = quant_i8_bits(kd[i][4 * q + e], sc, inv);
+            w[q] = pack_low_bytes(bt[0], bt[1], bt[2], bt[3]);
+        }
+        *reinterpret_cast<uint2*>(kdst + hop_img_off(hop_kv_key(o, i), d0, D)) = make_uint2(w[0], w[1]);
+    }
+}
+
 template <int D, typename T>
 __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quant_kv_kernel(SageAttnParams p,
         const float* kmean, const float* vscale, const float* vmean, int8_t* kimg, float* kscale, uint8_t* vimg,
@@ -350,64 +415,10 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
     }
     if (threadIdx.x == 4 && !any_sat) vfac[blk] = 1.f;  // else set below
     __syncthreads();
-    // K: 8 channels of a key = 8 bytes of its image row
-    int8_t* kdst = kimg + blk * kHopBN * D;
-    {
-        const float sc = gscale[o & 3], inv = gscale[4 + (o & 3)];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            uint32_t w[2];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                uint32_t bt[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) bt[e] = quant_i8_bits(kd[i][4 * q + e], sc, inv);
-                w[q] = pack_low_bytes(bt[0], bt[1], bt[2], bt[3]);
-            }
-            *reinterpret_cast<uint2*>(kdst + hop_img_off(hop_kv_key(o, i), d0, D)) = make_uint2(w[0], w[1]);
-        }
-    }
-    if (any_sat) {  // rare (a value beyond the sampled range): V reloaded (from L2) here, where K's registers are
-        // free; vfac = 2^e, the least e >= 0 with max |V - mean| / base <= 448 vfac (e <= kHopVMaxExp). A
-        // non-finite value in the block (NaN, or Inf, which the first pass saturated to 448: both flag the block)
-        // makes the maximum NaN: the block is requantized with a NaN factor, so its V^T image is NaN and so are
-        // P~V and O of every row that runs the block (vfac itself stays a power of two: the attention kernel
-        // divides by it with integer arithmetic on the exponent)
+    hop_kv_store_k<D>(kimg + blk * kHopBN * D, kd, gscale[o & 3], gscale[4 + (o & 3)], o, d0);
+    if (any_sat) {  // rare (a value beyond the sampled range): V reloaded (from L2) here, where K's registers are free
         HopKvReload<T> reload{valid, vsrc, key_off, p};
-        float r = 0.f;
-        {
-            float vi[8], vs[8];
-            chan(1, vi);
-            chan(2, vs);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float y[8];
-                raw8_to_float<T>(reload(i), y);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const float z = hop_kv_vq(y[e], vi[e], vs[e]);
-                    r = valid(i) ? fmax_nan(r, fabsf(z)) : r;
-                }
-            }
-        }
-#pragma unroll
-        for (int s = 16; s > 0; s >>= 1) r = fmax_nan(r, __shfl_xor_sync(0xffffffffu, r, s));
-        if ((threadIdx.x & 31) == 0) omax[threadIdx.x >> 5] = r;  // (omax was last read before the barrier above)
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            r = 0.f;
-#pragma unroll
-            for (int w = 0; w < NT / 32; ++w) r = fmax_nan(r, omax[w]);
-            r = finite_or_nan(r);
-            int e = 0;
-            if (r > kFp8Max) {  // (false for NaN)
-                const uint32_t u = __float_as_uint(r / kFp8Max);  // >= 1
-                e = min((int)(u >> 23) - 127 + ((u & 0x7fffffu) != 0u), kHopVMaxExp);
-            }
-            vfac[blk] = __uint_as_float((uint32_t)(127 + e) << 23);
-            gscale[8] = r == r ? __uint_as_float((uint32_t)(127 - e) << 23) : r;  // NaN: the block's V^T image NaN
-        }
-        __syncthreads();
+        hop_kv_block_vfac<NT, T>(reload, valid, chan, omax, gscale, vfac + blk);
         quant_v(reload, gscale[8], valid);  // rewrites this thread's own image words
     }
     __syncthreads();  // the V^T image complete

@@ -1,38 +1,44 @@
 // The Hopper path, one translation unit compiled for sm_90a only: the workspace carve-up, the attention kernel's
 // instantiations and the launch sequence (sampled statistics -> K/V pre-pass -> attention, the last two with PDL).
 #include "../common/entry.h"
+#include "../common/host_launch.h"
 #include "kv_prepass.cuh"
 #include "kernel.cuh"
 
 namespace sage {
 
-struct HopLayout {
+// The Hopper path's workspace: the K/V pass's block images and tables, the statistics, the scheduler's counters and
+// the split tail's partials
+struct HopBufs {
     int64_t nkb;  // 128-key blocks per (b, kv-head)
-    int64_t kimg, kscale, vimg, vscale, vfac, kmean, vmean, kmflag, tilectr, part, total;
-    int nzero;    // ints from tilectr on that the statistics kernel zeroes: the tile counter, the split counters
+    int8_t* kimg; float* kscale; uint8_t* vimg; float* vscale; float* vfac; float* kmean; float* vmean; int* kmflag;
+    int* tilectr;  // the dynamic tile scheduler's counter, then one arrival counter per split tile and consumer
+    float4* part;  // split parts' partials
+    int nzero;     // ints from tilectr on that the statistics kernel zeroes: the tile counter, the split counters
+    int64_t total;  // bytes
 };
 
-inline HopLayout make_hop_layout(const SageAttnParams& p) {
-    HopLayout L;
+// carve the workspace ws (null: sizes only, see WsCarver)
+inline HopBufs carve_hop_ws(const SageAttnParams& p, void* ws) {
+    HopBufs L;
     L.nkb = (p.Skv + kHopBN - 1) / kHopBN;
     const HopPlan P = hop_plan(p);
     const int nwg = hop_nwg(p.D);
     const int64_t bhk = (int64_t)p.B * p.Hkv, D = p.D;
-    int64_t off = 0;
-    L.kimg = off;   off = align256(off + bhk * L.nkb * kHopBN * D);
-    L.kscale = off; off = align256(off + bhk * L.nkb * 4 * 4);
-    L.vimg = off;   off = align256(off + bhk * L.nkb * kHopBN * D);
-    L.vscale = off; off = align256(off + bhk * D * 4);
-    L.vfac = off;   off = align256(off + bhk * L.nkb * 4);
-    L.kmean = off;  off = align256(off + bhk * D * 4);
-    L.vmean = off;  off = align256(off + bhk * D * 4);
-    L.kmflag = off; off = align256(off + (p.kmask ? (int64_t)p.B * L.nkb * 4 : 0));
-    // the dynamic tile scheduler's counter, then one arrival counter per split tile and consumer
+    WsCarver c(ws);
+    L.kimg = c.take<int8_t>(bhk * L.nkb * kHopBN * D);
+    L.kscale = c.take<float>(bhk * L.nkb * 4 * 4);
+    L.vimg = c.take<uint8_t>(bhk * L.nkb * kHopBN * D);
+    L.vscale = c.take<float>(bhk * D * 4);
+    L.vfac = c.take<float>(bhk * L.nkb * 4);
+    L.kmean = c.take<float>(bhk * D * 4);
+    L.vmean = c.take<float>(bhk * D * 4);
+    L.kmflag = c.take<int>(p.kmask ? (int64_t)p.B * L.nkb * 4 : 0);
     L.nzero = 1 + P.nsplit * nwg;
-    L.tilectr = off; off = align256(off + 4 * L.nzero);
-    // split parts' partials: per (split tile, part, consumer) D/8 + 1 float4 per thread (normalised output, log2 sums)
-    L.part = off;   off = align256(off + (int64_t)P.nsplit * P.parts * nwg * (p.D / 8 + 1) * 128 * 16);
-    L.total = off;
+    L.tilectr = c.take<int>(4 * L.nzero);
+    // per (split tile, part, consumer) D/8 + 1 float4 per thread (normalised output, log2 sums)
+    L.part = c.take<float4>((int64_t)P.nsplit * P.parts * nwg * (p.D / 8 + 1) * 128 * 16);
+    L.total = c.size();
     return L;
 }
 
@@ -56,24 +62,16 @@ cudaError_t hop_launch_pdl(void (*kern)(Params...), dim3 grid, dim3 block, size_
 
 template <int D, typename T>
 int hop_launch(const SageAttnParams& p, cudaStream_t st) {
-    const HopLayout L = make_hop_layout(p);
-    int8_t* kimg = ws_at<int8_t>(p.workspace, L.kimg);
-    float* kscale = ws_at<float>(p.workspace, L.kscale);
-    uint8_t* vimg = ws_at<uint8_t>(p.workspace, L.vimg);
-    float* vscale = ws_at<float>(p.workspace, L.vscale);
-    float* vfac = ws_at<float>(p.workspace, L.vfac);
-    float* kmean = ws_at<float>(p.workspace, L.kmean);
-    float* vmean = ws_at<float>(p.workspace, L.vmean);
+    const HopBufs L = carve_hop_ws(p, p.workspace);
     const int bhk = p.B * p.Hkv, nkb = (int)L.nkb;
     // the first kernel follows whatever the caller ran before: a plain launch; the next two with PDL
-    hopper_sample_stats_kernel<D, T><<<bhk, kHopStatThreads, 0, st>>>(p, kmean, vscale, vmean,
-                                                                       ws_at<int>(p.workspace, L.tilectr), L.nzero);
+    hopper_sample_stats_kernel<D, T><<<bhk, kHopStatThreads, 0, st>>>(p, L.kmean, L.vscale, L.vmean, L.tilectr,
+                                                                       L.nzero);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
-    int* kmflag = ws_at<int>(p.workspace, L.kmflag);
     e = hop_launch_pdl(hopper_quant_kv_kernel<D, T>, dim3(nkb, p.Hkv, p.B), dim3(hop_kv_threads(D)), 0, st, p,
-                       (const float*)kmean, (const float*)vscale, (const float*)vmean, kimg, kscale, vimg, vfac,
-                       kmflag, nkb);
+                       (const float*)L.kmean, (const float*)L.vscale, (const float*)L.vmean, L.kimg, L.kscale, L.vimg,
+                       L.vfac, L.kmflag, nkb);
     if (e != cudaSuccess) return (int)e;
 
     constexpr int NWG = hop_nwg(D);
@@ -83,21 +81,18 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     const int dev = p.device;
     {
         static bool done[2][64] = {};
-        if (dev < 0 || dev >= 64 || !done[lse][dev]) {
-            e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, S::TOTAL);
-            if (e != cudaSuccess) return (int)e;
-            if (dev >= 0 && dev < 64) done[lse][dev] = true;
-        }
+        e = opt_in_dynamic_smem(kern, S::TOTAL, done[lse], dev);
+        if (e != cudaSuccess) return (int)e;
     }
     HopWs w;
-    w.kmflag = kmflag;
-    w.kimg = kimg; w.kscale = kscale; w.vimg = vimg; w.vscale = vscale; w.vfac = vfac; w.kmean = kmean; w.vmean = vmean;
-    w.tilectr = ws_at<int>(p.workspace, L.tilectr);
+    w.kimg = L.kimg; w.kscale = L.kscale; w.vimg = L.vimg; w.vscale = L.vscale; w.vfac = L.vfac;
+    w.kmean = L.kmean; w.vmean = L.vmean; w.kmflag = L.kmflag;
+    w.tilectr = L.tilectr;
     w.nkb = nkb;
     const HopPlan P = hop_plan(p);  // the same plan as the workspace layout's
     w.nqb = P.nqb;
     w.splitctr = w.tilectr + 1;
-    w.part = ws_at<float4>(p.workspace, L.part);
+    w.part = L.part;
     w.nitems = P.nitems;
     w.nfull = P.ntiles - P.nsplit;
     w.parts = P.parts;
@@ -115,7 +110,7 @@ bool hopper_supported(const SageAttnParams& p) {
     return p.device_cc == 90 && (p.D == 64 || p.D == 128) && p.qk_bits != 4 && o16;
 }
 
-int64_t hopper_workspace_bytes(const SageAttnParams& p) { return make_hop_layout(p).total; }
+int64_t hopper_workspace_bytes(const SageAttnParams& p) { return carve_hop_ws(p, nullptr).total; }
 
 int hopper_fwd(const SageAttnParams& p, cudaStream_t st) {
     if (p.dtype != 0 && p.dtype != 1) return SAGE_E_BADARG;

@@ -42,36 +42,38 @@ struct HopGeneral {
     const int& row;
     __device__ __forceinline__ bool operator()(int c) const { return key_ok(kbase + 2 * t4 + c, row); }
 };
-// the row max over visible scores (hidden ones as INT_MIN, the chain runs through the max only)
+// Visits the thread's scores of a block, key 2 t4 + c of the block for c = 8 j + e (a compile-time constant once
+// unrolled): step(c, i0, i1), with i0 / i1 the score's index in the accumulator layout for row0 / row1
+template <typename Step>
+__device__ __forceinline__ void hop_each_key(const Step& step) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) step(8 * j + e, 4 * j + e, 4 * j + 2 + e);
+}
+// the row max over visible scores (hidden ones as INT_MIN, the chain runs through the max only); vis0 / vis1: the
+// per-row visibility of key c
+template <typename V0, typename V1>
 struct HopMaskedMax {
     int& im0;
     int& im1;
     const int (&acc)[64];
-    template <typename V0, typename V1>
-    __device__ __forceinline__ void operator()(V0 vis0, V1 vis1) const {
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int c = 8 * j + e;
-                im0 = max(im0, vis0(c) ? acc[4 * j + e] : INT_MIN);
-                im1 = max(im1, vis1(c) ? acc[4 * j + 2 + e] : INT_MIN);
-            }
+    V0 vis0;
+    V1 vis1;
+    __device__ __forceinline__ void operator()(int c, int i0, int i1) const {
+        im0 = max(im0, vis0(c) ? acc[i0] : INT_MIN);
+        im1 = max(im1, vis1(c) ? acc[i1] : INT_MIN);
     }
 };
 // zeros for the hidden scores after the exponentials
+template <typename V0, typename V1>
 struct HopZeroHidden {
     float (&sf)[64];
-    template <typename V0, typename V1>
-    __device__ __forceinline__ void operator()(V0 vis0, V1 vis1) const {
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int c = 8 * j + e;
-                if (!vis0(c)) sf[4 * j + e] = 0.f;
-                if (!vis1(c)) sf[4 * j + 2 + e] = 0.f;
-            }
+    V0 vis0;
+    V1 vis1;
+    __device__ __forceinline__ void operator()(int c, int i0, int i1) const {
+        if (!vis0(c)) sf[i0] = 0.f;
+        if (!vis1(c)) sf[i1] = 0.f;
     }
 };
 // the exponent of one score: int -> float bits (1.5 * 2^23 + x) times the scale minus c
@@ -119,8 +121,6 @@ struct HopSoftmax {
         int im0 = INT_MIN, im1 = INT_MIN;
         // masked blocks: a per-row visibility test of the key 2 t4 + c within the block, c = 8 j + e a compile-time
         // constant (the lane's offset 2 t4 is folded into the prefix limits: one compare with an immediate)
-        HopMaskedMax masked_max{im0, im1, acc};
-        HopZeroHidden zero_hidden{sf};
         HopGeneral general0{key_ok, kbase, t4, row0};
         HopGeneral general1{key_ok, kbase, t4, row1};
         if (!need_mask) {
@@ -131,9 +131,9 @@ struct HopSoftmax {
             }
         } else if (!kmasked) {  // sequence end / causal diagonal: a row's keys are a prefix of the block
             const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
-            masked_max(HopPrefix{l0}, HopPrefix{l1});
+            hop_each_key(HopMaskedMax<HopPrefix, HopPrefix>{im0, im1, acc, HopPrefix{l0}, HopPrefix{l1}});
         } else {
-            masked_max(general0, general1);
+            hop_each_key(HopMaskedMax<HopGeneral, HopGeneral>{im0, im1, acc, general0, general1});
         }
         // the 4 lanes of a row hold different K scale groups: compare them as scaled floats
         float mx0 = im0 == INT_MIN ? -INFINITY : (float)im0 * sc;
@@ -158,9 +158,9 @@ struct HopSoftmax {
         }
         if (need_mask && !kmasked) {
             const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
-            zero_hidden(HopPrefix{l0}, HopPrefix{l1});
+            hop_each_key(HopZeroHidden<HopPrefix, HopPrefix>{sf, HopPrefix{l0}, HopPrefix{l1}});
         } else if (need_mask) {
-            zero_hidden(general0, general1);
+            hop_each_key(HopZeroHidden<HopGeneral, HopGeneral>{sf, general0, general1});
         }
         // the output is normalised by the tensor cores' row sums (merge); the LSE keeps fp32 sums of p (the FP8
         // accumulator keeps ~13 bits: its sums run up to ~1% low, which cancels in the output, not in the LSE)

@@ -20,14 +20,10 @@ int launch_attn(const SageAttnParams& p, const AttnWs& w, cudaStream_t st) {
     constexpr int WQ = warp_rows(D), BQ = 4 * WQ;
     constexpr int smem = AttnSmem<D, PV, WQ, qk_row_bytes(D, QKM)>::TOTAL;
     auto kern = attn_kernel<D, PV, T, QKM>;
-    const int dev = p.device;
-    if (smem > 48 * 1024) {  // dynamic shared-memory opt-in: once per kernel instantiation and device
+    if (smem > 48 * 1024) {
         static bool done[64] = {};
-        if (dev < 0 || dev >= 64 || !done[dev]) {
-            cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-            if (e != cudaSuccess) return (int)e;
-            if (dev >= 0 && dev < 64) done[dev] = true;
-        }
+        const cudaError_t e = opt_in_dynamic_smem(kern, smem, done, p.device);
+        if (e != cudaSuccess) return (int)e;
     }
     kern<<<dim3(w.sq_pad / BQ, p.Hq, p.B), kThreads, smem, st>>>(p, w);
     return (int)cudaGetLastError();
@@ -35,37 +31,24 @@ int launch_attn(const SageAttnParams& p, const AttnWs& w, cudaStream_t st) {
 
 template <int D, typename T, int PV>
 int launch_all(const SageAttnParams& p, cudaStream_t st) {
-    const Layout L = make_layout(p);
-    int8_t* qi8 = ws_at<int8_t>(p.workspace, L.qi8);
-    float* qscale = ws_at<float>(p.workspace, L.qscale);
-    float* qshift = ws_at<float>(p.workspace, L.qshift);
-    int8_t* ki8 = ws_at<int8_t>(p.workspace, L.ki8);
-    float* kscale = ws_at<float>(p.workspace, L.kscale);
-    float* kpart = ws_at<float>(p.workspace, L.kpart);
-    uint8_t* vt = ws_at<uint8_t>(p.workspace, L.vt);
-    float* vscale = ws_at<float>(p.workspace, L.vscale);
-    float* vpart = ws_at<float>(p.workspace, L.vpart);
-    float* kmean = ws_at<float>(p.workspace, L.kmean);
-    float* vmax = ws_at<float>(p.workspace, L.vmax);
-    float* vmean = ws_at<float>(p.workspace, L.vmean);
-    float* qmean = ws_at<float>(p.workspace, L.qmean);
-    float* ds = ws_at<float>(p.workspace, L.ds);
+    const PortableWs L = carve_portable_ws(p, p.workspace);
     const int ns = (int)L.nsplit, sqp = (int)L.sq_pad, skp = (int)L.skv_pad, nqb = (int)L.nqb;
     const int bhq = p.B * p.Hq, bhk = p.B * p.Hkv;
     const bool q4 = p.qk_bits == 4;
     const int do_v = (PV != PV_FP16 || p.smooth_v) ? 1 : 0;
 
-    stats_kernel<D, T><<<dim3(ns, bhk, 1 + do_v), kThreads, 0, st>>>(p, kpart, vpart, ns);
+    stats_kernel<D, T><<<dim3(ns, bhk, 1 + do_v), kThreads, 0, st>>>(p, L.kpart, L.vpart, ns);
     constexpr int WQ = warp_rows(D), BQ = 4 * WQ;
-    finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, kpart, vpart, ns, kmean, vmax, vmean, do_v);
-    quant_q_kernel<D, T, WQ><<<dim3(sqp / BQ, bhq), kThreads, 0, st>>>(p, qi8, qscale, qshift, qmean, kmean, sqp);
-    quant_k_kernel<D, T><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, kmean, ki8, kscale, skp);
-    quant_v_kernel<D, T, PV><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, vmax, vmean, vt, vscale, skp);
-    if (q4) delta_s_kernel<D, T><<<dim3(skp / kBK, bhq), kThreads, 0, st>>>(p, kmean, qmean, ds, nqb, BQ, skp);
+    finalize_stats_kernel<D><<<bhk, D, 0, st>>>(p, L.kpart, L.vpart, ns, L.kmean, L.vmax, L.vmean, do_v);
+    quant_q_kernel<D, T, WQ><<<dim3(sqp / BQ, bhq), kThreads, 0, st>>>(p, L.qi8, L.qscale, L.qshift, L.qmean, L.kmean,
+                                                                       sqp);
+    quant_k_kernel<D, T><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, L.kmean, L.ki8, L.kscale, skp);
+    quant_v_kernel<D, T, PV><<<dim3(skp / kBK, bhk), kThreads, 0, st>>>(p, L.vmax, L.vmean, L.vt, L.vscale, skp);
+    if (q4) delta_s_kernel<D, T><<<dim3(skp / kBK, bhq), kThreads, 0, st>>>(p, L.kmean, L.qmean, L.ds, nqb, BQ, skp);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
 
-    const AttnWs w{qi8, qscale, qshift, ki8, kscale, vt, vscale, vmean, ds, nqb, sqp, skp};
+    const AttnWs w{L.qi8, L.qscale, L.qshift, L.ki8, L.kscale, L.vt, L.vscale, L.vmean, L.ds, nqb, sqp, skp};
     const int qkm = qk_mode(p);
     if (qkm == QK_I4_MMA) return launch_attn<D, T, PV, QK_I4_MMA>(p, w, st);
     if (qkm == QK_I4_I8) return launch_attn<D, T, PV, QK_I4_I8>(p, w, st);
@@ -87,7 +70,7 @@ int dispatch_d(const SageAttnParams& p, cudaStream_t st) {
     return SAGE_E_HEADDIM;
 }
 
-int64_t portable_workspace_bytes(const SageAttnParams& p) { return make_layout(p).total; }
+int64_t portable_workspace_bytes(const SageAttnParams& p) { return carve_portable_ws(p, nullptr).total; }
 
 int portable_fwd(const SageAttnParams& p, cudaStream_t st) {
     if (p.dtype == 0) return dispatch_d<__half>(p, st);

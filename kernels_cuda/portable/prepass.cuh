@@ -113,6 +113,19 @@ __global__ void __launch_bounds__(D) finalize_stats_kernel(SageAttnParams p, con
     }
 }
 
+// 8 values quantized to integers in [-qmax, qmax] (quant_i8), as 8 bytes in channel order (one 8-byte store)
+__device__ __forceinline__ uint2 quant_i8x8(const float (&x)[8], float sc, int qmax) {
+    uint32_t w[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        uint32_t a = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a |= (uint32_t)(quant_i8(x[4 * q + e], sc, qmax) & 0xff) << (8 * e);
+        w[q] = a;
+    }
+    return make_uint2(w[0], w[1]);
+}
+
 // 2a. Q -> INT8 (INT4 values for "4b"), groups Grouping(WQ, 8, 1): in each WQ-row warp tile, rows with equal r % 8
 // share a scale (the rows one lane holds in the m16n8 accumulators: g, g+8 of each of the WQ/16 m-tiles).
 // Also writes qshift[row] = sm_scale * q . mean(K) (from the unsmoothed q): the LSE of the smoothed scores plus it
@@ -224,17 +237,23 @@ __global__ void __launch_bounds__(kThreads) quant_q_kernel(SageAttnParams p, int
         int8_t* o = qi8 + ((int64_t)bh * sq_pad + row) * D;
 #pragma unroll
         for (int i = 0; i < CPL; ++i) {
-            uint32_t w[2];
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                uint32_t a = 0;
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    a |= (uint32_t)(quant_i8(x[r][i][4 * hh + e], sc, qmax) & 0xff) << (8 * e);
-                w[hh] = a;
-            }
-            *reinterpret_cast<uint2*>(o + (t + 4 * i) * 8) = make_uint2(w[0], w[1]);
+            *reinterpret_cast<uint2*>(o + (t + 4 * i) * 8) = quant_i8x8(x[r][i], sc, qmax);
         }
+    }
+}
+
+// K - mean(K) of one key, channels 8 j .. 8 j + 7 of the half row at src (mean: that half's channel means, in shared
+// memory), in fp32 as the quantization and Delta S passes both need it; a key past the sequence end (valid false)
+// gives 0 (it is padding, and |0 - mean| must not count in a scale)
+template <typename T>
+__device__ __forceinline__ void load_k_centred(const T* src, const float* mean, int j, bool valid, float (&x)[8]) {
+    if (valid) {
+        Vec8<T>::load(src + 8 * j, x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] -= mean[8 * j + e];
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = 0.f;
     }
 }
 
@@ -258,14 +277,7 @@ __global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, con
     float am = 0.f;
 #pragma unroll
     for (int j = 0; j < CH; ++j) {
-        if (key < skv) {
-            Vec8<T>::load(src + 8 * j, x[j]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) x[j][e] -= smean[hh * H + 8 * j + e];
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) x[j][e] = 0.f;
-        }
+        load_k_centred(src, smean + hh * H, j, key < skv, x[j]);
 #pragma unroll
         for (int e = 0; e < 8; ++e) am = fmax_nan(am, fabsf(x[j][e]));
     }
@@ -293,15 +305,7 @@ __global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, con
     int8_t* dst = ki8 + ((int64_t)bh * skv_pad + key) * D + hh * H;
 #pragma unroll
     for (int j = 0; j < CH; ++j) {
-        uint32_t w[2];
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            uint32_t a = 0;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) a |= (uint32_t)(quant_i8(x[j][4 * q + e], sc, qmax) & 0xff) << (8 * e);
-            w[q] = a;
-        }
-        *reinterpret_cast<uint2*>(dst + 8 * j) = make_uint2(w[0], w[1]);
+        *reinterpret_cast<uint2*>(dst + 8 * j) = quant_i8x8(x[j], sc, qmax);
     }
 }
 
@@ -412,16 +416,7 @@ __global__ void __launch_bounds__(kThreads) delta_s_kernel(SageAttnParams p, con
     const T* src = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (tok0_k(p, b) + key) * p.k_ss + hh * H;
     float x[CH][8];
 #pragma unroll
-    for (int j = 0; j < CH; ++j) {
-        if (key < skv) {
-            Vec8<T>::load(src + 8 * j, x[j]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) x[j][e] -= smean[hh * H + 8 * j + e];
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) x[j][e] = 0.f;
-        }
-    }
+    for (int j = 0; j < CH; ++j) load_k_centred(src, smean + hh * H, j, key < skv, x[j]);
     const int nq = min(nqb, (sq + bq - 1) / bq);
     const float mul = p.sm_scale * kLog2e;
     for (int qb = 0; qb < nq; ++qb) {

@@ -2,6 +2,7 @@
 // come from, and the workspace carve-up of its pre-passes.
 #pragma once
 #include "../common/params.cuh"
+#include "../common/host_launch.h"
 
 namespace sage {
 
@@ -47,14 +48,20 @@ constexpr bool kArchHasFp8 = false;
 constexpr bool kArchHasFp8 = true;
 #endif
 
-struct Layout {  // workspace carve-up, all offsets 256-byte aligned
+// The portable path's workspace: the pre-passes' outputs the attention kernel reads, and the statistics partials
+struct PortableWs {
     int64_t sq_pad, skv_pad, nsplit, nqb;
-    int64_t qi8, qscale, qshift, ki8, kscale, kpart, vt, vscale, vpart, kmean, vmax, vmean, qmean, ds, total;
+    int8_t* qi8; float* qscale; float* qshift;
+    int8_t* ki8; float* kscale; float* kpart;
+    uint8_t* vt; float* vscale; float* vpart;
+    float* kmean; float* vmax; float* vmean;
+    float* qmean; float* ds;
+    int64_t total;  // bytes
 };
 
-
-inline Layout make_layout(const SageAttnParams& p) {
-    Layout L;
+// carve the workspace ws (null: sizes only, see WsCarver)
+inline PortableWs carve_portable_ws(const SageAttnParams& p, void* ws) {
+    PortableWs L;
     const int64_t bq = 4 * warp_rows(p.D);  // query rows per attention CTA
     L.sq_pad = (p.Sq + bq - 1) / bq * bq;
     L.skv_pad = (p.Skv + kBK - 1) / kBK * kBK;
@@ -63,23 +70,23 @@ inline Layout make_layout(const SageAttnParams& p) {
     L.nqb = L.sq_pad / bq;  // Q-smoothing blocks ("4b"): one per attention CTA
     const bool q4 = p.qk_bits == 4;
     const int64_t bhq = (int64_t)p.B * p.Hq, bhk = (int64_t)p.B * p.Hkv, D = p.D;
-    int64_t off = 0;
     const int64_t DB = qk_row_bytes(p.D, qk_mode(p));  // bytes per quantized Q/K row
-    L.qi8 = off;    off = align256(off + bhq * L.sq_pad * DB);
-    L.qscale = off; off = align256(off + bhq * (L.sq_pad / 16) * 8 * 4);  // enough for any WQ >= 16
-    L.qshift = off; off = align256(off + bhq * L.sq_pad * 4);
-    L.ki8 = off;    off = align256(off + bhk * L.skv_pad * DB);
-    L.kscale = off; off = align256(off + bhk * (L.skv_pad / kBK) * 4 * 4);
-    L.kpart = off;  off = align256(off + bhk * L.nsplit * D * 4);
-    L.vt = off;     off = align256(off + bhk * D * L.skv_pad * (pv_of_kernel(p.kernel) == PV_FP8_MMA ? 1 : 2));
-    L.vscale = off; off = align256(off + bhk * D * 4);
-    L.vpart = off;  off = align256(off + bhk * L.nsplit * 3 * D * 4);  // max|V| (or sum, max, min with smooth_v)
-    L.kmean = off;  off = align256(off + bhk * D * 4);
-    L.vmax = off;   off = align256(off + bhk * D * 4);
-    L.vmean = off;  off = align256(off + bhk * D * 4);
-    L.qmean = off;  off = align256(off + (q4 ? bhq * L.nqb * D * 4 : 0));
-    L.ds = off;     off = align256(off + (q4 ? bhq * L.nqb * L.skv_pad * 4 : 0));  // Delta S, fp32, log2 domain
-    L.total = off;
+    WsCarver c(ws);
+    L.qi8 = c.take<int8_t>(bhq * L.sq_pad * DB);
+    L.qscale = c.take<float>(bhq * (L.sq_pad / 16) * 8 * 4);  // enough for any WQ >= 16
+    L.qshift = c.take<float>(bhq * L.sq_pad * 4);
+    L.ki8 = c.take<int8_t>(bhk * L.skv_pad * DB);
+    L.kscale = c.take<float>(bhk * (L.skv_pad / kBK) * 4 * 4);
+    L.kpart = c.take<float>(bhk * L.nsplit * D * 4);
+    L.vt = c.take<uint8_t>(bhk * D * L.skv_pad * (pv_of_kernel(p.kernel) == PV_FP8_MMA ? 1 : 2));
+    L.vscale = c.take<float>(bhk * D * 4);
+    L.vpart = c.take<float>(bhk * L.nsplit * 3 * D * 4);  // max|V| (or sum, max, min with smooth_v)
+    L.kmean = c.take<float>(bhk * D * 4);
+    L.vmax = c.take<float>(bhk * D * 4);
+    L.vmean = c.take<float>(bhk * D * 4);
+    L.qmean = c.take<float>(q4 ? bhq * L.nqb * D * 4 : 0);
+    L.ds = c.take<float>(q4 ? bhq * L.nqb * L.skv_pad * 4 : 0);  // Delta S, fp32, log2 domain
+    L.total = c.size();
     return L;
 }
 

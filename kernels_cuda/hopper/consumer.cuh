@@ -1,0 +1,160 @@
+// Hopper path: a consumer warpgroup's work on one work item, before its epilogue: the Q prologue (this warpgroup's 64
+// rows of the tile quantized into its wgmma Q image) and one block of the loop (S = Q K^T, online softmax, P~V,
+// two-level accumulation) on the row state the kernel holds. The pieces they use live in mainloop.cuh and softmax.cuh.
+#pragma once
+#include "mainloop.cuh"
+#include "../common/quant.cuh"
+#include "../common/ptx.cuh"
+
+namespace sage {
+
+// Q prologue: rows lrow0 / lrow0 + 8 of the prefetched registers pf, this lane's quarter of the channels (the 8-channel
+// chunks 4c + t4), quantized to INT8 with one scale per row pair into the warpgroup's Q image sQp; the per-channel
+// values go to shared memory se (buffer by tile parity: the previous tile's epilogue may still read the other one):
+// V scale and mean for the epilogue, K mean for the Q shift.
+// Sets qs, the rows' Q scale (log2 domain, sm_scale folded in), and with the LSE qshift0 / qshift1 (q . mean(K) per
+// row: K's smoothing shift, which only enters the LSE).
+template <int D, typename T, bool LSE>
+__device__ __forceinline__ void hop_q_prologue(const SageAttnParams& p, const HopQPre<D>& pf, float* se, uint8_t* sQp,
+                                               int cw, int ltid, int lrow0, int t4, float& qs, float& qshift0,
+                                               float& qshift1) {
+    constexpr bool kQShift = LSE;
+    constexpr int QC = D / 4;  // Q channels per lane
+    if (ltid < D) {
+        se[ltid] = pf.vsc;
+        se[D + ltid] = pf.vmn;
+        if constexpr (kQShift) se[2 * D + ltid] = pf.km;
+    }
+    named_sync(1 + cw, 128);  // (also: every warp's last wgmma on the previous Q image is complete)
+    float x0[QC], x1[QC];
+#pragma unroll
+    for (int j = 0; j < QC / 8; ++j) {
+        Vec8<T>::load(reinterpret_cast<const T*>(&pf.q0[j]), x0 + 8 * j);
+        Vec8<T>::load(reinterpret_cast<const T*>(&pf.q1[j]), x1 + 8 * j);
+    }
+    float am = 0.f;
+#pragma unroll
+    for (int j = 0; j < QC; ++j) {
+        if constexpr (kQShift) {
+            const float m = se[2 * D + 32 * (j >> 3) + 8 * t4 + (j & 7)];
+            qshift0 = fmaf(x0[j], m, qshift0);
+            qshift1 = fmaf(x1[j], m, qshift1);
+        }
+        am = fmax_nan(am, fmax_nan(fabsf(x0[j]), fabsf(x1[j])));
+    }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+        am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, o));
+        if constexpr (kQShift) {
+            qshift0 += __shfl_xor_sync(0xffffffffu, qshift0, o);
+            qshift1 += __shfl_xor_sync(0xffffffffu, qshift1, o);
+        }
+    }
+    // a non-finite value in the two rows: NaN scale, so every score (and the output) of both rows is NaN
+    const float sc = finite_or_nan(am) / 127.f, inv = sc > 0.f ? 1.f / sc : 0.f;
+    qs = sc * p.sm_scale * kLog2e;
+    // the previous tile's Q reads (wgmma) are complete: every consumer waited on its last wgmma group
+#pragma unroll
+    for (int j = 0; j < QC; j += 8) {  // chunk 4 (j / 8) + t4: 8 channels, 8 bytes of the image
+        uint32_t w0[2], w1[2];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const float* y0 = x0 + j + 4 * q;
+            const float* y1 = x1 + j + 4 * q;
+            w0[q] = pack_low_bytes(quant_i8_bits(y0[0], sc, inv), quant_i8_bits(y0[1], sc, inv),
+                                   quant_i8_bits(y0[2], sc, inv), quant_i8_bits(y0[3], sc, inv));
+            w1[q] = pack_low_bytes(quant_i8_bits(y1[0], sc, inv), quant_i8_bits(y1[1], sc, inv),
+                                   quant_i8_bits(y1[2], sc, inv), quant_i8_bits(y1[3], sc, inv));
+        }
+        const int col = 4 * j + 8 * t4;  // = 8 (4 (j / 8) + t4)
+        *reinterpret_cast<uint2*>(sQp + hop_img_off(lrow0, col, D)) = make_uint2(w0[0], w0[1]);
+        *reinterpret_cast<uint2*>(sQp + hop_img_off(lrow0 + 8, col, D)) = make_uint2(w1[0], w1[1]);
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    named_sync(1 + cw, 128);
+}
+
+// One block of a consumer's loop, landed in stage s (serial: S(kb), softmax, P~V(kb), merge). While one warpgroup
+// runs its softmax the other two keep the tensor cores busy; no wgmma of its own is in flight during its ALU work
+// (which would slow it). kscale: this thread's K scale of the block, vfac: its V factor, kmask: some key of it is
+// padding-masked (all prefetched one block ahead).
+// Two-level accumulation: each block's P~V lands in its own accumulator, then O = O * alpha + block. V~ of block kb
+// is V / (base vfac_kb): O and l are kept divided by the current block's vfac (the softmax's alpha times vfac_prev /
+// vfac_kb, exact powers of two, and the block's row sums times 1 / vfac_kb), so O / l needs no factor at the end.
+template <int D, int NWG, bool LSE>
+struct HopBlockStep {
+    const HopSoftmax<LSE>& softmax_block;
+    const HopIssueQK<D, NWG>& issue_qk;
+    const HopIssuePV<D, NWG>& issue_pv;
+    const HopFold<D>& fold;
+    const HopMerge<D>& merge;
+    float& l0;         // the rows' tensor-core sums (HopMerge's, also merged by the second half at D = 128)
+    float& l1;
+    float& vfac_prev;  // the last block's V factor: O and l are kept divided by it
+    const uint32_t& dv0;
+    const uint32_t& bar_full;
+    const uint32_t& bar_empty;
+    const int& lane;
+    __device__ __forceinline__ void operator()(int s, uint32_t ph, int kb, float kscale, float vfac, int kmask) const {
+        using S = HopSmem<D, NWG>;
+        constexpr int kBlk = hop_pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
+        HopPackP pack_p{};
+        // powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
+        HopPow2Div pow2_div{};
+        HopPow2Inv pow2_inv{};
+        int acc[64];
+        uint32_t pa[4][4];
+        float al0, al1;
+        mbar_wait(bar_full + 8 * s, ph);
+        wg_fence();
+        issue_qk(acc, s);
+        wg_wait<0>();
+        reg_fence(acc);
+        {
+            float sf[64];
+            softmax_block(acc, kb, kscale, kmask, sf, al0, al1);
+            pack_p(sf, pa);
+        }
+        {
+            const float q = pow2_div(vfac_prev, vfac);
+            al0 *= q;
+            al1 *= q;
+            vfac_prev = vfac;
+        }
+        const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
+        if constexpr (D == 128) {
+            // P~V in two column halves: 32 + 36 accumulator registers (all 68 live at once do not fit)
+            float ba[32], bb[36];
+            const uint32_t dvb = dv + ((64 * kHopBN) >> 4);  // V^T rows 64.. (rows of kHopBN bytes)
+            // one half: m64n64 into ba (V^T rows from dv) or m64n72 into bb (rows from dvb)
+            HopPVHalf issue_half{pa};
+            HopPVHalfIssue<32> issue_a{issue_half, ba, dv};
+            HopPVHalfIssue<36> issue_b{issue_half, bb, dvb};
+            HopMergeA<D> merge_a{fold, ba, al0, al1};
+            HopMergeB<D> merge_b{pow2_inv, vfac_prev, l0, al0, bb, l1, al1, fold};
+            // one half after the other (both in flight, or the second issued before the first merge:
+            // 1-2% slower, they spill)
+            issue_a();
+            wg_wait<0>();
+            reg_fence(ba);
+            merge_a();
+            issue_b();
+            wg_wait<0>();
+            reg_fence(bb);
+            reg_fence(pa);
+            if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+            merge_b();
+        } else {
+            float blk[kBlk];
+            wg_fence();
+            issue_pv(blk, pa, s);
+            wg_wait<0>();
+            reg_fence(blk);
+            reg_fence(pa);
+            if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+            merge(blk, al0, al1, pow2_inv(vfac_prev));
+        }
+    }
+};
+
+}  // namespace sage
