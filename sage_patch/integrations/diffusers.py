@@ -31,12 +31,12 @@ How it works (the ambient-layer binding of `routing.route_sdpa`, nothing per pro
 - `disable_sage_attention()` removes the hooks and bindings (and the pass-throughs, with the last enabled model).
   Enabling twice only updates the policy.
 
-Why this design and not the alternatives (issue 31). Until then each processor's `__call__` was cloned with its
-globals rewritten per layer into synthetic `sys.modules` entries, behind a proxy processor that had to pass for the
-wrapped class (isinstance, `__class__()`, copy, signature) and a `set_processor` hook per layer: about 830 lines. The
-ambient binding does the same at equal behaviour (exact enable/disable, compile fullgraph, CPU offload, LoRA,
-IP-Adapter, `set_attention_backend`, tested in tests/test_diffusers_integration.py) in about 530, processors
-untouched, at the price of two documented process-wide pass-throughs while a model is enabled. Registering a "sage" backend in diffusers' own registry
+Why this design and not the alternatives. Cloning each processor's `__call__` with its globals rewritten per layer
+(synthetic `sys.modules` entries, behind a proxy processor that must pass for the wrapped class: isinstance,
+`__class__()`, copy, signature, and a `set_processor` hook per layer) gives the same behaviour (exact enable/disable,
+compile fullgraph, CPU offload, LoRA, IP-Adapter, `set_attention_backend`; tests/test_diffusers_integration.py) in
+about 830 lines against this design's 530, and touches the processors; the price here is two documented process-wide
+pass-throughs while a model is enabled. Registering a "sage" backend in diffusers' own registry
 (`set_attention_backend`) was weighed too: its names are a closed Enum, it would take over the user's backend choice
 for full layers, and processors that call torch's SDPA directly (SD3, CogVideoX) never reach it.
 
