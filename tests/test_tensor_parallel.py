@@ -18,7 +18,6 @@ import datetime
 import os
 import queue
 import socket
-import tempfile
 import traceback
 
 import pytest
