@@ -16,6 +16,9 @@ Semantics (each item is tested in tests/test_transformers_integration.py):
   transformers skipped the mask of a prefill into a longer static cache (q_len < kv_len, mask None), the keys
   past q_len are empty cache slots and are cut, as transformers' sdpa does;
 - masks are sdpa_mask's 4-D bool (True = attend); GQA/MQA K/V are passed with their own head count;
+- head counts are read from the tensors, never from the config, so tensor parallelism (`tp_plan="auto"`: each rank
+  holds Hq/P query and Hkv/P KV heads) needs nothing else; shapes that disagree with `module.num_key_value_groups`
+  (q_proj and k_proj/v_proj sharded by different degrees) raise ValueError instead of pairing the wrong heads;
 - `sliding_window`: carried by the mask; if the mask is None while the window would cut keys, it is built here;
 - `scaling` is the module's; `dropout` applies only while `module.training` (then full, reported);
 - `softcap` (Gemma 2) and `s_aux` (attention sinks) run the exact attention in fp32 ("full", impl "eager");
@@ -192,6 +195,7 @@ def _provisional_binding(module) -> LayerBinding:
 def sage_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function. query (B, Hq, Sq, D) (often a non-contiguous view), key/value
     (B, Hkv, Skv, D). Returns (attn_output (B, Sq, Hq, D) contiguous, None)."""
+    _check_head_grouping(module, query, key)
     binding = getattr(module, BINDING_ATTR, None) or _provisional_binding(module)
     is_causal = kwargs.pop("is_causal", None)
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
@@ -234,6 +238,24 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
         out = binding.attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
                                 attn_mask=attention_mask, dropout_p=dropout_p)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_head_grouping(module, query, key) -> None:
+    """Head counts come from the tensors (under tensor parallelism each rank holds Hq/P query and Hkv/P KV heads);
+    the module's `num_key_value_groups` is the one attribute they must agree with: transformers' own eager and sdpa
+    functions repeat each KV head that many times. A tensor-parallel plan that shards q_proj but not k_proj/v_proj
+    (or shards them by different degrees) breaks it; the grouping the shapes alone imply would pair query heads
+    with the wrong KV heads, a silently wrong result (transformers' sdpa with enable_gqa runs it too). Shapes are
+    the same on every rank, so every rank raises: no rank is left waiting in a collective."""
+    groups = getattr(module, "num_key_value_groups", None)
+    hq, hkv = query.shape[1], key.shape[1]
+    if isinstance(groups, int) and hkv * groups != hq:
+        raise ValueError(
+            f"sage_patch attention: {type(module).__name__} (layer {getattr(module, 'layer_idx', None)}) received "
+            f"{hq} query heads and {hkv} key/value heads, but its num_key_value_groups={groups} requires "
+            f"{hkv * groups} query heads ({groups} per KV head). Under tensor parallelism q_proj, k_proj and "
+            f"v_proj must be sharded by the same degree (tp_plan 'colwise' on all three), and the query and "
+            f"key/value head counts must both divide by the TP size")
 
 
 def _delegate_sdpa(binding, what, module, query, key, value, attention_mask, scaling, dropout, **kwargs):
