@@ -3,7 +3,7 @@
 The CPU twin (tests/test_tensor_parallel.py) runs the same model code on gloo with the reference simulation; what
 only GPUs show: the compiled kernels serve each rank's shard (Hq/P, Hkv/P heads; the report names a kernel, not the
 reference), their numerics per head are independent of the other heads (a shard's call equals those heads of the
-unsharded call, bitwise), and NCCL-sharded logits equal the single-GPU ones.
+unsharded call up to the order in which split tiles are combined), and NCCL-sharded logits equal the single-GPU ones.
 
     python -m pytest -m gpu -q tests/gpu/test_tensor_parallel_gpu.py      # 2 GPUs for the sharded test
 """
@@ -62,7 +62,7 @@ class _Attn(torch.nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_on_a_shard_equals_unsharded_heads(dtype, monkeypatch):
-    """A rank's call through the compiled kernel gives exactly those heads of the unsharded call."""
+    """A rank's call through the compiled kernel gives those heads of the unsharded call."""
     monkeypatch.setattr(K, "SPEED_ROUTING", False)
     g = torch.Generator(device="cuda").manual_seed(0)
     hq, hkv, p = 8, 2, 2
@@ -76,7 +76,12 @@ def test_kernel_on_a_shard_equals_unsharded_heads(dtype, monkeypatch):
         attach(mod, f"rank{r}", sage_patch.Policy.from_any(POLICY))
         qs, ks = slice(r * hq // p, (r + 1) * hq // p), slice(r * hkv // p, (r + 1) * hkv // p)
         out, _ = hf.sage_attention_forward(mod, q[:, qs], k[:, ks], v[:, ks], None)
-        assert torch.equal(out, ref[:, :, qs])
+        # The same quantization (no statistic spans heads); the Hopper kernel's persistent scheduler may split the
+        # last tiles of a call along the keys when fewer tiles than SMs remain, and a shard has fewer tiles, so
+        # partial results can be combined in another order: equal up to that rounding, not always bitwise.
+        diff = (out.float() - ref[:, :, qs].float()).abs()
+        assert diff.max() <= 2e-2 and diff.mean() <= 1e-4, (diff.max().item(), diff.mean().item())
+        assert _cos(out, ref[:, :, qs]) > 0.99999
         assert mod._sage_patch_binding.stats.impls == full_mod._sage_patch_binding.stats.impls
 
 

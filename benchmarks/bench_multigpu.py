@@ -1,0 +1,219 @@
+#!/usr/bin/env python
+"""Benchmark: one transformer forward on 1 GPU vs P GPUs, torch SDPA (cuDNN) vs sage, under diffusers' context
+parallelism (Ulysses, ring). Launched with torchrun, one process per GPU:
+
+    torchrun --nproc-per-node 2 benchmarks/bench_multigpu.py --cases flux-2048 hunyuan-720p --out out/mgpu
+
+Full-size architectures from their real configs with random bf16 weights (benchmarks/bench_diffusers.py builds them;
+every rank draws the same weights and inputs from one seed), batch 1. Per case, on one set of weights:
+
+- 1 GPU: the forward with torch SDPA (cuDNN backend) and with `enable_sage_attention()` (shipped policy), on every
+  rank at once (each on its own GPU), so the ranks stay in step; rank 0's numbers are reported.
+- P GPUs, for each of Ulysses-P and ring-P: `transformer.enable_parallelism(config=ContextParallelConfig(...))`,
+  then the same two forwards. SDPA runs diffusers' "_native_cudnn" backend, the one torch SDPA backend whose
+  context-parallel op returns the LSE that ring attention needs; sage runs our kernels on each rank's shard (and
+  diffusers' cuDNN backend for layers its policy keeps full). diffusers has no disable_parallelism: between
+  configurations the benchmark removes what enable_parallelism set (its hooks, the processors' config).
+- Times: CUDA events, warm-up, median of --reps per rank; the slowest rank's median is the forward's time.
+  Accuracy: cosine of each P-GPU output to the 1-GPU output of the same attention (sage to sage, SDPA to SDPA).
+
+Writes bench_multigpu.json (records + run metadata) and bench_multigpu.md into --out on rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_diffusers import CASES, build, cosine  # noqa: E402
+from timing import Clock, run_meta  # noqa: E402
+
+SDPA_BACKEND = "_native_cudnn"
+
+
+def log(msg):
+    if dist.get_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def time_forward(model, inputs, clock, warmup, reps):
+    """Median ms of one forward on this rank (every rep starts together on all ranks) and the last output."""
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + reps):
+            dist.barrier()
+            a = clock.mark()
+            out = model(**inputs)[0]
+            b = clock.mark()
+            if i >= warmup:
+                times.append(clock.ms(a, b))
+    return statistics.median(times), out
+
+
+def slowest(ms: float) -> float:
+    t = torch.tensor([ms], dtype=torch.float64, device=torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def cp_config(kind: str, world: int):
+    from diffusers import ContextParallelConfig
+
+    if kind == "ulysses":
+        return ContextParallelConfig(ulysses_degree=world)
+    if kind == "ring":
+        return ContextParallelConfig(ring_degree=world)
+    if kind == "unified":   # Ulysses x ring (needs 4 GPUs: 2 x 2)
+        return ContextParallelConfig(ulysses_degree=2, ring_degree=world // 2)
+    raise ValueError(kind)
+
+
+def reset_parallelism(model) -> None:
+    """Undo `enable_parallelism` for context parallelism: the split/gather hooks of the plan and the processors'
+    config (what enable_parallelism set; diffusers has no public inverse)."""
+    from diffusers.hooks.context_parallel import remove_context_parallel
+
+    remove_context_parallel(model, getattr(model, "_sage_bench_cp_plan", None) or model._cp_plan)
+    for m in model.modules():
+        proc = getattr(m, "processor", None)
+        if proc is not None and hasattr(proc, "_parallel_config"):
+            proc._parallel_config = None
+    model._parallel_config = None
+
+
+def run_variant(model, inputs, clock, args, sage: bool):
+    import sage_patch
+
+    if sage:
+        model.enable_sage_attention(args.policy)
+    try:
+        ms, out = time_forward(model, inputs, clock, args.warmup, args.reps)
+        rep = sage_patch.report(model) if sage else None
+    finally:
+        if sage:
+            model.disable_sage_attention()
+    used = {}
+    if rep is not None:
+        for st in rep.layers.values():
+            for p, n in st.used.items():
+                used[p] = used.get(p, 0) + n
+    return ms, out, used
+
+
+def run_case(name, args, device, world):
+    family, h, w, frames = CASES[name]
+    if frames is not None and args.frames is not None:
+        frames = args.frames
+    model, inputs, tokens = build(family, h, w, frames, device, torch.bfloat16, tiny=False, seed=0)
+    model.set_attention_backend(SDPA_BACKEND)
+    clock = Clock(device)
+    rec = {"case": name, "frames": frames, "tokens": tokens, "gpus": world, "gpu": torch.cuda.get_device_name(device)}
+    ref = {}
+    for attn in ("sdpa", "sage"):
+        ms, out, used = run_variant(model, inputs, clock, args, sage=attn == "sage")
+        rec[f"1gpu_{attn}_ms"] = round(ms, 2)   # rank 0's (every rank ran the same forward on its own GPU)
+        if used:
+            rec["1gpu_sage_used"] = used
+        ref[attn] = out.float()
+        log(f"[{name}] 1 GPU {attn}: {ms:.1f} ms")
+    for kind in args.parallel:
+        try:
+            model.enable_parallelism(config=cp_config(kind, world))
+        except Exception as e:  # a model diffusers (or sage-patch) has no context-parallel plan for
+            rec[f"{kind}_error"] = f"{type(e).__name__}: {e}"
+            log(f"[{name}] {kind}: {rec[f'{kind}_error']}")
+            reset_parallelism(model)
+            continue
+        try:
+            for attn in ("sdpa", "sage"):
+                ms, out, used = run_variant(model, inputs, clock, args, sage=attn == "sage")
+                rec[f"{kind}_{attn}_ms"] = round(slowest(ms), 2)
+                rec[f"{kind}_{attn}_cos_vs_1gpu"] = round(cosine(out.float(), ref[attn]), 6)
+                if used:
+                    rec[f"{kind}_sage_used"] = used
+                log(f"[{name}] {kind}-{world} {attn}: {rec[f'{kind}_{attn}_ms']} ms, "
+                    f"cos {rec[f'{kind}_{attn}_cos_vs_1gpu']}")
+        finally:
+            reset_parallelism(model)
+        rec[f"{kind}_sage_vs_1gpu_sage"] = round(rec["1gpu_sage_ms"] / rec[f"{kind}_sage_ms"], 3)
+        rec[f"{kind}_sage_vs_{kind}_sdpa"] = round(rec[f"{kind}_sdpa_ms"] / rec[f"{kind}_sage_ms"], 3)
+    del model, inputs, ref
+    torch.cuda.empty_cache()
+    return rec
+
+
+def markdown(records, parallel) -> str:
+    head = "| case | tokens | GPUs | 1-GPU SDPA ms | 1-GPU sage ms |"
+    sep = "|---|---|---|---|---|"
+    for kind in parallel:
+        head += (f" {kind} SDPA ms | {kind} sage ms | {kind} sage vs 1-GPU sage | {kind} sage vs {kind} SDPA "
+                 f"| {kind} cos sage (SDPA) |")
+        sep += "---|---|---|---|---|"
+    lines = [head, sep]
+    for r in records:
+        row = (f"| {r['case']}" + (f" ({r['frames']} frames)" if r.get("frames") else "")
+               + f" | {r['tokens']} | {r['gpus']} | {r.get('1gpu_sdpa_ms', '-')} | {r.get('1gpu_sage_ms', '-')} |")
+        for kind in parallel:
+            if f"{kind}_error" in r:
+                row += f" {r[f'{kind}_error'][:80]} | | | | |"
+                continue
+            row += (f" {r.get(f'{kind}_sdpa_ms', '-')} | {r.get(f'{kind}_sage_ms', '-')} "
+                    f"| {r.get(f'{kind}_sage_vs_1gpu_sage', '-')}x | {r.get(f'{kind}_sage_vs_{kind}_sdpa', '-')}x "
+                    f"| {r.get(f'{kind}_sage_cos_vs_1gpu', '-')} ({r.get(f'{kind}_sdpa_cos_vs_1gpu', '-')}) |")
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", choices=list(CASES), default=["flux-2048", "hunyuan-720p"])
+    ap.add_argument("--parallel", nargs="+", choices=("ulysses", "ring", "unified"), default=["ulysses", "ring"])
+    ap.add_argument("--frames", type=int, default=None, help="frame count of the video cases (default: the case's)")
+    ap.add_argument("--policy", default=None, help="sage policy (default: the shipped policy of the model class)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="out/bench_multigpu")
+    args = ap.parse_args(argv)
+
+    import sage_patch  # noqa: F401  (enable_sage_attention on diffusers models)
+    from sage_patch import kernels
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    device = torch.device("cuda", local)
+    if not kernels.status()["loaded"]:
+        raise SystemExit(f"compiled kernels not loaded: {kernels.status()['reason']}")
+    records = []
+    try:
+        for name in args.cases:
+            try:
+                rec = run_case(name, args, device, world)
+            except torch.cuda.OutOfMemoryError as e:
+                rec = {"case": name, "error": f"out of memory: {e}".splitlines()[0]}
+                torch.cuda.empty_cache()
+            records.append(rec)
+            if dist.get_rank() == 0:
+                print(json.dumps(rec), flush=True)
+    finally:
+        if dist.get_rank() == 0:
+            os.makedirs(args.out, exist_ok=True)
+            md = markdown(records, args.parallel)
+            print(md)
+            with open(os.path.join(args.out, "bench_multigpu.json"), "w") as f:
+                json.dump({"meta": run_meta(world_size=world, policy=args.policy or "shipped default"),
+                           "records": records}, f, indent=1)
+            with open(os.path.join(args.out, "bench_multigpu.md"), "w") as f:
+                f.write(md + "\n")
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
