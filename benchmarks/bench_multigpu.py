@@ -17,11 +17,18 @@ every rank draws the same weights and inputs from one seed), batch 1. Per case, 
 - Times: CUDA events, warm-up, median of --reps per rank; the slowest rank's median is the forward's time.
   Accuracy: cosine of each P-GPU output to the 1-GPU output of the same attention (sage to sage, SDPA to SDPA).
 
+LLM case (`--cases llama-8b-tp`): the Llama-3.1-8B architecture (random bf16 weights; rank 0 builds it, times the
+1-GPU prefill, saves it to --scratch), then every rank loads it with transformers' tensor parallelism
+(`from_pretrained(..., tp_plan="auto")`) and times the TP-P prefill: time to first token of one --seq-token prompt
+(batch 1, KV cache filled as generate() does, logits of the last token only), attn_implementation "sdpa" vs "sage".
+Accuracy: cosine of the last token's logits to the 1-GPU logits of the same attention.
+
 Writes bench_multigpu.json (records + run metadata) and bench_multigpu.md into --out on rank 0.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -34,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_diffusers import CASES, build, cosine  # noqa: E402
 from timing import Clock, run_meta  # noqa: E402
 
+LLM_CASE = "llama-8b-tp"
+
 SDPA_BACKEND = "_native_cudnn"
 
 
@@ -42,16 +51,18 @@ def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
 
-def time_forward(model, inputs, clock, warmup, reps):
-    """Median ms of one forward on this rank (every rep starts together on all ranks) and the last output."""
-    times = []
+def timed(fn, clock, args, together=True):
+    """Median ms of `fn()` over --reps after --warmup (with `together`, every rep starts on all ranks at once) and
+    its last result."""
+    times, out = [], None
     with torch.no_grad():
-        for i in range(warmup + reps):
-            dist.barrier()
+        for i in range(args.warmup + args.reps):
+            if together:
+                dist.barrier()
             a = clock.mark()
-            out = model(**inputs)[0]
+            out = fn()
             b = clock.mark()
-            if i >= warmup:
+            if i >= args.warmup:
                 times.append(clock.ms(a, b))
     return statistics.median(times), out
 
@@ -93,7 +104,7 @@ def run_variant(model, inputs, clock, args, sage: bool):
     if sage:
         model.enable_sage_attention(args.policy)
     try:
-        ms, out = time_forward(model, inputs, clock, args.warmup, args.reps)
+        ms, out = timed(lambda: model(**inputs)[0], clock, args)
         rep = sage_patch.report(model) if sage else None
     finally:
         if sage:
@@ -148,6 +159,56 @@ def run_case(name, args, device, world):
     return rec
 
 
+def prefill(model, ids):
+    """One prompt's prefill as generate() runs it: KV cache filled, logits of the last token only."""
+    return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits.float()
+
+
+def run_llm(args, device, world):
+    from bench_transformers import llama_config
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    cfg = llama_config(tiny=False)
+    ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
+    clock = Clock(device)
+    rec = {"case": LLM_CASE, "tokens": args.seq, "gpus": world, "gpu": torch.cuda.get_device_name(device)}
+    ref = {}
+    path = os.path.join(args.scratch, "llama31_8b_random")
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(cfg).eval()
+        finally:
+            torch.set_default_dtype(prev)
+        for attn in ("sdpa", "sage"):
+            model.set_attn_implementation(attn)
+            ms, ref[attn] = timed(functools.partial(prefill, model, ids), clock, args, together=False)
+            rec[f"1gpu_{attn}_ms"] = round(ms, 2)
+            log(f"[{LLM_CASE}] 1 GPU {attn}: {rec[f'1gpu_{attn}_ms']} ms")
+        model.save_pretrained(path)
+        del model
+        torch.cuda.empty_cache()
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", attn_implementation="sdpa",
+                                                 dtype=torch.bfloat16)
+    for attn in ("sdpa", "sage"):
+        model.set_attn_implementation(attn)
+        ms, logits = timed(functools.partial(prefill, model, ids), clock, args)
+        rec[f"tp_{attn}_ms"] = round(slowest(ms), 2)
+        if dist.get_rank() == 0:
+            rec[f"tp_{attn}_cos_vs_1gpu"] = round(cosine(logits, ref[attn]), 6)
+        log(f"[{LLM_CASE}] TP-{world} {attn}: {rec[f'tp_{attn}_ms']} ms")
+    rec["tp_sage_vs_tp_sdpa"] = round(rec["tp_sdpa_ms"] / rec["tp_sage_ms"], 3)
+    if "1gpu_sage_ms" in rec:
+        rec["tp_sage_vs_1gpu_sage"] = round(rec["1gpu_sage_ms"] / rec["tp_sage_ms"], 3)
+    del model
+    torch.cuda.empty_cache()
+    return rec
+
+
 def markdown(records, parallel) -> str:
     head = "| case | tokens | GPUs | 1-GPU SDPA ms | 1-GPU sage ms |"
     sep = "|---|---|---|---|---|"
@@ -157,6 +218,8 @@ def markdown(records, parallel) -> str:
         sep += "---|---|---|---|---|"
     lines = [head, sep]
     for r in records:
+        if r["case"] == LLM_CASE:
+            continue
         row = (f"| {r['case']}" + (f" ({r['frames']} frames)" if r.get("frames") else "")
                + f" | {r['tokens']} | {r['gpus']} | {r.get('1gpu_sdpa_ms', '-')} | {r.get('1gpu_sage_ms', '-')} |")
         for kind in parallel:
@@ -167,17 +230,29 @@ def markdown(records, parallel) -> str:
                     f"| {r.get(f'{kind}_sage_vs_1gpu_sage', '-')}x | {r.get(f'{kind}_sage_vs_{kind}_sdpa', '-')}x "
                     f"| {r.get(f'{kind}_sage_cos_vs_1gpu', '-')} ({r.get(f'{kind}_sdpa_cos_vs_1gpu', '-')}) |")
         lines.append(row)
+    llm = [r for r in records if r["case"] == LLM_CASE and "tp_sage_ms" in r]
+    if llm:
+        lines += ["", "| LLM prefill (TTFT) | tokens | GPUs | 1-GPU SDPA ms | 1-GPU sage ms | TP SDPA ms | TP sage ms "
+                  "| TP sage vs TP SDPA | TP sage vs 1-GPU sage | cos sage (SDPA) vs 1 GPU |", "|---" * 10 + "|"]
+        for r in llm:
+            lines.append(f"| {r['case']} | {r['tokens']} | {r['gpus']} | {r.get('1gpu_sdpa_ms', '-')} "
+                         f"| {r.get('1gpu_sage_ms', '-')} | {r['tp_sdpa_ms']} | {r['tp_sage_ms']} "
+                         f"| {r['tp_sage_vs_tp_sdpa']}x | {r.get('tp_sage_vs_1gpu_sage', '-')}x "
+                         f"| {r.get('tp_sage_cos_vs_1gpu', '-')} ({r.get('tp_sdpa_cos_vs_1gpu', '-')}) |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", nargs="+", choices=list(CASES), default=["flux-2048", "hunyuan-720p"])
+    ap.add_argument("--cases", nargs="+", choices=list(CASES) + [LLM_CASE],
+                    default=["flux-2048", "hunyuan-720p", LLM_CASE])
     ap.add_argument("--parallel", nargs="+", choices=("ulysses", "ring", "unified"), default=["ulysses", "ring"])
     ap.add_argument("--frames", type=int, default=None, help="frame count of the video cases (default: the case's)")
     ap.add_argument("--policy", default=None, help="sage policy (default: the shipped policy of the model class)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=32768, help="prompt tokens of the LLM case")
+    ap.add_argument("--scratch", default="/tmp", help="where the LLM case saves its random checkpoint")
     ap.add_argument("--out", default="out/bench_multigpu")
     args = ap.parse_args(argv)
 
@@ -195,7 +270,7 @@ def main(argv=None):
     try:
         for name in args.cases:
             try:
-                rec = run_case(name, args, device, world)
+                rec = run_llm(args, device, world) if name == LLM_CASE else run_case(name, args, device, world)
             except torch.cuda.OutOfMemoryError as e:
                 rec = {"case": name, "error": f"out of memory: {e}".splitlines()[0]}
                 torch.cuda.empty_cache()
