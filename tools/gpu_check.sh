@@ -23,13 +23,16 @@
 #                        DIFF_CASES, "flux-1024 flux-2048 sd35-1024"), guard_cost.py
 #   --variants "A B ..." per build out/device/<A>/libsage_kernels.so: smoke + bench (env BENCH_NS, 1024,4096,16384;
 #                        PEERS, sage8b,cudnn for the first variant; NO_SMOKE, builds that skip the smoke check)
+#   --multi-gpu          the multi-GPU tests (pytest -m gpu; env MGPU_TESTS, default tests/gpu/test_multigpu_gpu.py
+#                        tests/gpu/test_tensor_parallel_gpu.py), then torchrun over every GPU of benchmarks/bench_multigpu.py (env MGPU_ARGS: its arguments;
+#                        MGPU_TIMEOUT, s, 420)
 #   --fingerprint "A B"  tools/kernel_fingerprint.py --save with each build, then --compare
 #   --ncu "A ..."        an ncu profile of one attention launch per build (--ncu-shape "B H N D causal"), with the
 #                        source-level summary of tools/ncu_summary.py
 #   --tar                pack DIR into DIR.tgz at the end (for harnesses that return few files)
 set -u
 OUT=out/gpu_check; LIB=""; ARCHS=90a; SASS=0; SMOKE=0; TESTS=""; SANITIZE=0; BENCH=none; BENCH_ARGS=""; PROFILE_N=""
-INTEG=0; VARIANTS=""; FINGERPRINT=""; NCU=""; NCU_SHAPE="1 32 8192 128 0"; TAR=0; STAGES=0
+INTEG=0; MGPU=0; VARIANTS=""; FINGERPRINT=""; NCU=""; NCU_SHAPE="1 32 8192 128 0"; TAR=0; STAGES=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift ;;
@@ -43,6 +46,7 @@ while [ $# -gt 0 ]; do
     --bench-args) BENCH_ARGS=$2; shift ;;
     --profile) PROFILE_N=$2; shift ;;
     --integrations) INTEG=1; STAGES=1 ;;
+    --multi-gpu) MGPU=1; STAGES=1 ;;
     --variants) VARIANTS=$2; STAGES=1; shift ;;
     --fingerprint) FINGERPRINT=$2; STAGES=1; shift ;;
     --ncu) NCU=$2; STAGES=1; shift ;;
@@ -187,6 +191,20 @@ if [ $INTEG = 1 ]; then
   echo "bench_diffusers rc=$?" | tee -a "$OUT/summary.txt"; tail -8 "$OUT/diffusers.log"
   timeout 60 $PY benchmarks/guard_cost.py --n 4096 --heads 24 --dim 128 --calls 200 > "$OUT/guard.log" 2>&1
   cat "$OUT/guard.log"
+fi
+if [ $MGPU = 1 ]; then
+  NGPU=$(nvidia-smi -L | wc -l)
+  log "multi-gpu ($NGPU GPUs)"
+  timeout ${PYTEST_TIMEOUT:-420} $PY -m pytest -m gpu ${MGPU_TESTS:-tests/gpu/test_multigpu_gpu.py tests/gpu/test_tensor_parallel_gpu.py} \
+      -q -p no:cacheprovider -rfEs > "$OUT/pytest_mgpu.log" 2>&1
+  echo "pytest (multi-gpu) rc=$?" | tee -a "$OUT/summary.txt"
+  grep -E "passed|failed|error" "$OUT/pytest_mgpu.log" | tail -3 | tee -a "$OUT/summary.txt"
+  grep -E "^(FAILED|ERROR)|^E " "$OUT/pytest_mgpu.log" | head -30
+  timeout ${MGPU_TIMEOUT:-420} torchrun --nproc-per-node "$NGPU" benchmarks/bench_multigpu.py --out "$OUT/mgpu" \
+      ${MGPU_ARGS:-} > "$OUT/mgpu.log" 2>&1
+  echo "bench_multigpu rc=$?" | tee -a "$OUT/summary.txt"
+  grep "^|" "$OUT/mgpu/bench_multigpu.md" 2>/dev/null | tee -a "$OUT/summary.txt"
+  grep -E "Error|error" "$OUT/mgpu.log" | head -10
 fi
 [ $TAR = 1 ] && tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
 cat "$OUT/summary.txt"
