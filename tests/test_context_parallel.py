@@ -145,6 +145,13 @@ def _flux_two(rank, world):
         assert all(st["impl"] == {impl: 1} and st["context"] == {note: 1} for st in rep.values()), rep
     _lse_merge_contract(m._parallel_config, rank)
 
+    # torch.compile (fullgraph): diffusers' ring template traced, our attention one opaque op with its LSE
+    m, _ = tiny_flux()
+    cp_harness.enable_parallelism(m, ring_degree=2)
+    m.enable_sage_attention("8b")
+    _assert_cp_matches(_run(torch.compile(m, fullgraph=True, backend="aot_eager"), inputs), full, q8, "8b")
+    _check_report(m, 4, "8b", describe(m._parallel_config.context_parallel_config))
+
 
 def _lse_merge_contract(pc, rank):
     """Our forward op on this rank's K/V chunks, merged by diffusers' TemplatedRingAttention (LSE), equals our op on
@@ -174,7 +181,7 @@ def _lse_merge_contract(pc, rank):
         _backward_op(None, q)
 
 
-def test_flux_ulysses2_and_ring2_either_order_and_lse_merge():
+def test_flux_ulysses2_and_ring2_either_order_lse_merge_and_compile():
     cp_harness.spawn(_flux_two, 2)
 
 

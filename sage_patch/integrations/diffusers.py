@@ -15,8 +15,16 @@ How it works (the ambient-layer binding of `routing.route_sdpa`, nothing per pro
   `_routed_backend`. A call outside an enabled layer goes to the original unchanged.
 - Layers whose precision is "full" (by policy or step rule) call the original function with the original arguments,
   so diffusers' `set_attention_backend(...)` / `attention_backend(...)` choice still applies to them and "full" is
-  bit-identical to not enabling sage. Calls with a context-parallel config or attention_kwargs also go to the
-  original (the report says so). A quantized layer sees the arguments the dispatcher passes to the selected backend.
+  bit-identical to not enabling sage. Calls with attention_kwargs also go to the original (the report says so). A
+  quantized layer sees the arguments the dispatcher passes to the selected backend.
+- Context parallelism (`model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=..., ring_degree=...))`,
+  before or after enabling sage): a dispatcher call with a `_parallel_config` runs diffusers' own Ulysses / ring
+  template with a forward op that is the layer's attention on this rank's shard (with the LSE ring attention
+  merges), see `diffusers_parallel`. Each rank's report counts the calls it ran, with a note naming the degrees and
+  the rank. Calls that need a gradient stay with diffusers' backend; models whose processors call torch's SDPA on
+  the shard without a parallel config (SD3/SD3.5, CogVideoX) are refused with an error naming the class, when
+  enabling or at the first forward. HunyuanVideo has no diffusers plan: `cp_plans.enable_parallelism(model, config)`
+  applies the one shipped here.
 - A processor whose `__call__` does not itself call SDPA or the dispatcher (e.g. the classic `AttnProcessor` with
   `baddbmm`) is not bound and is listed in `sage_skipped(model)` with the reason (decided when enabling).
 - Under torch.compile (fullgraph) the hooks, the pass-throughs and the binding's cached precision are traced; a

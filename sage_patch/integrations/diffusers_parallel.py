@@ -45,6 +45,7 @@ def context_config(parallel_config):
     return getattr(parallel_config, "context_parallel_config", None)
 
 
+@torch.compiler.assume_constant_result   # fixed per config; torch.compile takes it as a constant, not an f-string
 def describe(cp) -> str:
     """The report's note for a call run under `cp` on this rank."""
     return (f"context parallel (ulysses {cp.ulysses_degree} x ring {cp.ring_degree}) on rank {cp._rank} "
