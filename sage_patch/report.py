@@ -33,6 +33,7 @@ class LayerStats:
     fallbacks: Counter = field(default_factory=Counter)  # reason -> calls
     requested: Counter = field(default_factory=Counter)  # precision the policy asked for -> calls
     guard: Counter = field(default_factory=Counter)      # runtime-guard demotions (reason -> 1)
+    context: Counter = field(default_factory=Counter)    # how calls were distributed (context parallelism) -> calls
 
     def __post_init__(self):
         self._key = next(_keys)
@@ -59,14 +60,22 @@ class LayerStats:
         if reason:
             self.fallbacks[reason] += 1
 
+    def record_context(self, context: str) -> None:
+        """Note how one counted call was distributed, e.g. "context parallel (ulysses 2 x ring 1) on rank 0 of 2":
+        under context parallelism each rank counts the calls it ran, on its shard."""
+        self.context[context] += 1
+
     def reset(self) -> None:
         self.calls = 0
-        for c in (self.used, self.impls, self.fallbacks, self.requested, self.guard):
+        for c in (self.used, self.impls, self.fallbacks, self.requested, self.guard, self.context):
             c.clear()
 
     def to_dict(self) -> dict:
-        return {"calls": self.calls, "used": dict(self.used), "fallbacks": dict(self.fallbacks),
-                "impl": dict(self.impls), "requested": dict(self.requested), "guard": dict(self.guard)}
+        d = {"calls": self.calls, "used": dict(self.used), "fallbacks": dict(self.fallbacks),
+             "impl": dict(self.impls), "requested": dict(self.requested), "guard": dict(self.guard)}
+        if self.context:
+            d["context"] = dict(self.context)
+        return d
 
 
 _keys = itertools.count()
@@ -82,6 +91,15 @@ def _record_traced(key: int, requested: str, precision: str, impl: str, reason: 
 
 _record_traced._dynamo_marked_constant = True  # what torch._dynamo.assume_constant_result sets, without importing dynamo
 
+
+class _NoStats:
+    """A stats sink that counts nothing (calls counted elsewhere, e.g. the later K/V chunks of a ring call)."""
+
+    def record(self, decision) -> None:
+        pass
+
+
+NO_STATS = _NoStats()
 
 # Calls made outside any routed layer (plain sage_patch.attention / sdpa / sageattn).
 GLOBAL_STATS = LayerStats("<direct calls>")
@@ -104,10 +122,13 @@ class Report:
             return "sage_patch report: no attention layers are routed"
         rows = [("layer", "calls", "used", "impl", "fallbacks")]
         for name, st in self.layers.items():
-            notes = [f"{r} (x{n})" for r, n in st.fallbacks.items()] + list(st.guard)
+            notes = ([f"{r} (x{n})" for r, n in st.fallbacks.items()] + list(st.guard)
+                     + [f"{c} (x{n})" for c, n in st.context.items()])
             rows.append((name, str(st.calls), _fmt(st.used), _fmt(st.impls), "; ".join(notes) or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = []
+        if any(st.context for st in self.layers.values()):
+            lines.append("context parallelism: the counts are the calls this rank ran, on its shard of the sequence")
         for i, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
             if i == 0:

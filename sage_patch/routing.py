@@ -30,7 +30,7 @@ from . import layer_scope
 from .api import run_attention
 from .guard import Guard
 from .policy import Policy
-from .report import STATS_ATTR, LayerStats, log_fallback_once
+from .report import NO_STATS, STATS_ATTR, LayerStats, log_fallback_once
 from .resolve import Decision
 from .sdpa_semantics import from_torch_sdpa
 
@@ -84,40 +84,56 @@ class LayerBinding:
         return self._precision == "full" and self.observer is None
 
     def attention(self, q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, dropout_p=0.0,
-                  return_lse=False):
+                  return_lse=False, record=True, context=None):
+        """This layer's attention under its policy. `record` False: the call is not counted (the later K/V chunks of
+        one ring-attention call, counted once). `context`: how the call was distributed (context parallelism),
+        counted in the layer's stats next to the call."""
         precision = self.requested()
         call = {"layout": layout, "is_causal": is_causal, "scale": scale, "attn_mask": attn_mask}
         if self.observer is not None:
             self.observer(self, q, k, v, call)
         res = run_attention(q, k, v, **call, precision=precision, return_lse=return_lse,
-                            smooth_v=self.policy.smooth_v, dropout_p=dropout_p, policy=self.policy, stats=self.stats)
+                            smooth_v=self.policy.smooth_v, dropout_p=dropout_p, policy=self.policy,
+                            stats=self.stats if record else NO_STATS)
+        if record and context:
+            self.stats.record_context(context)
         if self.policy.guard_every:
             self.guard.after_call(self, precision, q, k, v, call, res[0] if return_lse else res)
         return res
 
-    def run(self, q, k, v, *, layout, is_causal, scale, attn_mask, dropout_p):
+    def run(self, q, k, v, *, layout, is_causal, scale, attn_mask, dropout_p, return_lse=False, record=True,
+            context=None):
         """`attention` for calls that torch.compile may trace: there it is one opaque op (the reference simulation
         and the kernels' launch are not traceable, and a graph break inside a routed forward is not supported);
-        its precision decision and stats happen when the op runs, so the report stays exact under compile."""
+        its precision decision and stats happen when the op runs, so the report stays exact under compile. Calls
+        with LSE, uncounted or with a context (context parallelism) use a second op that returns (out, lse)."""
         if torch.compiler.is_compiling():
-            return torch.ops.sage_patch.routed_attention(q, k, v, attn_mask, self.id, layout, bool(is_causal), scale,
-                                                         float(dropout_p))
+            if not return_lse and record and context is None:
+                return torch.ops.sage_patch.routed_attention(q, k, v, attn_mask, self.id, layout, bool(is_causal),
+                                                             scale, float(dropout_p))
+            out, lse = torch.ops.sage_patch.routed_attention_lse(q, k, v, attn_mask, self.id, layout,
+                                                                 bool(is_causal), scale, float(dropout_p),
+                                                                 bool(return_lse), bool(record), context or "")
+            return (out, lse) if return_lse else out
         return self.attention(q, k, v, layout=layout, is_causal=bool(is_causal), scale=scale, attn_mask=attn_mask,
-                              dropout_p=dropout_p)
+                              dropout_p=dropout_p, return_lse=return_lse, record=record, context=context)
 
-    def record_fallback(self, impl: str, reason: str | None = None) -> None:
+    def record_fallback(self, impl: str, reason: str | None = None, context: str | None = None) -> None:
         """Record a call that this layer sent to `impl` in full precision instead of sage_patch's attention (the one
-        way adapters report their own fallbacks); a reason is logged once per process."""
+        way adapters report their own fallbacks); a reason is logged once per process. `context`: as in
+        `attention`."""
         self.stats.record(Decision(self.requested(), "full", impl, reason))
+        if context:
+            self.stats.record_context(context)
         if reason and not torch.compiler.is_compiling():
             log_fallback_once(reason)
 
-    def record_passthrough(self, impl: str, reason: str | None = None) -> None:
+    def record_passthrough(self, impl: str, reason: str | None = None, context: str | None = None) -> None:
         """`record_fallback` for a call handed back to the caller's own function (routed_sdpa, diffusers'
         dispatcher). Not counted while torch.compile traces: such calls are traced as the caller wrote them, and
         Python bookkeeping done at trace time would not repeat per run."""
         if not torch.compiler.is_compiling():
-            self.record_fallback(impl, reason)
+            self.record_fallback(impl, reason, context)
 
 
 @torch.library.custom_op("sage_patch::routed_attention", mutates_args=())
@@ -134,6 +150,28 @@ def _routed_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
 @_routed_attention_op.register_fake
 def _(q, k, v, attn_mask, layer_id, layout, is_causal, scale, dropout_p):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))  # q's layout, v's head dim
+
+
+@torch.library.custom_op("sage_patch::routed_attention_lse", mutates_args=())
+def _routed_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                             layer_id: int, layout: str, is_causal: bool, scale: float | None, dropout_p: float,
+                             return_lse: bool, record: bool, context: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`routed_attention` with the LSE (fp32 (B, H, Sq); an empty tensor unless return_lse), the `record` flag and
+    the `context` note of `LayerBinding.attention` (context parallelism's per-rank calls)."""
+    layer = _LAYERS.get(layer_id)
+    if layer is None:
+        raise RuntimeError(f"sage_patch: routed layer {layer_id} no longer exists (model freed or unloaded)")
+    res = layer.attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
+                          dropout_p=dropout_p, return_lse=return_lse, record=record, context=context or None)
+    out, lse = res if return_lse else (res, q.new_empty((0,), dtype=torch.float32))
+    return out.contiguous(), lse.contiguous()
+
+
+@_routed_attention_lse_op.register_fake
+def _(q, k, v, attn_mask, layer_id, layout, is_causal, scale, dropout_p, return_lse, record, context):
+    b, h, s = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
+    lse = q.new_empty((b, h, s), dtype=torch.float32) if return_lse else q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3])), lse
 
 
 def attach(module: torch.nn.Module, name: str, policy: Policy, steps: StepState | None = None,

@@ -25,7 +25,8 @@ LAYERS = [
     {"resolve"},
     {"api", "guard"},
     {"routing", "varlen"},
-    {"integrations.transformers", "integrations.diffusers"},
+    {"integrations.transformers", "integrations.diffusers", "integrations.diffusers_parallel",
+     "integrations.cp_plans"},
     {"router", "integrations"},
     {"calibrate", "demo", ""},   # "" is the package itself (sage_patch/__init__.py)
     {"cli"},

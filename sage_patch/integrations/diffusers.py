@@ -15,8 +15,16 @@ How it works (the ambient-layer binding of `routing.route_sdpa`, nothing per pro
   `_routed_backend`. A call outside an enabled layer goes to the original unchanged.
 - Layers whose precision is "full" (by policy or step rule) call the original function with the original arguments,
   so diffusers' `set_attention_backend(...)` / `attention_backend(...)` choice still applies to them and "full" is
-  bit-identical to not enabling sage. Calls with a context-parallel config or attention_kwargs also go to the
-  original (the report says so). A quantized layer sees the arguments the dispatcher passes to the selected backend.
+  bit-identical to not enabling sage. Calls with attention_kwargs also go to the original (the report says so). A
+  quantized layer sees the arguments the dispatcher passes to the selected backend.
+- Context parallelism (`model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=..., ring_degree=...))`,
+  before or after enabling sage): a dispatcher call with a `_parallel_config` runs diffusers' own Ulysses / ring
+  template with a forward op that is the layer's attention on this rank's shard (with the LSE ring attention
+  merges), see `diffusers_parallel`. Each rank's report counts the calls it ran, with a note naming the degrees and
+  the rank. Calls that need a gradient stay with diffusers' backend; models whose processors call torch's SDPA on
+  the shard without a parallel config (SD3/SD3.5, CogVideoX) are refused with an error naming the class, when
+  enabling or at the first forward. HunyuanVideo has no diffusers plan: `cp_plans.enable_parallelism(model, config)`
+  applies the one shipped here.
 - A processor whose `__call__` does not itself call SDPA or the dispatcher (e.g. the classic `AttnProcessor` with
   `baddbmm`) is not bound and is listed in `sage_skipped(model)` with the reason (decided when enabling).
 - Under torch.compile (fullgraph) the hooks, the pass-throughs and the binding's cached precision are traced; a
@@ -56,9 +64,10 @@ import weakref
 import torch
 
 from sage_patch import layer_scope
+from sage_patch.integrations import diffusers_parallel
 from sage_patch.policy import Policy, default_policy
-from sage_patch.routing import (SDPA, Interposer, LayerBinding, Recogniser, StepState, attach, detach,
-                                enter_on_forward, register_recogniser, select_modules)
+from sage_patch.routing import (BINDING_ATTR, SDPA, Interposer, LayerBinding, Recogniser, StepState, attach,
+                                detach, enter_on_forward, register_recogniser, select_modules)
 from sage_patch.sdpa_semantics import from_diffusers_dispatch
 
 logger = logging.getLogger("sage_patch")
@@ -131,8 +140,6 @@ _DISPATCH_ARGS = frozenset({"query", "key", "value", "attn_mask", "dropout_p", "
 def _dispatcher_keeps(kw: dict) -> str | None:
     """Why a dispatcher call inside a routed layer stays with diffusers' backend, or None."""
     extra = sorted(set(kw) - _DISPATCH_ARGS)
-    if kw.get("_parallel_config") is not None:
-        return "context parallelism: diffusers' dispatcher runs it (full)"
     if extra:
         return f"attention_kwargs {extra}: diffusers' dispatcher runs it (full)"
     if kw["query"].shape[2] != kw["key"].shape[2] and not kw.get("enable_gqa", False):
@@ -149,6 +156,8 @@ def _routed_backend(original):
         layer = layer_scope.current()
         if not isinstance(layer, LayerBinding):
             return original(**kw)
+        if kw.get("_parallel_config") is not None:   # context parallelism: diffusers' engine, our attention per rank
+            return diffusers_parallel.routed_call(layer, original, kw, _dispatcher_keeps(kw))
         full = layer.passes_full()
         why = None if full else _dispatcher_keeps(kw)
         if full or why is not None:
@@ -207,12 +216,19 @@ def _release_interposers() -> None:
     DISPATCH.release()
 
 
+def _routed_layers(model) -> list:
+    """(name, module) of the model's attention layers that are bound now."""
+    return [(n, m) for n, m in select_modules(model, LIBRARY) if isinstance(getattr(m, BINDING_ATTR, None), LayerBinding)]
+
+
 class _ModelState:
     def __init__(self, model, policy: Policy, tracker: StepTracker):
         self.policy = policy
         self.tracker = tracker
         self.hooks: dict[str, list] = {}         # layer name -> its forward hook handles
         self.skipped: dict[str, str] = {}        # layer name -> why it is not routed
+        # enable_parallelism called after enabling: checked when the model runs
+        self.cp_check = diffusers_parallel.check_on_forward(model, _routed_layers)
         SDPA.acquire()
         DISPATCH.acquire()
         self.release = weakref.finalize(model, _release_interposers)   # also if the model is freed while enabled
@@ -228,6 +244,9 @@ def enable(model, policy=None, *, tracker: StepTracker | None = None) -> dict:
     """Route every attention layer of a diffusers model through sage_patch. Returns {layer name: LayerBinding}.
     Enabling again updates the policy (and re-decides which layers can be routed)."""
     pol = Policy.from_any(policy) if policy is not None else default_policy_for(model)
+    # enabling on a model already context-parallel: refuse before binding anything
+    diffusers_parallel.check_model(model, [(n, m) for n, m in select_modules(model, LIBRARY)
+                                           if not _not_routable(m.processor)])
     st: _ModelState | None = getattr(model, _STATE_ATTR, None)
     if st is None:
         st = _ModelState(model, pol, tracker or StepTracker())
@@ -260,6 +279,7 @@ def disable(model) -> None:
         return
     for name, mod in select_modules(model, LIBRARY):
         _unbind(st, name, mod)
+    st.cp_check.remove()
     st.release()
     object.__delattr__(model, _STATE_ATTR)
 
