@@ -9,8 +9,9 @@ every rank draws the same weights and inputs from one seed), batch 1. Per case, 
 
 - 1 GPU: the forward with torch SDPA (cuDNN backend) and with `enable_sage_attention()` (shipped policy), on every
   rank at once (each on its own GPU), so the ranks stay in step; rank 0's numbers are reported.
-- P GPUs, for each of Ulysses-P and ring-P: `transformer.enable_parallelism(config=ContextParallelConfig(...))`,
-  then the same two forwards. SDPA runs diffusers' "_native_cudnn" backend, the one torch SDPA backend whose
+- P GPUs, for each of Ulysses-P and ring-P (SDPA of a model with a key-padding mask: Ulysses only, see run_case): `transformer.enable_parallelism(config=ContextParallelConfig(...))`
+  (through `sage_patch.integrations.cp_plans.enable_parallelism`, which adds the plan sage_patch ships for
+  HunyuanVideo; diffusers ships none), then the same two forwards. SDPA runs diffusers' "_native_cudnn" backend, the one torch SDPA backend whose
   context-parallel op returns the LSE that ring attention needs; sage runs our kernels on each rank's shard (and
   diffusers' cuDNN backend for layers its policy keeps full). diffusers has no disable_parallelism: between
   configurations the benchmark removes what enable_parallelism set (its hooks, the processors' config).
@@ -86,11 +87,14 @@ def cp_config(kind: str, world: int):
 
 
 def reset_parallelism(model) -> None:
-    """Undo `enable_parallelism` for context parallelism: the split/gather hooks of the plan and the processors'
-    config (what enable_parallelism set; diffusers has no public inverse)."""
+    """Undo `enable_parallelism` for context parallelism: the plan's split/gather hooks (and those of a plan shipped
+    by sage_patch) and the processors' config (what enable_parallelism set; diffusers has no public inverse)."""
     from diffusers.hooks.context_parallel import remove_context_parallel
 
-    remove_context_parallel(model, getattr(model, "_sage_bench_cp_plan", None) or model._cp_plan)
+    from sage_patch.integrations import cp_plans
+
+    remove_context_parallel(model, cp_plans.plan_for(model))
+    cp_plans.remove_plan_hooks(model)
     for m in model.modules():
         proc = getattr(m, "processor", None)
         if proc is not None and hasattr(proc, "_parallel_config"):
@@ -118,11 +122,17 @@ def run_variant(model, inputs, clock, args, sage: bool):
 
 
 def run_case(name, args, device, world):
+    from sage_patch.integrations import cp_plans
+
     family, h, w, frames = CASES[name]
     if frames is not None and args.frames is not None:
         frames = args.frames
     model, inputs, tokens = build(family, h, w, frames, device, torch.bfloat16, tiny=False, seed=0)
-    model.set_attention_backend(SDPA_BACKEND)
+    # A key-padding mask (HunyuanVideo's text) rules out cuDNN's context-parallel op: diffusers' ring template
+    # applies each rank's local mask to every K/V chunk (wrong), so such a model's SDPA peer is torch SDPA ("native",
+    # which picks its kernel per call) and runs Ulysses only.
+    masked = "encoder_attention_mask" in inputs
+    model.set_attention_backend("native" if masked else SDPA_BACKEND)
     clock = Clock(device)
     rec = {"case": name, "frames": frames, "tokens": tokens, "gpus": world, "gpu": torch.cuda.get_device_name(device)}
     ref = {}
@@ -135,7 +145,7 @@ def run_case(name, args, device, world):
         log(f"[{name}] 1 GPU {attn}: {ms:.1f} ms")
     for kind in args.parallel:
         try:
-            model.enable_parallelism(config=cp_config(kind, world))
+            cp_plans.enable_parallelism(model, cp_config(kind, world))   # diffusers' plan, or sage_patch's
         except Exception as e:  # a model diffusers (or sage-patch) has no context-parallel plan for
             rec[f"{kind}_error"] = f"{type(e).__name__}: {e}"
             log(f"[{name}] {kind}: {rec[f'{kind}_error']}")
@@ -143,6 +153,9 @@ def run_case(name, args, device, world):
             continue
         try:
             for attn in ("sdpa", "sage"):
+                if attn == "sdpa" and masked and kind != "ulysses":
+                    rec[f"{kind}_sdpa_ms"] = "n/a: diffusers' ring applies the local mask to every K/V chunk"
+                    continue
                 ms, out, used = run_variant(model, inputs, clock, args, sage=attn == "sage")
                 rec[f"{kind}_{attn}_ms"] = round(slowest(ms), 2)
                 rec[f"{kind}_{attn}_cos_vs_1gpu"] = round(cosine(out.float(), ref[attn]), 6)
@@ -153,7 +166,8 @@ def run_case(name, args, device, world):
         finally:
             reset_parallelism(model)
         rec[f"{kind}_sage_vs_1gpu_sage"] = round(rec["1gpu_sage_ms"] / rec[f"{kind}_sage_ms"], 3)
-        rec[f"{kind}_sage_vs_{kind}_sdpa"] = round(rec[f"{kind}_sdpa_ms"] / rec[f"{kind}_sage_ms"], 3)
+        if isinstance(rec[f"{kind}_sdpa_ms"], float):
+            rec[f"{kind}_sage_vs_{kind}_sdpa"] = round(rec[f"{kind}_sdpa_ms"] / rec[f"{kind}_sage_ms"], 3)
     del model, inputs, ref
     torch.cuda.empty_cache()
     return rec

@@ -95,6 +95,18 @@ def install_plan_hooks(model) -> None:
     object.__setattr__(model, REPLICATED_ATTR, shipped[2])
 
 
+def remove_plan_hooks(model) -> None:
+    """The inverse of `install_plan_hooks` (for code that undoes enable_parallelism, which diffusers itself does not
+    offer: with diffusers' `remove_context_parallel(model, plan_for(model))` and the processors' config reset)."""
+    shipped = _SHIPPED.get(type(model).__name__)
+    if shipped is None:
+        return
+    for name in shipped[1]:
+        HookRegistry.check_if_exists_or_initialize(model.get_submodule(name)).remove_hook(_GATHER_HOOK.format(name))
+    if REPLICATED_ATTR in model.__dict__:
+        object.__delattr__(model, REPLICATED_ATTR)
+
+
 def enable_parallelism(model, config, *, cp_plan=None):
     """`model.enable_parallelism(config=config, cp_plan=...)` with the plan for the model (`plan_for`; cp_plan
     overrides it) and the hooks that plan needs. Use it for HunyuanVideo; for models with diffusers' own plan it is
