@@ -149,7 +149,6 @@ def run_case(name, args, device, world):
         except Exception as e:  # a model diffusers (or sage-patch) has no context-parallel plan for
             rec[f"{kind}_error"] = f"{type(e).__name__}: {e}"
             log(f"[{name}] {kind}: {rec[f'{kind}_error']}")
-            reset_parallelism(model)
             continue
         try:
             for attn in ("sdpa", "sage"):
