@@ -53,6 +53,9 @@ def _worker(rank, port, kind, order, out_dir):
 
         model, inputs = _flux()
         model = model.to("cuda", torch.bfloat16)
+        # diffusers' default "native" backend has no LSE, so diffusers itself refuses ring attention with it; cuDNN's
+        # op has one (the full-precision runs below go through diffusers' backend)
+        model.set_attention_backend("_native_cudnn")
         inputs = {k: v.to("cuda", torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
         res = {}
         model.enable_sage_attention("8b")
