@@ -162,4 +162,5 @@ def test_tp2_nccl_logits_equal_single_gpu(tmp_path):
         full_drift = 1 - _cos(res["full"], ref_full)
         assert full_drift <= 2e-4, (rank, full_drift)
         assert 1 - _cos(res["sage"], ref_sage) <= max(4 * full_drift, 1e-4), (rank, full_drift)
-        assert _cos(res["sage"], ref_full) >= 0.999, rank
+        # and it stays as close to full precision as on one GPU (8b on these random weights: 1 - cos about 1e-3)
+        assert _cos(res["sage"], ref_full) >= _cos(ref_sage, ref_full) - 5e-4, rank
