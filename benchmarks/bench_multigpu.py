@@ -136,7 +136,7 @@ def run_case(name, args, device, world):
     clock = Clock(device)
     rec = {"case": name, "frames": frames, "tokens": tokens, "gpus": world, "gpu": torch.cuda.get_device_name(device)}
     ref = {}
-    for attn in ("sdpa", "sage"):
+    for attn in args.attn:
         ms, out, used = run_variant(model, inputs, clock, args, sage=attn == "sage")
         rec[f"1gpu_{attn}_ms"] = round(ms, 2)   # rank 0's (every rank ran the same forward on its own GPU)
         if used:
@@ -151,7 +151,7 @@ def run_case(name, args, device, world):
             log(f"[{name}] {kind}: {rec[f'{kind}_error']}")
             continue
         try:
-            for attn in ("sdpa", "sage"):
+            for attn in args.attn:
                 if attn == "sdpa" and masked and kind != "ulysses":
                     rec[f"{kind}_sdpa_ms"] = "n/a: diffusers' ring applies the local mask to every K/V chunk"
                     continue
@@ -164,8 +164,10 @@ def run_case(name, args, device, world):
                     f"cos {rec[f'{kind}_{attn}_cos_vs_1gpu']}")
         finally:
             reset_parallelism(model)
+        if "sage" not in args.attn:
+            continue
         rec[f"{kind}_sage_vs_1gpu_sage"] = round(rec["1gpu_sage_ms"] / rec[f"{kind}_sage_ms"], 3)
-        if isinstance(rec[f"{kind}_sdpa_ms"], float):
+        if isinstance(rec.get(f"{kind}_sdpa_ms"), float):
             rec[f"{kind}_sage_vs_{kind}_sdpa"] = round(rec[f"{kind}_sdpa_ms"] / rec[f"{kind}_sage_ms"], 3)
     del model, inputs, ref
     torch.cuda.empty_cache()
@@ -260,6 +262,8 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="+", choices=list(CASES) + [LLM_CASE],
                     default=["flux-2048", "hunyuan-720p", LLM_CASE])
     ap.add_argument("--parallel", nargs="+", choices=("ulysses", "ring", "unified"), default=["ulysses", "ring"])
+    ap.add_argument("--attn", nargs="+", choices=("sdpa", "sage"), default=["sdpa", "sage"],
+                    help="attention variants of the diffusers cases")
     ap.add_argument("--frames", type=int, default=None, help="frame count of the video cases (default: the case's)")
     ap.add_argument("--policy", default=None, help="sage policy (default: the shipped policy of the model class)")
     ap.add_argument("--warmup", type=int, default=1)
