@@ -224,6 +224,10 @@ def run_llm(args, device, world):
     return rec
 
 
+def times(ratio) -> str:
+    return "-" if ratio is None else f"{ratio}x"
+
+
 def markdown(records, parallel) -> str:
     head = "| case | tokens | GPUs | 1-GPU SDPA ms | 1-GPU sage ms |"
     sep = "|---|---|---|---|---|"
@@ -242,7 +246,7 @@ def markdown(records, parallel) -> str:
                 row += f" {r[f'{kind}_error'][:80]} | | | | |"
                 continue
             row += (f" {r.get(f'{kind}_sdpa_ms', '-')} | {r.get(f'{kind}_sage_ms', '-')} "
-                    f"| {r.get(f'{kind}_sage_vs_1gpu_sage', '-')}x | {r.get(f'{kind}_sage_vs_{kind}_sdpa', '-')}x "
+                    f"| {times(r.get(f'{kind}_sage_vs_1gpu_sage'))} | {times(r.get(f'{kind}_sage_vs_{kind}_sdpa'))} "
                     f"| {r.get(f'{kind}_sage_cos_vs_1gpu', '-')} ({r.get(f'{kind}_sdpa_cos_vs_1gpu', '-')}) |")
         lines.append(row)
     llm = [r for r in records if r["case"] == LLM_CASE and "tp_sage_ms" in r]
@@ -252,7 +256,7 @@ def markdown(records, parallel) -> str:
         for r in llm:
             lines.append(f"| {r['case']} | {r['tokens']} | {r['gpus']} | {r.get('1gpu_sdpa_ms', '-')} "
                          f"| {r.get('1gpu_sage_ms', '-')} | {r['tp_sdpa_ms']} | {r['tp_sage_ms']} "
-                         f"| {r['tp_sage_vs_tp_sdpa']}x | {r.get('tp_sage_vs_1gpu_sage', '-')}x "
+                         f"| {r['tp_sage_vs_tp_sdpa']}x | {times(r.get('tp_sage_vs_1gpu_sage'))} "
                          f"| {r.get('tp_sage_cos_vs_1gpu', '-')} ({r.get('tp_sdpa_cos_vs_1gpu', '-')}) |")
     return "\n".join(lines)
 

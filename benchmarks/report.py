@@ -11,6 +11,8 @@ Input kinds (recognised by their keys):
 - sustained ({"kind": "sustained", meta, rows}): per shape and implementation burst / sustained TOPS and SM clock.
 - portable_vs_sa2 ({"kind": "portable_vs_sa2", meta, rows, accuracy}): `benchmarks/bench_portable_vs_sa2.py`, our
   portable kernel and the public SageAttention2 kernels; meta names the labels and the (ours, theirs) ratio pairs.
+- multigpu ({"kind": "multigpu", runs: [bench_multigpu.json, ...]}): `benchmarks/bench_multigpu.py` under torchrun,
+  1 GPU vs P GPUs, SDPA vs sage, context and tensor parallelism; a section of its own ("P x GPU").
 - end_to_end ({"kind": "end_to_end", meta, runs: [{gpu, date, command, rows}]}), and `bench_diffusers.py --json`
   output ({meta, records}) and `bench_transformers.py`'s bench_transformers.json ({meta, results}).
 The page is regenerated, never appended to: a new run replaces the file of its GPU and kind.
@@ -235,6 +237,24 @@ def render_e2e(runs: list, method: str | None) -> list:
     return out
 
 
+def render_multigpu(data: dict) -> list:
+    from bench_multigpu import markdown   # the benchmark's own table (benchmarks/ is this script's directory)
+
+    out = ["One transformer forward, 1 GPU vs P GPUs (random bf16 weights from the real configs): torch SDPA vs sage "
+           "in the same run; P-GPU times are the slowest rank's median; cos = cosine of the P-GPU output to the "
+           "1-GPU output of the same attention (sage to sage, SDPA to SDPA)."]
+    for run in data["runs"]:
+        meta = run.get("meta", {})
+        out += [""] + run_lines(meta)
+        if meta.get("note"):
+            out.append(f"- Note: {meta['note']}.")
+        out += [""] + markdown(run["records"], sorted({k.split("_")[0] for r in run["records"] for k in r
+                                                       if k.endswith("_sage_ms") and not k.startswith(("1gpu",
+                                                                                                       "tp"))},
+                                                      key=("ulysses", "ring", "unified").index)).splitlines()
+    return out
+
+
 def render(data_dir: str) -> str:
     per_gpu: dict = {}
     for path in sorted(glob.glob(os.path.join(data_dir, "*.json"))):
@@ -242,7 +262,10 @@ def render(data_dir: str) -> str:
             data = json.load(f)
         k = kind_of(data)
         src = os.path.relpath(path, ROOT)
-        if k in ("end_to_end", "diffusers", "transformers"):
+        if k == "multigpu":
+            meta = data["runs"][0].get("meta", {})
+            per_gpu.setdefault(f"{meta.get('world_size')} x {meta.get('gpu')}", {}).setdefault(k, []).append((src, data))
+        elif k in ("end_to_end", "diffusers", "transformers"):
             method = data.get("meta", {}).get("method")
             for run in e2e_rows_from(data, k):
                 per_gpu.setdefault(run["gpu"], {}).setdefault("e2e", []).append((src, run, method))
@@ -254,7 +277,7 @@ def render(data_dir: str) -> str:
              "its date, command and the peers measured in the same run. Methods: `docs/benchmarks_transformers.md`, "
              "`docs/benchmarks_diffusers.md`; the kernel design these numbers belong to: `docs/design/kernels.md`. "
              "Earlier measurements are in git history (`git log -p -- docs/benchmarks.md`).", ""]
-    for gpu in sorted(per_gpu, key=lambda g: ("H200" not in g, g)):
+    for gpu in sorted(per_gpu, key=lambda g: (" x " in g, "H200" not in g, g)):
         sec = per_gpu[gpu]
         lines += [f"## {gpu}", ""]
         for src, data in sec.get("kernel", []):
@@ -267,6 +290,8 @@ def render(data_dir: str) -> str:
             srcs = sorted({s for s, _, _ in sec["e2e"]})
             lines += [f"### End to end (`{'`, `'.join(srcs)}`)", ""]
             lines += render_e2e([r for _, r, _ in sec["e2e"]], next((m for _, _, m in sec["e2e"] if m), None)) + [""]
+        for src, data in sec.get("multigpu", []):
+            lines += [f"### Multiple GPUs (`{src}`)", ""] + render_multigpu(data) + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 
