@@ -98,8 +98,11 @@ class LayerBinding:
     def run(self, q, k, v, *, layout, is_causal, scale, attn_mask, dropout_p):
         """`attention` for calls that torch.compile may trace: there it is one opaque op (the reference simulation
         and the kernels' launch are not traceable, and a graph break inside a routed forward is not supported);
-        its precision decision and stats happen when the op runs, so the report stays exact under compile."""
-        if torch.compiler.is_compiling():
+        its precision decision and stats happen when the op runs, so the report stays exact under compile.
+        A call that needs a gradient is traced instead (the op has no backward): it runs torch SDPA or the
+        trainable 8b's custom ops, both traceable."""
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if torch.compiler.is_compiling() and not needs_grad:
             return torch.ops.sage_patch.routed_attention(q, k, v, attn_mask, self.id, layout, bool(is_causal), scale,
                                                          float(dropout_p))
         return self.attention(q, k, v, layout=layout, is_causal=bool(is_causal), scale=scale, attn_mask=attn_mask,
