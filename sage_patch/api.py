@@ -11,8 +11,9 @@ from .masks import classify_mask
 from .precisions import check_precision
 from .reference import simulate
 from .report import GLOBAL_STATS, log_fallback_once
-from .resolve import resolve
+from .resolve import TRAINABLE_IMPL, resolve
 from .sdpa_semantics import from_torch_sdpa
+from .trainable import sagebwd_attention
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -46,8 +47,11 @@ def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_m
     if decision.reason and not torch.compiler.is_compiling():
         log_fallback_once(decision.reason)
 
-    if decision.impl in ("sdpa", "reference"):
+    if decision.impl in ("sdpa", "reference", TRAINABLE_IMPL):
         qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if layout == "bshd" else (q, k, v)
+        if decision.impl == TRAINABLE_IMPL:  # the resolver sends no return_lse call here
+            out = sagebwd_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, attn_mask=mask.mask)
+            return out.transpose(1, 2) if layout == "bshd" else out
         if decision.impl == "sdpa":
             res = full_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, mask=mask,
                                  dropout_p=dropout_p, return_lse=return_lse)

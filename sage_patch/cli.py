@@ -185,7 +185,8 @@ def _validate(args) -> int:
     except PolicyError as e:
         print(str(e), file=sys.stderr)
         return 1
-    print(f"{args.file}: valid policy (default {pol.default}, {len(pol.layers)} layer rules, "
+    training = pol.training or "as each layer"
+    print(f"{args.file}: valid policy (default {pol.default}, training {training}, {len(pol.layers)} layer rules, "
           f"{len(pol.steps)} step rules, min_seq_len {pol.min_seq_len})")
     return 0
 

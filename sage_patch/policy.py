@@ -3,6 +3,8 @@
 Schema (first matching layer rule wins; see sage_patch/configs/ for examples):
 
     default: 8b                      # 8b | 4b | fp4 | full
+    training: 8b                     # calls that need a gradient: 8b (SageBwd) | full; absent: the layer's
+                                     # precision decides (full stays full, quantized layers train in 8b)
     layers:
       - match: "single_transformer_blocks.*"   # glob on the module name
         precision: full
@@ -40,7 +42,8 @@ import yaml
 
 from .precisions import PRECISIONS
 
-_TOP_KEYS = {"default", "layers", "steps", "fallback", "options", "guard", "name", "description"}
+_TOP_KEYS = {"default", "training", "layers", "steps", "fallback", "options", "guard", "name", "description"}
+TRAINING = ("8b", "full")  # precisions with a backward pass
 _GUARD_KEYS = {"every", "min_cos", "max_rel_l1"}
 _FALLBACK_KEYS = {"min_seq_len", "head_dims", "dtypes"}
 _OPTION_KEYS = {"smooth_v"}
@@ -92,6 +95,7 @@ class StepRule:
 @dataclass(frozen=True)
 class Policy:
     default: str = "8b"
+    training: str | None = None          # None: follow the layer's precision (resolve._resolve_training)
     layers: tuple[LayerRule, ...] = ()
     steps: tuple[StepRule, ...] = ()
     min_seq_len: int = 0
@@ -189,6 +193,8 @@ class Policy:
     # ---- output -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d: dict = {"default": self.default}
+        if self.training is not None:
+            d["training"] = self.training
         if self.name:
             d["name"] = self.name
         if self.description:
@@ -349,6 +355,11 @@ class _Parser:
         kw: dict = {"source": self.source}
         if "default" in data:
             kw["default"] = self.precision(data["default"], "default")
+        if "training" in data:
+            if data["training"] not in TRAINING:
+                self.fail("training", f"must be one of {', '.join(TRAINING)} (the precisions with a backward "
+                                      f"pass); got {data['training']!r}")
+            kw["training"] = data["training"]
         for k in ("name", "description"):
             if k in data:
                 if not isinstance(data[k], str):

@@ -19,7 +19,8 @@ SIMULATE_ON_GPU = os.environ.get("SAGE_PATCH_SIMULATE_ON_GPU", "") not in ("", "
 class Decision:
     requested: str        # what the caller or policy asked for
     precision: str        # what runs
-    impl: str             # "sdpa" (full), "reference" (PyTorch simulation) or a compiled kernel's name
+    impl: str             # "sdpa" (full), "reference" (PyTorch simulation), "reference-sagebwd" (the trainable
+                          # 8b's simulation, through autograd) or a compiled kernel's name
     reason: str | None    # why precision/impl differ from the request's fast path; None when as asked
     variant: "kernels.KernelVariant | None" = None  # the compiled kernel that runs (kernels.registry), else None
 
@@ -49,6 +50,63 @@ def _full(requested: str, reason: str | None) -> Decision:
     return Decision(requested, "full", "sdpa", reason)
 
 
+def _policy_fallback(policy, q, k, layout: str, varlen) -> str | None:
+    """The policy's fallback rules (sequence length, head dim, dtype) for this call: why it runs full, or None."""
+    if policy is None:
+        return None
+    if varlen is not None:
+        sq, skv = varlen.max_seqlen_q, varlen.max_seqlen_k
+    else:
+        sq = q.shape[-2] if layout == "bhsd" else q.shape[1]
+        skv = k.shape[-2] if layout == "bhsd" else k.shape[1]
+    return policy.fallback_reason(sq, skv, q.shape[-1], q.dtype)
+
+
+# The one precision with a backward pass: SageBwd (sage_patch.reference.sagebwd, sage_patch.trainable).
+TRAINABLE = "8b"
+TRAINABLE_IMPL = "reference-sagebwd"
+
+
+def _resolve_training(requested: str, q, k, *, layout, mask, dropout_p, return_lse, smooth_v, policy,
+                      varlen) -> Decision:
+    """A call that needs a gradient. The policy's `training` key decides the precision ("8b" or "full"); without
+    it, the layer's: full stays full, every quantized precision trains as the trainable 8b (4b and fp4 have no
+    backward pass). The trainable 8b runs the SageBwd reference simulation on CPU; on a GPU, full precision until
+    its kernel exists (the simulation only with SAGE_PATCH_SIMULATE_ON_GPU=1)."""
+    training = getattr(policy, "training", None)
+    wanted = training or ("full" if requested == "full" else TRAINABLE)
+    if wanted == "full":
+        return _full(requested, None if requested == "full" else
+                     f"policy training: full: calls that need a gradient run full precision (layer: {requested})")
+    if dropout_p > 0:
+        return _full(requested, f"dropout_p={dropout_p} > 0: the trainable 8b (SageBwd) has no dropout")
+    if return_lse:
+        return _full(requested, "return_lse=True with autograd: the trainable 8b (SageBwd) differentiates the "
+                                "output only")
+    if mask.kind == "float":
+        return _full(requested, "float additive attn_mask: the trainable 8b (SageBwd) takes bool masks only")
+    why = _policy_fallback(policy, q, k, layout, varlen)
+    if why:
+        return _full(requested, why)
+    if q.is_cuda and not SIMULATE_ON_GPU:
+        return _full(requested, "no SageBwd kernel in this version: calls that need a gradient run full precision "
+                                "on the GPU (SAGE_PATCH_SIMULATE_ON_GPU=1 runs the reference simulation of its "
+                                "numerics instead)")
+    where = ("on the GPU (SAGE_PATCH_SIMULATE_ON_GPU=1; no SageBwd kernel in this version)" if q.is_cuda
+             else "(tensors on CPU)")
+    if requested == TRAINABLE:
+        reason = f"reference simulation of the trainable 8b (SageBwd) {where}"
+    elif training is not None:
+        reason = f"policy training: 8b: calls that need a gradient run the trainable 8b (layer: {requested}); " \
+                 f"reference simulation of SageBwd {where}"
+    else:
+        reason = f"{requested} has no backward pass: calls that need a gradient run the trainable 8b (SageBwd); " \
+                 f"reference simulation {where}"
+    if smooth_v:
+        reason += "; options.smooth_v is not applied by the trainable 8b"
+    return Decision(requested, TRAINABLE, TRAINABLE_IMPL, reason)
+
+
 class Varlen(NamedTuple):
     """A packed variable-length call (layout "varlen": q (total_q, Hq, D), k/v (total_k, Hkv, D))."""
     cu_seqlens_q: object
@@ -68,24 +126,20 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
     MMA, else "8b") unless SDPA is faster at this length (the variant's measured crossover); on CPU the reference
     simulation;
     on a GPU without a usable kernel, full precision (the simulation only with SAGE_PATCH_SIMULATE_ON_GPU=1).
+    A call that needs a gradient takes `_resolve_training` instead.
     """
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _resolve_training(requested, q, k, layout=layout, mask=mask, dropout_p=dropout_p,
+                                 return_lse=return_lse, smooth_v=smooth_v, policy=policy, varlen=varlen)
     if requested == "full":
         return _full(requested, None)
     if dropout_p > 0:
         return _full(requested, f"dropout_p={dropout_p} > 0: quantized precisions have no dropout")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _full(requested, "autograd needs a backward pass: quantized precisions are forward-only")
     if mask.kind == "float":
         return _full(requested, "float additive attn_mask: quantized precisions take bool masks only")
-    if policy is not None:
-        if varlen is not None:
-            sq, skv = varlen.max_seqlen_q, varlen.max_seqlen_k
-        else:
-            sq = q.shape[-2] if layout == "bhsd" else q.shape[1]
-            skv = k.shape[-2] if layout == "bhsd" else k.shape[1]
-        why = policy.fallback_reason(sq, skv, q.shape[-1], q.dtype)
-        if why:
-            return _full(requested, why)
+    why = _policy_fallback(policy, q, k, layout, varlen)
+    if why:
+        return _full(requested, why)
 
     if not q.is_cuda:
         return Decision(requested, requested, "reference", "reference simulation (tensors on CPU)")

@@ -106,8 +106,11 @@ class LayerBinding:
         """`attention` for calls that torch.compile may trace: there it is one opaque op (the reference simulation
         and the kernels' launch are not traceable, and a graph break inside a routed forward is not supported);
         its precision decision and stats happen when the op runs, so the report stays exact under compile. Calls
-        with LSE, uncounted or with a context (context parallelism) use a second op that returns (out, lse)."""
-        if torch.compiler.is_compiling():
+        with LSE, uncounted or with a context (context parallelism) use a second op that returns (out, lse). A call
+        that needs a gradient is traced instead (the ops have no backward): it runs torch SDPA or the trainable 8b's
+        custom ops, both traceable."""
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if torch.compiler.is_compiling() and not needs_grad:
             if not return_lse and record and context is None:
                 return torch.ops.sage_patch.routed_attention(q, k, v, attn_mask, self.id, layout, bool(is_causal),
                                                              scale, float(dropout_p))

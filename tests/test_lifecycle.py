@@ -21,7 +21,7 @@ LAYERS = [
     {"precisions", "sdpa_semantics", "accuracy", "configs", "layer_scope"},
     {"masks", "policy", "report"},
     {"reference"},
-    {"kernels", "full"},
+    {"kernels", "full", "trainable"},
     {"resolve"},
     {"api", "guard"},
     {"routing", "varlen"},

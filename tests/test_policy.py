@@ -68,6 +68,14 @@ def test_roundtrip_yaml_and_dict():
     assert Policy.from_dict(p.to_dict()) == p
 
 
+def test_training_key_parses_round_trips_and_defaults_to_none():
+    assert Policy.from_yaml("default: 8b\n").training is None
+    for value in ("8b", "full"):
+        p = Policy.from_yaml(f"default: 4b\ntraining: {value}\n")
+        assert p.training == value and Policy.from_yaml(p.to_yaml()) == p
+    assert "training" not in Policy().to_dict()
+
+
 def test_from_any_accepts_every_form(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text(EXAMPLE)
@@ -90,6 +98,7 @@ def test_from_any_accepts_every_form(tmp_path):
     ("fallback:\n  dtypes: [float64]\n", "fallback.dtypes", 2, "float16, bfloat16, float32"),
     ("options:\n  smooth_v: maybe\n", "options.smooth_v", 2, "true or false"),
     ("options:\n  smooth_q: true\n", "options.smooth_q", 2, "allowed: smooth_v"),
+    ("default: 8b\ntraining: 4b\n", "training", 2, "8b, full"),
 ])
 def test_validation_errors_name_file_key_line_and_allowed(tmp_path, text, key, line, allowed):
     path = tmp_path / "bad.yaml"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .grouping import Grouping
+
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -49,10 +51,31 @@ def quantize_int(x: torch.Tensor, group_ids: torch.Tensor, n_groups: int, qmax: 
     amax = torch.zeros(*amax_tok.shape[:-1], n_groups, device=x.device, dtype=torch.float32)
     amax = amax.scatter_reduce(-1, idx, amax_tok, reduce="amax", include_self=True)
     scale = amax / qmax
+    return quantize_int_with_scale(x, scale.gather(-1, idx).unsqueeze(-1), qmax), scale
+
+
+def quantize_int_with_scale(x: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
+    """round(x / scale) clamped to [-qmax, qmax] (round-half-to-even), as fp32 integers; `scale` broadcasts to x.
+    A zero scale (an all-zero group) quantizes to 0. Used where the scale is known without a max pass (SageBwd's
+    P~, whose row maximum the online softmax already has)."""
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    per_tok = safe.gather(-1, idx).unsqueeze(-1)
-    q = torch.round(x.float() / per_tok).clamp(-qmax, qmax)
-    return q, scale
+    return torch.round(x.float() / safe).clamp(-qmax, qmax)
+
+
+def quantize_int_tiles(x: torch.Tensor, block_rows: int, block_cols: int, qmax: int):
+    """Symmetric integer quantization with one scale per (block_rows x block_cols) tile of the last two dims (the
+    FlashAttention tiles of a score-shaped matrix, e.g. SageBwd's P and dS). x: (..., R, C).
+
+    Returns (q, scale): q integers in [-qmax, qmax] as fp32, shape of x; scale (..., ceil(R/br), ceil(C/bc)) fp32
+    with x ~= q * scale[tile]. Built on quantize_int: each tile is a group of rows of one column block.
+    """
+    r, c = x.shape[-2], x.shape[-1]
+    pad = (-c) % block_cols  # zeros change no tile's amax
+    xt = torch.nn.functional.pad(x.float(), (0, pad)).reshape(*x.shape[:-1], -1, block_cols).transpose(-3, -2)
+    gid, n_groups = Grouping.per_block(block_rows).ids(r, x.device)
+    q, scale = quantize_int(xt, gid, n_groups, qmax)               # q (..., Tc, R, bc), scale (..., Tc, Tr)
+    q = q.transpose(-3, -2).reshape(*x.shape[:-1], -1)[..., :c]
+    return q, scale.transpose(-2, -1)
 
 
 def quantize_fp8_per_channel(v: torch.Tensor):
