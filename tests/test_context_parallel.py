@@ -13,6 +13,7 @@ pytest.importorskip("diffusers")
 import torch.distributed as dist  # noqa: E402
 
 import cp_harness  # noqa: E402
+from test_diffusers_integration import tiny_hunyuan  # noqa: E402  (text padding differs per sample)
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
@@ -33,25 +34,6 @@ def tiny_flux(heads=2, text=16):
                   pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor([0.5, 0.7]),
                   guidance=torch.tensor([3.5, 3.5]), img_ids=torch.randn(64, 3, generator=g),
                   txt_ids=torch.zeros(text, 3), return_dict=False)
-    return m, inputs
-
-
-def tiny_hunyuan():
-    from diffusers import HunyuanVideoTransformer3DModel
-
-    torch.manual_seed(0)
-    m = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
-                                       num_layers=2, num_single_layers=2, num_refiner_layers=1, patch_size=1,
-                                       patch_size_t=1, text_embed_dim=16, pooled_projection_dim=8,
-                                       rope_axes_dim=(4, 6, 6), guidance_embeds=True).eval()
-    g = torch.Generator().manual_seed(1)
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[0, 9:] = 0   # text padding at the tail, different per sample: rank 1 of 2 holds sample 1's padding only
-    mask[1, 5:] = 0
-    inputs = dict(hidden_states=torch.randn(2, 4, 3, 8, 8, generator=g), timestep=torch.tensor([500, 700]),
-                  encoder_hidden_states=torch.randn(2, 12, 16, generator=g), encoder_attention_mask=mask,
-                  pooled_projections=torch.randn(2, 8, generator=g), guidance=torch.tensor([3500.0, 3500.0]),
-                  return_dict=False)
     return m, inputs
 
 
