@@ -108,6 +108,9 @@ def test_demo_real_prints_the_table(smollm2, capsys):
     assert set(rows) == {"sdpa", "8b", "4b", "calibrated"}
     base = rows["sdpa"][0]
     assert rows["sdpa"][1] == "+0.00%"
-    assert abs(rows["8b"][0] / base - 1) < 0.01 and rows["8b"][1] == f"{100 * (rows['8b'][0] / base - 1):+.2f}%"
+    # the column is computed from the unrounded perplexities: from the printed (4-decimal) ones it can differ by one
+    # unit of its last digit
+    assert abs(rows["8b"][0] / base - 1) < 0.01
+    assert abs(float(rows["8b"][1][:-1]) - 100 * (rows["8b"][0] / base - 1)) <= 0.0101
     assert rows["calibrated"][0] < rows["4b"][0]
     assert re.search(r"^ +8b +: layers \d", out, re.M)
