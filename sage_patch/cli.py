@@ -80,18 +80,19 @@ def _call_tensor(on_cuda: bool):
                        device="cuda" if on_cuda else "cpu")
 
 
-def _precision_decisions(on_cuda: bool) -> dict:
+def _precision_decisions(on_cuda: bool, needs_grad: bool = False) -> dict:
     """What each precision runs for INFO_CALL on this device, as the resolver decides it (the decision itself, not
-    a re-derivation)."""
+    a re-derivation). needs_grad: the same call with inputs that require grad (the resolver's training step: what a
+    forward + backward runs, without a policy `training` key)."""
     import torch
 
     from .masks import MaskInfo
     from .precisions import PRECISIONS
     from .resolve import resolve
 
-    q = _call_tensor(on_cuda)
+    q = _call_tensor(on_cuda).requires_grad_(needs_grad)
     out = {}
-    with torch.no_grad():
+    with torch.set_grad_enabled(needs_grad):
         for p in ("full",) + tuple(x for x in PRECISIONS if x != "full"):
             d = resolve(p, q, q, q, layout="bhsd", is_causal=False, mask=MaskInfo("none", None), dropout_p=0.0,
                         return_lse=False, smooth_v=False)
@@ -132,8 +133,20 @@ def info_dict() -> dict:
     return {"version": __version__, "python": platform.python_version(), "torch": torch.__version__,
             "torch_cuda": torch.version.cuda, "library": _library_info(), "device": device,
             "call": dict(INFO_CALL, dtype="float16", causal=False, mask=None),
-            "precisions": _precision_decisions(device is not None), "speed_routing": _speed_routing(),
+            "precisions": _precision_decisions(device is not None),
+            "training": _precision_decisions(device is not None, needs_grad=True), "speed_routing": _speed_routing(),
             "integrations": integrations}
+
+
+def _decision_row(precision: str, r: dict) -> str:
+    what = r["impl"] if r["impl"] != "sdpa" else "torch SDPA"
+    if r["kernel"]:
+        what += f" [{r['kernel']}]"
+    via = f"as {r['runs']}: " if r["runs"] != precision else ""
+    reason = r["reason"] or ""
+    if r["impl"].startswith("reference simulation"):  # the forward's simulation: the impl already says it
+        reason = reason.removeprefix("reference simulation ").strip("()")
+    return f"  {precision:<4}  {via}{what}" + (f"  -- {reason}" if reason else "")
 
 
 def info_text(d: dict) -> str:
@@ -155,15 +168,10 @@ def info_text(d: dict) -> str:
                      f"device: cuda:{dev['index']} {dev['name']} ({dev['arch']})")
     lines.append(f"what each precision runs for a call of B={c['batch']} H={c['heads']} N={c['tokens']} "
                  f"D={c['head_dim']} fp16, no mask (resolver's decision):")
-    for p, r in d["precisions"].items():
-        what = r["impl"] if r["impl"] != "sdpa" else "torch SDPA"
-        if r["kernel"]:
-            what += f" [{r['kernel']}]"
-        via = f"as {r['runs']}: " if r["runs"] != p else ""
-        reason = r["reason"] or ""
-        if r["impl"].startswith("reference"):
-            reason = reason.removeprefix("reference simulation ").strip("()")
-        lines.append(f"  {p:<4}  {via}{what}" + (f"  -- {reason}" if reason else ""))
+    lines += [_decision_row(p, r) for p, r in d["precisions"].items()]
+    lines.append("training: the same call with inputs that require grad (forward + backward; a policy's `training` "
+                 "key can change it):")
+    lines += [_decision_row(p, r) for p, r in d["training"].items()]
     lines += d["speed_routing"]
     lines.append("integrations: " + ", ".join(
         f"{k} {v['version']} ({v['status']})" if v["version"] else f"{k}: not installed"

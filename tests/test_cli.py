@@ -38,16 +38,44 @@ def test_version(capsys):
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"sage-patch {sage_patch.__version__}"
 
 
+def _sections(out):
+    """`sage-patch info`'s per-precision rows: ({precision: row} of the forward, {precision: row} of training)."""
+    forward, training = {}, {}
+    rows = forward
+    for line in out.splitlines():
+        if line.startswith("training:"):
+            rows = training
+        elif line.startswith("  ") and not line.startswith("  SASS"):
+            rows[line.split()[0]] = line
+    return forward, training
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU view")
 def test_info_on_cpu_names_the_reference_for_each_precision(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert len(out.splitlines()) <= 24  # one screen
     assert "device: CPU only" in out
-    rows = {l.split()[0]: l for l in out.splitlines() if l.startswith("  ")}
+    rows, training = _sections(out)
     assert rows["full"].split()[1:3] == ["torch", "SDPA"]
     for p in ("8b", "4b", "fp4"):
         assert "reference simulation (ground truth)" in rows[p] and "tensors on CPU" in rows[p], rows[p]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU view")
+def test_info_on_cpu_shows_what_a_gradient_call_runs(capsys):
+    assert main(["info"]) == 0
+    _, training = _sections(capsys.readouterr().out)
+    assert set(training) == {"full", "8b", "4b", "fp4"}
+    assert training["full"].split()[1:] == ["torch", "SDPA"]
+    assert training["8b"].split()[1] == "reference-sagebwd" and "tensors on CPU" in training["8b"]
+    for p in ("4b", "fp4"):
+        assert f"as 8b: reference-sagebwd  -- {p} has no backward pass" in training[p], training[p]
+    d = (main(["info", "--json"]), json.loads(capsys.readouterr().out))[1]
+    t4 = d["training"]["4b"]
+    assert (t4["runs"], t4["impl"], t4["kernel"]) == ("8b", "reference-sagebwd", None)
+    assert "4b has no backward pass" in t4["reason"]
+    assert d["precisions"]["4b"]["runs"] == "4b"  # the forward rows are unchanged by the training ones
 
 
 def test_info_json_is_json_only(capsys):
@@ -80,7 +108,7 @@ def fake_gpu(fake_cuda, monkeypatch):
 def _info_rows(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    return out, {l.split()[0]: l for l in out.splitlines() if l.startswith("  ") and not l.startswith("  SASS")}
+    return out, _sections(out)[0]
 
 
 def test_info_on_hopper(fake_gpu, capsys):
@@ -94,6 +122,23 @@ def test_info_on_hopper(fake_gpu, capsys):
     assert "[mma-fp8f16]" in rows["4b"]
     d = (main(["info", "--json"]), json.loads(capsys.readouterr().out))[1]
     assert d["precisions"]["fp4"]["runs"] == "8b" and d["device"]["arch"] == "sm_90" and not d["device"]["jit"]
+
+
+def test_info_on_hopper_training_runs_full_until_the_sagebwd_kernel_exists(fake_gpu, capsys, monkeypatch):
+    import sage_patch.resolve as R
+
+    fake_gpu["cc"] = (9, 0)
+    assert main(["info"]) == 0
+    rows, training = _sections(capsys.readouterr().out)
+    assert "cuda-wgmma-fp8pv" in rows["8b"]
+    assert training["full"].split()[1:] == ["torch", "SDPA"]
+    for p in ("8b", "4b", "fp4"):
+        assert "as full: torch SDPA  -- no SageBwd kernel in this version" in training[p], training[p]
+    monkeypatch.setattr(R, "SIMULATE_ON_GPU", True)
+    assert main(["info"]) == 0
+    _, training = _sections(capsys.readouterr().out)
+    assert "8b    reference-sagebwd" in training["8b"] and "SAGE_PATCH_SIMULATE_ON_GPU=1" in training["8b"]
+    assert "as 8b: reference-sagebwd" in training["fp4"]
 
 
 def test_info_on_ada_runs_fp4_as_4b(fake_gpu, capsys):

@@ -36,12 +36,12 @@ def _cosines(ours, ref):
                                                       (ref[0], *ref[2:]))}
 
 
-# Measured at N=1024, B=1, H=2, fp16, structured inputs (seed 1), dO seed 7, default 64 x 64 blocks (1 - cosine):
-#   D=64:   O 7e-6  dQ 4.6e-3  dK 3.9e-3  dV 3.1e-3 | causal: O 1.0e-5 dQ 3.3e-3 dK 2.5e-3 dV 1.8e-3
-#   D=128:  O 6e-6  dQ 3.7e-3  dK 3.2e-3  dV 3.4e-3 | causal: O 1.0e-5 dQ 3.4e-3 dK 3.4e-3 dV 1.9e-3
-# The thresholds keep a small margin. The error grows with N, mostly from the one INT8 scale per tile of dS
-# (dQ, dK) and of P (dV).
-MIN_COS = {"O": 0.99998, "dQ": 0.9945, "dK": 0.9955, "dV": 0.996}
+# Measured at N=1024, B=1, H=2, fp16, structured inputs (seed 1), dO seed 7, default 32 x 32 blocks (1 - cosine):
+#   D=64:   O 3e-6  dQ 2.0e-3  dK 1.8e-3  dV 1.6e-3 | causal: O 5e-6 dQ 1.7e-3 dK 1.5e-3 dV 1.0e-3
+#   D=128:  O 3e-6  dQ 1.9e-3  dK 1.8e-3  dV 1.8e-3 | causal: O 5e-6 dQ 1.7e-3 dK 2.0e-3 dV 1.2e-3
+# (the masked, GQA and bf16 cases below: dQ, dK >= 0.99826, dV >= 0.99860, O >= 0.999991). The thresholds keep a
+# small margin. The error grows with N, mostly from the one INT8 scale per tile of dS (dQ, dK) and of P (dV).
+MIN_COS = {"O": 0.99998, "dQ": 0.9975, "dK": 0.9975, "dV": 0.9978}
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -56,6 +56,15 @@ def test_gradients_vs_float64_on_structured_inputs(d, causal):
     assert ours[0].dtype == ours[2].dtype == torch.float32 and ours[1].dtype == torch.float32
     torch.testing.assert_close(ours[1], ref[1].float(), atol=0.15, rtol=0)  # INT8 S moves the LSE directly
     assert (ours[1] - ref[1]).abs().mean() < 0.03
+
+
+def test_gradients_at_4k_reach_the_issue_target():
+    """The target: dQ, dK, dV cosine >= 0.997 against float64 at N=4K, here on the worst case of the README table
+    (D=64, not causal; measured dQ 0.99716, dK 0.99860, dV 0.99844, O 0.999998 with the default 32 x 32 blocks)."""
+    q, k, v = structured_qkv(b=1, h=2, sq=4096, d=64, dtype=torch.float16, seed=1)
+    dout = _dout(q)
+    cos = _cosines(_sagebwd(q, k, v, dout), _float64_grads(q, k, v, dout))
+    assert cos["O"] >= MIN_COS["O"] and all(cos[n] >= 0.997 for n in ("dQ", "dK", "dV")), cos
 
 
 def test_bf16_inputs():
@@ -76,7 +85,7 @@ def test_ablation_int8_dp_loses_dq_accuracy_growing_with_n():
         int8 = cosine(_sagebwd(q, k, v, dout, config=SageBwdConfig(dp="int8"))[2], ref_dq)
         assert fp16 > int8, (n, fp16, int8)
         gaps[n] = fp16 - int8
-    # measured: gap 1.5e-3 at N=256, 3.5e-3 at N=1024
+    # measured: gap 1.3e-3 at N=256, 3.3e-3 at N=1024 (6.5e-3 at N=4096)
     assert gaps[1024] > 1.5 * gaps[256], gaps
 
 
@@ -207,17 +216,17 @@ def test_smaller_tiles_are_more_accurate_and_unit_p_scale_is_coarser():
     q, k, v = structured_qkv(b=1, h=2, sq=512, d=64, dtype=torch.float16, seed=12)
     dout = _dout(q)
     ref = _float64_grads(q, k, v, dout)
-    err = {}
-    for cfg in (SageBwdConfig(block_q=32, block_k=32), SageBwdConfig(block_q=128, block_k=128),
-                SageBwdConfig(p_scale="unit")):
-        cos = _cosines(_sagebwd(q, k, v, dout, config=cfg), ref)
-        err[cfg] = {n: 1 - c for n, c in cos.items()}
-    small, large, unit = err.values()
-    default = {n: 1 - c for n, c in _cosines(_sagebwd(q, k, v, dout), ref).items()}
-    # measured (1 - cos of dQ): 2.5e-3 at 32x32, 5.5e-3 at 64x64, 1.3e-2 at 128x128
-    assert small["dQ"] < default["dQ"] < large["dQ"] and small["dK"] < default["dK"] < large["dK"], err
-    # P~ scaled by 1/127 instead of its row maximum in the block (which the online softmax has): O 10x worse, and
-    # dQ through D = rowsum(dO o O) (measured 1 - cos: O 5.5e-5 vs 1.0e-5, dQ 2.0e-2 vs 5.5e-3)
+
+    def err(cfg=None):
+        return {n: 1 - c for n, c in _cosines(_sagebwd(q, k, v, dout, config=cfg), ref).items()}
+
+    default, mid, large = err(), err(SageBwdConfig(block_q=64, block_k=64)), err(SageBwdConfig(block_q=128, block_k=128))
+    assert SageBwdConfig() == SageBwdConfig(block_q=32, block_k=32)
+    # measured (1 - cos of dQ): 2.5e-3 at 32x32 (the default), 5.5e-3 at 64x64, 1.3e-2 at 128x128
+    assert default["dQ"] < mid["dQ"] < large["dQ"] and default["dK"] < mid["dK"] < large["dK"], (default, mid, large)
+    # P~ scaled by 1/127 instead of its row maximum in the block (which the online softmax has): O 9x worse, and
+    # dQ through D = rowsum(dO o O) (measured 1 - cos: O 4.7e-5 vs 5e-6, dQ 1.5e-2 vs 2.5e-3)
+    unit = err(SageBwdConfig(p_scale="unit"))
     assert unit["O"] > 3 * default["O"] and unit["dQ"] > 2 * default["dQ"], (unit, default)
 
 

@@ -238,7 +238,7 @@ def test_tiny_llama_trains_through_the_trainable_8b():
     full_losses = _train(_tiny_llama("sdpa"), 6, ids, am)
     sage_losses = _train(sage, 6, ids, am)
     assert sage_losses[-1] < sage_losses[0] - 0.1, sage_losses
-    # the same model and data in full precision: the curves agree (measured: at most 1.8e-3 apart)
+    # the same model and data in full precision: the curves agree (measured: at most 3.1e-3 apart)
     assert max(abs(a - b) for a, b in zip(sage_losses, full_losses)) < 0.01, (sage_losses, full_losses)
     for st in sage_patch.report(sage).to_dict().values():
         assert st["impl"] == {"reference-sagebwd": 6} and st["used"] == {"8b": 6}
