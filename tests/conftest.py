@@ -21,6 +21,24 @@ def qkv():
 
 
 @pytest.fixture
+def mask_kinds(monkeypatch):
+    """The kinds ("none", "key_padding", "dense", "float") of the masks the public attention API classifies, in call
+    order: what a routed layer actually received."""
+    import sage_patch.api as api
+
+    kinds = []
+    classify = api.classify_mask
+
+    def spy(*a, **k):
+        info = classify(*a, **k)
+        kinds.append(info.kind)
+        return info
+
+    monkeypatch.setattr(api, "classify_mask", spy)
+    return kinds
+
+
+@pytest.fixture
 def fake_cuda(monkeypatch):
     """fake_cuda(archs) -> a dict whose "cc" the test sets: CPU tensors then pose as CUDA ones on a device of that
     capability, with a loaded library of those build targets (`lib` in the dict), so kernels.status(), the registry

@@ -224,20 +224,9 @@ def test_sd35_medium_attn2_shares_one_processor_but_routes_per_layer():
         is before["transformer_blocks.0.attn.processor"]
 
 
-def test_hunyuan_refiner_routed_and_text_mask_is_key_padding(monkeypatch):
-    import sage_patch.api as api
-
+def test_hunyuan_refiner_routed_and_text_mask_is_key_padding(mask_kinds):
     model, inputs = tiny_hunyuan()
     ref = run(model, inputs)
-    kinds = []
-    orig = api.classify_mask
-
-    def spy(*a, **k):
-        info = orig(*a, **k)
-        kinds.append(info.kind)
-        return info
-
-    monkeypatch.setattr(api, "classify_mask", spy)
     model.enable_sage_attention("8b")
     try:
         out = run(model, inputs)
@@ -247,7 +236,7 @@ def test_hunyuan_refiner_routed_and_text_mask_is_key_padding(monkeypatch):
         assert rep["context_embedder.token_refiner.refiner_blocks.0.attn"]["used"] == {"8b": 1}
         # 4 main blocks get the (B, 1, 1, N) text mask: key padding, kernel-servable, never densified;
         # the refiner's (B, 1, S, S) self-attention mask is dense.
-        assert kinds.count("key_padding") == 4 and kinds.count("dense") == 1, kinds
+        assert mask_kinds.count("key_padding") == 4 and mask_kinds.count("dense") == 1, mask_kinds
         for layer, st in rep.items():
             assert not [r for r in st["fallbacks"] if not r.startswith("reference simulation")], (layer, st)
     finally:

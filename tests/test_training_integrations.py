@@ -119,32 +119,22 @@ def _grads(model, inputs, precision):
 
 
 @pytest.mark.parametrize("name", ["sd3", "sd35_medium", "cogvideox", "hunyuanvideo"])
-def test_diffusers_transformer_backward_through_the_trainable_8b(name, monkeypatch):
+def test_diffusers_transformer_backward_through_the_trainable_8b(name, mask_kinds):
     """Every attention layer trains as the trainable 8b, whatever it is given: SD3's joint attention and SD3.5's
     attn2 (one processor object for two layers), CogVideoX's text + video self-attention, HunyuanVideo's main blocks
     with the text key-padding mask (B, 1, 1, N) and its token refiner with a dense bool mask (B, 1, S, S): the
     trainable path takes bool masks of both kinds, so no layer falls back."""
-    import sage_patch.api as api
     from tests.test_diffusers_integration import MODELS
 
     builder, n_layers, _ = MODELS[name]
     model, inputs = builder()
-    kinds = []
-    classify = api.classify_mask
-
-    def spy(*a, **k):
-        info = classify(*a, **k)
-        kinds.append(info.kind)
-        return info
-
-    monkeypatch.setattr(api, "classify_mask", spy)
     grads, rep = _grads(model, inputs, "8b")
     assert len(rep) == n_layers
     for layer, st in rep.items():
         assert st["impl"] == {"reference-sagebwd": 1} and st["used"] == {"8b": 1}, (layer, st)
         assert list(st["fallbacks"]) == [TRAINABLE_REASON], (layer, st)
     if name == "hunyuanvideo":
-        assert kinds.count("key_padding") == 4 and kinds.count("dense") == 1, kinds
+        assert mask_kinds.count("key_padding") == 4 and mask_kinds.count("dense") == 1, mask_kinds
     full, _ = _grads(model, inputs, "full")
     assert grads.keys() == full.keys() == {n for n, p in model.named_parameters() if p.requires_grad}
     assert all(torch.isfinite(g).all() for g in grads.values())
