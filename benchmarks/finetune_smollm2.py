@@ -57,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a random tiny Llama on the text's bytes (smoke test)")
     p.add_argument("--out", required=True, help="JSON to write")
     p.add_argument("--png", default=None, help="loss-curve PNG (default: --out with .png)")
-    p.add_argument("--replot", action="store_true", help="no training: draw the PNG from the JSON --out holds")
+    p.add_argument("--replot", action="store_true",
+                   help="no training: recompute the statistics and draw the PNG from the JSON --out holds")
     a = p.parse_args(argv)
     for name in ("steps", "batch", "lora_r", "heldout"):
         if getattr(a, name) < 1:
@@ -316,14 +317,43 @@ def plot(result: dict, path: str) -> None:
 
 # ---- main ----------------------------------------------------------------------------------------------------------
 
+def summarize(result: dict) -> None:
+    """Add the spread statistics of the loss curves to result (a pure function of its runs) and print them."""
+    runs = {r["name"]: r for r in result["runs"]}
+    if not {"full", "full1", "sage"} <= set(runs):
+        return
+    s0, s1 = runs["full"]["seed"], runs["full1"]["seed"]
+    sp = loss_spread(runs["sage"]["losses"], runs["full"]["losses"], runs["full1"]["losses"])
+    sp["note"] = (f"full seed {s1} differs from full seed {s0} in LoRA initialization and batch order; sage seed "
+                  f"{runs['sage']['seed']} shares both with full seed {s0}")
+    result["spread"] = sp
+    print(f"mean |sage - full s{s0}| {sp['candidate_vs_full_s0']:.4f} vs mean |full s{s1} - full s{s0}| "
+          f"{sp['full_s1_vs_full_s0']:.4f} (ratio {sp['ratio']:.3f}); after step {sp['after_step']}: "
+          f"{sp['candidate_vs_full_s0_after']:.4f} vs {sp['full_s1_vs_full_s0_after']:.4f} "
+          f"(ratio {sp['ratio_after']:.3f}); within the spread: {sp['within_spread']}")
+    for name, r in runs.items():
+        own = f", {r['ppl_after_own_attention']:.3f} with its own attention" if "ppl_after_own_attention" in r else ""
+        print(f"{name:6s} seed {r['seed']}: final loss {r['losses'][-1]:.4f}, held-out perplexity "
+              f"{r['ppl_before']:.3f} -> {r['ppl_after']:.3f}{own}; {r['s_per_step']:.2f} s/step, "
+              f"{r['wall_s']:.0f} s")
+
+
+def write(result: dict, out: str, png: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, png)
+    print(f"wrote {out} and {png}")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     png = args.png or os.path.splitext(args.out)[0] + ".png"
     if args.replot:
         with open(args.out) as f:
             result = json.load(f)
-        plot(result, png)
-        print(f"wrote {png}")
+        summarize(result)
+        write(result, args.out, png)
         return result
     if torch.cuda.is_available():
         raise SystemExit("finetune_smollm2.py runs the CPU reference simulation of SageBwd: on a GPU without the "
@@ -345,24 +375,14 @@ def main(argv=None) -> dict:
             "policy; training calls run the trainable 8b = the reference simulation of SageBwd on CPU "
             f"(impl {TRAIN_IMPL}); no GPU kernel. LoRA r={args.lora_r} on {','.join(LORA_TARGETS)}, AdamW "
             f"lr={args.lr}, {args.steps} steps x {args.batch} x {args.seq} tokens")
-    meta = run_meta(machine=f"CPU ({os.cpu_count()} cores)", torch_threads=torch.get_num_threads(),
+    command = " ".join(["benchmarks/finetune_smollm2.py", *(sys.argv[1:] if argv is None else argv)])
+    meta = run_meta(command=command, machine=f"CPU ({os.cpu_count()} cores)", torch_threads=torch.get_num_threads(),
                     transformers=transformers.__version__, peft=peft.__version__,
                     model=runs[0]["model"], text=source if not args.tiny else f"UTF-8 bytes of {source}",
                     what_ran=what, args={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()})
     result = {"meta": meta, "runs": runs}
-    by = {r["name"]: r["losses"] for r in runs}
-    if {"full", "full1", "sage"} <= set(by):
-        result["spread"] = loss_spread(by["sage"], by["full"], by["full1"])
-        sp = result["spread"]
-        print(f"mean |sage - full s{s0}| {sp['candidate_vs_full_s0']:.4f} vs mean |full s{s1} - full s{s0}| "
-              f"{sp['full_s1_vs_full_s0']:.4f} (ratio {sp['ratio']:.3f}); after step {sp['after_step']}: "
-              f"{sp['candidate_vs_full_s0_after']:.4f} vs {sp['full_s1_vs_full_s0_after']:.4f} "
-              f"(ratio {sp['ratio_after']:.3f}); within the spread: {sp['within_spread']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    plot(result, png)
-    print(f"wrote {args.out} and {png}")
+    summarize(result)
+    write(result, args.out, png)
     return result
 
 

@@ -81,7 +81,9 @@ def test_two_step_run_on_a_tiny_llama(tmp_path):
     assert runs["full"]["ppl_before"] == runs["full1"]["ppl_before"] == pytest.approx(runs["sage"]["ppl_before"])
     assert res["spread"]["steps"] == 2 and "within_spread" in res["spread"]
     assert res["meta"]["machine"].startswith("CPU") and "reference-sagebwd" in res["meta"]["what_ran"]
-    # --replot draws the PNG again from the JSON alone
+    assert "batch order" in res["spread"]["note"]
+    # --replot computes the statistics and draws the PNG again from the JSON alone
     (tmp_path / "ft.png").unlink()
-    assert ft.main(["--replot", "--out", str(out)])["runs"] == res["runs"]
+    again = ft.main(["--replot", "--out", str(out)])
+    assert again["runs"] == res["runs"] and again["spread"] == res["spread"]
     assert (tmp_path / "ft.png").stat().st_size > 10_000
