@@ -274,6 +274,8 @@ def train_run(name: str, attn: str, seed: int, args, text: str, log=print) -> di
 # ---- plot ----------------------------------------------------------------------------------------------------------
 
 def plot(result: dict, path: str) -> None:
+    """Loss curves (per step and smoothed); their difference to full attention seed S0 for the other seed and for
+    SageBwd; SageBwd's difference alone at its own scale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -283,35 +285,42 @@ def plot(result: dict, path: str) -> None:
     n = len(next(iter(runs.values()))["losses"])
     w = max(1, n // 20)
     steps = list(range(1, n + 1))
-    style = {"full": ("C0", "full attention, seed {seed}"), "full1": ("C2", "full attention, seed {seed}"),
-             "sage": ("C3", "SageBwd 8b (CPU reference simulation), seed {seed}")}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    # (color, line style, width, label): SageBwd dashed over full seed S0, which it would otherwise hide
+    style = {"full": ("C0", "-", 2.6, "full attention, seed {seed}"),
+             "full1": ("C2", "-", 1.6, "full attention, seed {seed}"),
+             "sage": ("C3", "--", 1.6, "SageBwd 8b (CPU reference simulation), seed {seed}")}
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5))
     ax = axes[0]
     for name, r in runs.items():
-        color, label = style[name]
-        ax.plot(steps, r["losses"], color=color, alpha=0.25, lw=0.8)
-        ax.plot(steps, smooth(r["losses"], w), color=color, lw=1.8, label=label.format(seed=r["seed"]))
+        color, ls, lw, label = style[name]
+        ax.plot(steps, r["losses"], color=color, alpha=0.2, lw=0.7)
+        ax.plot(steps, smooth(r["losses"], w), color=color, ls=ls, lw=lw, label=label.format(seed=r["seed"]))
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (thin: per step, thick: moving average of %d)" % w)
+    ax.set_ylabel(f"training loss (thin: per step, thick: moving average of {w})")
     ax.set_title("LoRA fine-tuning, " + result["meta"]["model"].split(" (")[0])
-    ax.legend()
-    ax = axes[1]
+    ax.legend(fontsize=8)
     if "full" in runs:
-        ref = runs["full"]["losses"]
-        for name in ("full1", "sage"):
-            if name in runs:
-                color, label = style[name]
-                diff = [x - y for x, y in zip(runs[name]["losses"], ref)]
-                ax.plot(steps, diff, color=color, alpha=0.25, lw=0.8)
-                ax.plot(steps, smooth(diff, w), color=color, lw=1.8, label=label.format(seed=runs[name]["seed"]))
-        ax.axhline(0, color="k", lw=0.6)
-        ax.set_title(f"difference to full attention seed {runs['full']['seed']} (same batches as SageBwd)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss - loss(full, seed %d)" % runs["full"]["seed"])
-        ax.legend()
-    fig.text(0.01, 0.01, textwrap.fill(result["meta"]["what_ran"], 210), fontsize=7, color="0.35")
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
+        ref, s0 = runs["full"]["losses"], runs["full"]["seed"]
+        diffs = {name: [x - y for x, y in zip(runs[name]["losses"], ref)] for name in ("full1", "sage") if name in runs}
+        for ax, names, title in ((axes[1], ("full1", "sage"), f"difference to full attention seed {s0}"),
+                                 (axes[2], ("sage",), f"SageBwd - full seed {s0} (same init, same batches), zoomed")):
+            for name in names:
+                if name in diffs:
+                    color, _, _, label = style[name]
+                    ax.plot(steps, diffs[name], color=color, alpha=0.3, lw=0.8)
+                    ax.plot(steps, smooth(diffs[name], w), color=color, lw=1.6,
+                            label=label.format(seed=runs[name]["seed"]))
+            ax.axhline(0, color="k", lw=0.6)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.set_ylabel(f"loss - loss(full, seed {s0})")
+            ax.legend(fontsize=8)
+    else:
+        axes[1].set_visible(False)
+        axes[2].set_visible(False)
+    fig.text(0.01, 0.01, textwrap.fill(result["meta"]["what_ran"], 250), fontsize=7, color="0.35")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
