@@ -53,7 +53,7 @@ def test_batch_order_is_seeded_and_each_pass_is_a_permutation():
 
 def test_arguments():
     a = ft.parse_args(["--out", "x.json"])
-    assert (a.steps, a.seq, a.batch, a.lora_r, tuple(a.seeds), a.tiny) == (150, 128, 4, 8, (0, 1), False)
+    assert (a.steps, a.seq, a.batch, a.lora_r, tuple(a.seeds), a.tiny) == (300, 256, 1, 8, (0, 1), False)
     a = ft.parse_args(["--out", "x.json", "--steps", "3", "--seeds", "5", "7", "--lora-r", "4", "--lr", "1e-3"])
     assert (a.steps, tuple(a.seeds), a.lora_r, a.lr) == (3, (5, 7), 4, 1e-3)
     for bad in (["--seeds", "1", "1"], ["--seq", "1"], ["--steps", "0"], ["--lr", "0"], ["--runs", "bf16"], []):
