@@ -1,0 +1,400 @@
+#!/usr/bin/env python3
+"""LoRA fine-tuning of SmolLM2-135M-Instruct (real weights) with full-precision attention and with the trainable 8b
+(SageBwd): do the loss curves stay within the run-to-run spread of full attention?
+
+    python benchmarks/finetune_smollm2.py --steps 300 --seq 256 --batch 1 --out docs/data/finetune_smollm2_cpu.json \
+        --png docs/img/finetune_smollm2_cpu.png      # the committed evidence: ~15 min on 2 idle cores
+    python benchmarks/finetune_smollm2.py --tiny --steps 2 --out /tmp/ft_tiny.json     # smoke test, random tiny Llama
+
+Three runs of the same base model, LoRA (peft) on q_proj, k_proj, v_proj, o_proj, AdamW, float32:
+- full, seed s0 and seed s1: attn_implementation="sdpa" (torch SDPA, no sage_patch in the path);
+- sage, seed s0: attn_implementation="sage" with the model's default policy, so every training call (a gradient is
+  needed) runs the trainable 8b. On CPU that is the reference simulation of SageBwd (impl "reference-sagebwd",
+  checked from the report: the script fails if any training call ran something else); on a GPU without the SageBwd
+  kernel the resolver would run full precision, so the script refuses CUDA.
+The seed sets the LoRA initialization and the order of the training windows: full s0 and sage s0 see the same
+batches in the same order from the same initial weights, full s1 differs in both (the run-to-run spread).
+
+Data: the prose of Python's pydoc_data/topics.py (sage_patch.demo.stdlib_text), tokenized whole and cut into
+non-overlapping --seq windows; the last --heldout windows are held out (perplexity before and after training, with
+torch SDPA for every run so the weights are compared, and for the sage run also with its own inference attention);
+training batches are drawn from the rest, a fresh permutation per pass over it.
+
+Writes --out (JSON: meta, per-step losses, perplexities, wall times, the spread statistics) and a PNG of the loss
+curves next to it (or --png).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import textwrap
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import run_meta  # noqa: E402
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+TRAIN_IMPL = "reference-sagebwd"  # what every training call of the sage run must report on CPU
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    p.add_argument("--seq", type=int, default=256, help="tokens per training window (>= 128: the default policy "
+                                                       "runs shorter calls in full precision)")
+    p.add_argument("--batch", type=int, default=1, help="windows per step")
+    p.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate (constant)")
+    p.add_argument("--seeds", type=int, nargs=2, default=(0, 1), metavar=("S0", "S1"),
+                   help="full attention runs both seeds, sage runs S0")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r, no dropout)")
+    p.add_argument("--heldout", type=int, default=8, help="held-out windows of --seq tokens from the text's end")
+    p.add_argument("--runs", nargs="+", default=("full", "full1", "sage"), choices=("full", "full1", "sage"),
+                   help="which runs (full = full attention seed S0, full1 = seed S1, sage = SageBwd seed S0)")
+    p.add_argument("--tiny", action="store_true", help="a random tiny Llama on the text's bytes (smoke test)")
+    p.add_argument("--out", required=True, help="JSON to write")
+    p.add_argument("--png", default=None, help="loss-curve PNG (default: --out with .png)")
+    p.add_argument("--replot", action="store_true",
+                   help="no training: recompute the statistics and draw the PNG from the JSON --out holds")
+    a = p.parse_args(argv)
+    for name in ("steps", "batch", "lora_r", "heldout"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.seq < 2:
+        p.error(f"--seq must be >= 2 (a window predicts seq - 1 tokens), got {a.seq}")
+    if a.lr <= 0:
+        p.error(f"--lr must be > 0, got {a.lr}")
+    if a.seeds[0] == a.seeds[1]:
+        p.error(f"--seeds must be two different seeds (the run-to-run spread), got {a.seeds[0]} twice")
+    return a
+
+
+# ---- statistics (pure) ---------------------------------------------------------------------------------------------
+
+def mean_abs_diff(a, b, start: int = 0) -> float:
+    """Mean |a[i] - b[i]| over steps i >= start."""
+    if len(a) != len(b):
+        raise ValueError(f"curves of different lengths: {len(a)} and {len(b)}")
+    if not 0 <= start < len(a):
+        raise ValueError(f"start {start} outside curves of {len(a)} steps")
+    return sum(abs(x - y) for x, y in zip(a[start:], b[start:])) / (len(a) - start)
+
+
+def smooth(curve, window: int) -> list[float]:
+    """Trailing moving average (the first window-1 points average what exists so far)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out, acc = [], 0.0
+    for i, x in enumerate(curve):
+        acc += x
+        if i >= window:
+            acc -= curve[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def loss_spread(candidate, full_s0, full_s1, skip_frac: float = 0.1) -> dict:
+    """Distance of a candidate loss curve to full attention's (same seed) against full attention's run-to-run
+    spread (other seed), overall and after the first skip_frac of the steps, on the raw and the smoothed curves.
+    within_spread: the candidate's mean distance is no larger than the spread's, on the raw curves, both ranges."""
+    n = len(full_s0)
+    start = min(math.ceil(skip_frac * n), n - 1)
+    w = max(1, n // 20)
+    sm = {k: smooth(c, w) for k, c in (("c", candidate), ("f0", full_s0), ("f1", full_s1))}
+    d = {"steps": n, "after_step": start, "smooth_window": w,
+         "candidate_vs_full_s0": mean_abs_diff(candidate, full_s0),
+         "full_s1_vs_full_s0": mean_abs_diff(full_s1, full_s0),
+         "candidate_vs_full_s0_after": mean_abs_diff(candidate, full_s0, start),
+         "full_s1_vs_full_s0_after": mean_abs_diff(full_s1, full_s0, start),
+         "smoothed_candidate_vs_full_s0": mean_abs_diff(sm["c"], sm["f0"]),
+         "smoothed_full_s1_vs_full_s0": mean_abs_diff(sm["f1"], sm["f0"])}
+    d["ratio"] = d["candidate_vs_full_s0"] / d["full_s1_vs_full_s0"] if d["full_s1_vs_full_s0"] else math.inf
+    d["ratio_after"] = (d["candidate_vs_full_s0_after"] / d["full_s1_vs_full_s0_after"]
+                        if d["full_s1_vs_full_s0_after"] else math.inf)
+    d["within_spread"] = d["ratio"] <= 1.0 and d["ratio_after"] <= 1.0
+    return d
+
+
+def batch_order(n_windows: int, steps: int, batch: int, seed: int) -> list[list[int]]:
+    """Window indices of each step: consecutive slices of fresh seeded permutations (a pass over the training
+    windows, then the next); a batch never holds a window twice."""
+    if batch > n_windows:
+        raise ValueError(f"batch {batch} > {n_windows} training windows")
+    g = torch.Generator().manual_seed(seed)
+    order, pool = [], []
+    for _ in range(steps):
+        if len(pool) < batch:
+            pool = torch.randperm(n_windows, generator=g).tolist()
+        order.append(pool[:batch])
+        pool = pool[batch:]
+    return order
+
+
+# ---- model and data ------------------------------------------------------------------------------------------------
+
+class ByteTokenizer:
+    """The text's UTF-8 bytes as token ids (vocabulary 256), for the tiny random model."""
+
+    class _Encoded:
+        def __init__(self, ids):
+            self.input_ids = ids
+
+    def __call__(self, text, return_tensors="pt"):
+        return self._Encoded(torch.tensor([list(text.encode())], dtype=torch.long))
+
+
+def tiny_llama(attn_implementation: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1234)  # the same base weights for every run
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM._from_config(cfg, attn_implementation=attn_implementation, dtype=torch.float32)
+
+
+def load_base(tiny: bool, attn_implementation: str):
+    """(model, tokenizer, model description) for one run: a fresh copy of the base weights."""
+    if tiny:
+        return tiny_llama(attn_implementation), ByteTokenizer(), "tiny random Llama (2 layers, GQA 4:2, D 32)"
+    from sage_patch.demo import REAL_MODEL, load_smollm2
+
+    model, tok = load_smollm2(attn_implementation)
+    return model, tok, REAL_MODEL
+
+
+def split_windows(tok, seq: int, heldout: int, text: str):
+    """(training windows, held-out windows) of seq tokens: the held-out ones are the text's last windows, the
+    training ones are all the windows before them."""
+    from sage_patch.demo import text_windows
+
+    total = tok(text, return_tensors="pt").input_ids.shape[1]
+    n_train = total // seq - heldout
+    if n_train < 1:
+        raise ValueError(f"the text has {total} tokens: no training window of {seq} left after {heldout} held out")
+    return text_windows(tok, n_train, seq, text=text), text_windows(tok, heldout, seq, from_end=True, text=text)
+
+
+def add_lora(model, r: int, seed: int):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)  # lora_A's initialization (lora_B starts at zero)
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(LORA_TARGETS), bias="none",
+                     task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def impls_used(model) -> dict[str, int]:
+    """Calls per attention implementation over every routed layer of a sage model, from its report."""
+    import sage_patch
+
+    counts: dict[str, int] = {}
+    for st in sage_patch.report(model).layers.values():
+        for impl, n in st.impls.items():
+            counts[impl] = counts.get(impl, 0) + n
+    return counts
+
+
+def reset_stats(model) -> None:
+    import sage_patch
+
+    for st in sage_patch.report(model).layers.values():
+        st.reset()
+
+
+def held_out_ppl(model, windows, policy=None) -> float:
+    """Perplexity on the held-out windows; policy: for a sage model, the policy to evaluate under (the model's
+    default policy is set again after)."""
+    from sage_patch.calibrate import perplexity
+
+    was_training = model.training
+    model.eval()
+    try:
+        if policy is None:
+            return perplexity(model, windows)
+        import sage_patch
+
+        sage_patch.set_policy(model, policy)
+        try:
+            return perplexity(model, windows)
+        finally:
+            sage_patch.set_policy(model, None)  # back to the model's default policy (what the sage run trains with)
+    finally:
+        model.train(was_training)
+
+
+def train_run(name: str, attn: str, seed: int, args, text: str, log=print) -> dict:
+    model, tok, what = load_base(args.tiny, attn)
+    train, held = split_windows(tok, args.seq, args.heldout, text)
+    is_sage = attn == "sage"
+    ppl_before = held_out_ppl(model, held, "full" if is_sage else None)
+    model = add_lora(model, args.lora_r, seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr)
+    order = batch_order(len(train), args.steps, args.batch, seed)
+    if is_sage:
+        reset_stats(model)
+    model.train()
+    losses, t0 = [], time.perf_counter()
+    for step, idx in enumerate(order):
+        ids = torch.cat([train[i] for i in idx])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if step == 0 or (step + 1) % max(1, args.steps // 20) == 0 or step + 1 == args.steps:
+            el = time.perf_counter() - t0
+            log(f"[{name}] step {step + 1}/{args.steps} loss {losses[-1]:.4f}  {el:.0f} s "
+                f"({el / (step + 1):.2f} s/step)")
+    train_s = time.perf_counter() - t0
+    run = {"name": name, "attn_implementation": attn, "seed": seed, "model": what, "losses": losses,
+           "train_windows": len(train), "heldout_windows": len(held), "train_s": train_s,
+           "s_per_step": train_s / args.steps, "ppl_before": ppl_before}
+    if is_sage:
+        run["training_impls"] = impls_used(model)
+        others = {k: n for k, n in run["training_impls"].items() if k != TRAIN_IMPL}
+        if others or not run["training_impls"]:
+            raise RuntimeError(f"the sage run's training calls ran {run['training_impls']}, not only {TRAIN_IMPL}")
+        run["ppl_after"] = held_out_ppl(model, held, "full")
+        reset_stats(model)
+        run["ppl_after_own_attention"] = held_out_ppl(model, held)  # its default policy, inference 8b (no grad)
+        run["own_attention_impls"] = impls_used(model)
+    else:
+        run["ppl_after"] = held_out_ppl(model, held)
+    run["wall_s"] = time.perf_counter() - t0
+    log(f"[{name}] held-out perplexity {ppl_before:.3f} -> {run['ppl_after']:.3f}; training {train_s:.0f} s")
+    return run
+
+
+# ---- plot ----------------------------------------------------------------------------------------------------------
+
+def plot(result: dict, path: str) -> None:
+    """Loss curves (per step and smoothed); their difference to full attention seed S0 for the other seed and for
+    SageBwd; SageBwd's difference alone at its own scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {r["name"]: r for r in result["runs"]}
+    n = len(next(iter(runs.values()))["losses"])
+    w = max(1, n // 20)
+    steps = list(range(1, n + 1))
+    # (color, line style, width, label): SageBwd dashed over full seed S0, which it would otherwise hide
+    style = {"full": ("C0", "-", 2.6, "full attention, seed {seed}"),
+             "full1": ("C2", "-", 1.6, "full attention, seed {seed}"),
+             "sage": ("C3", "--", 1.6, "SageBwd 8b (CPU reference simulation), seed {seed}")}
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5))
+    ax = axes[0]
+    for name, r in runs.items():
+        color, ls, lw, label = style[name]
+        ax.plot(steps, r["losses"], color=color, alpha=0.2, lw=0.7)
+        ax.plot(steps, smooth(r["losses"], w), color=color, ls=ls, lw=lw, label=label.format(seed=r["seed"]))
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (thin: per step, thick: moving average of {w})")
+    ax.set_title("LoRA fine-tuning, " + result["meta"]["model"].split(" (")[0])
+    ax.legend(fontsize=8)
+    if "full" in runs:
+        ref, s0 = runs["full"]["losses"], runs["full"]["seed"]
+        diffs = {name: [x - y for x, y in zip(runs[name]["losses"], ref)] for name in ("full1", "sage") if name in runs}
+        for ax, names, title in ((axes[1], ("full1", "sage"), f"difference to full attention seed {s0}"),
+                                 (axes[2], ("sage",), f"SageBwd - full seed {s0} (same init, same batches), zoomed")):
+            for name in names:
+                if name in diffs:
+                    color, _, _, label = style[name]
+                    ax.plot(steps, diffs[name], color=color, alpha=0.3, lw=0.8)
+                    ax.plot(steps, smooth(diffs[name], w), color=color, lw=1.6,
+                            label=label.format(seed=runs[name]["seed"]))
+            ax.axhline(0, color="k", lw=0.6)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.set_ylabel(f"loss - loss(full, seed {s0})")
+            ax.legend(fontsize=8)
+    else:
+        axes[1].set_visible(False)
+        axes[2].set_visible(False)
+    fig.text(0.01, 0.01, textwrap.fill(result["meta"]["what_ran"], 250), fontsize=7, color="0.35")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- main ----------------------------------------------------------------------------------------------------------
+
+def summarize(result: dict) -> None:
+    """Add the spread statistics of the loss curves to result (a pure function of its runs) and print them."""
+    runs = {r["name"]: r for r in result["runs"]}
+    if not {"full", "full1", "sage"} <= set(runs):
+        return
+    s0, s1 = runs["full"]["seed"], runs["full1"]["seed"]
+    sp = loss_spread(runs["sage"]["losses"], runs["full"]["losses"], runs["full1"]["losses"])
+    sp["note"] = (f"full seed {s1} differs from full seed {s0} in LoRA initialization and batch order; sage seed "
+                  f"{runs['sage']['seed']} shares both with full seed {s0}")
+    result["spread"] = sp
+    print(f"mean |sage - full s{s0}| {sp['candidate_vs_full_s0']:.4f} vs mean |full s{s1} - full s{s0}| "
+          f"{sp['full_s1_vs_full_s0']:.4f} (ratio {sp['ratio']:.3f}); after step {sp['after_step']}: "
+          f"{sp['candidate_vs_full_s0_after']:.4f} vs {sp['full_s1_vs_full_s0_after']:.4f} "
+          f"(ratio {sp['ratio_after']:.3f}); within the spread: {sp['within_spread']}")
+    for name, r in runs.items():
+        own = f", {r['ppl_after_own_attention']:.3f} with its own attention" if "ppl_after_own_attention" in r else ""
+        print(f"{name:6s} seed {r['seed']}: final loss {r['losses'][-1]:.4f}, held-out perplexity "
+              f"{r['ppl_before']:.3f} -> {r['ppl_after']:.3f}{own}; {r['s_per_step']:.2f} s/step, "
+              f"{r['wall_s']:.0f} s")
+
+
+def write(result: dict, out: str, png: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, png)
+    print(f"wrote {out} and {png}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    png = args.png or os.path.splitext(args.out)[0] + ".png"
+    if args.replot:
+        with open(args.out) as f:
+            result = json.load(f)
+        summarize(result)
+        write(result, args.out, png)
+        return result
+    if torch.cuda.is_available():
+        raise SystemExit("finetune_smollm2.py runs the CPU reference simulation of SageBwd: on a GPU without the "
+                         "SageBwd kernel the trainable 8b runs full precision, which would compare full to full")
+    import peft
+    import transformers
+
+    import sage_patch  # noqa: F401  registers attn_implementation="sage"
+    from sage_patch.demo import stdlib_text
+
+    text, source = stdlib_text()
+    s0, s1 = args.seeds
+    plan = {"full": ("sdpa", s0), "full1": ("sdpa", s1), "sage": ("sage", s0)}
+    runs = []
+    for name in args.runs:
+        attn, seed = plan[name]
+        runs.append(train_run(name, attn, seed, args, text))
+    what = ("CPU, float32. full: attn_implementation='sdpa' (torch SDPA). sage: attn_implementation='sage', default "
+            "policy; training calls run the trainable 8b = the reference simulation of SageBwd on CPU "
+            f"(impl {TRAIN_IMPL}); no GPU kernel. LoRA r={args.lora_r} on {','.join(LORA_TARGETS)}, AdamW "
+            f"lr={args.lr}, {args.steps} steps x {args.batch} x {args.seq} tokens")
+    command = " ".join(["benchmarks/finetune_smollm2.py", *(sys.argv[1:] if argv is None else argv)])
+    meta = run_meta(command=command, machine=f"CPU ({os.cpu_count()} cores)", torch_threads=torch.get_num_threads(),
+                    transformers=transformers.__version__, peft=peft.__version__,
+                    model=runs[0]["model"], text=source if not args.tiny else f"UTF-8 bytes of {source}",
+                    what_ran=what, args={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()})
+    result = {"meta": meta, "runs": runs}
+    summarize(result)
+    write(result, args.out, png)
+    return result
+
+
+if __name__ == "__main__":
+    main()
