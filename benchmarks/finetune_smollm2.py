@@ -390,7 +390,7 @@ def main(argv=None) -> dict:
                     transformers=transformers.__version__, peft=peft.__version__,
                     model=runs[0]["model"], text=source if not args.tiny else f"UTF-8 bytes of {source}",
                     what_ran=what, args={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()})
-    result = {"meta": meta, "runs": runs}
+    result = {"kind": "finetune", "meta": meta, "runs": runs}   # "kind": benchmarks/report.py renders it
     summarize(result)
     write(result, args.out, png)
     return result

@@ -13,6 +13,8 @@ Input kinds (recognised by their keys):
   portable kernel and the public SageAttention2 kernels; meta names the labels and the (ours, theirs) ratio pairs.
 - multigpu ({"kind": "multigpu", runs: [bench_multigpu.json, ...]}): `benchmarks/bench_multigpu.py` under torchrun,
   1 GPU vs P GPUs, SDPA vs sage, context and tensor parallelism; a section of its own ("P x GPU").
+- finetune ({"kind": "finetune", meta, runs, spread}): `benchmarks/finetune_smollm2.py`, LoRA fine-tuning with full
+  attention and the trainable 8b, held-out perplexity and the loss-spread statistic; its machine's section.
 - end_to_end ({"kind": "end_to_end", meta, runs: [{gpu, date, command, rows}]}), and `bench_diffusers.py --json`
   output ({meta, records}) and `bench_transformers.py`'s bench_transformers.json ({meta, results}).
 The page is regenerated, never appended to: a new run replaces the file of its GPU and kind.
@@ -255,6 +257,18 @@ def render_multigpu(data: dict) -> list:
     return out
 
 
+def render_finetune(data: dict) -> list:
+    meta, sp = data["meta"], data["spread"]
+    out = [f"What ran: {meta['what_ran']}.", ""] + run_lines(meta) + [""]
+    body = [[r["name"], r["attn_implementation"], r["seed"], f"{r['ppl_before']:.3f}", f"{r['ppl_after']:.3f}",
+             f"{sum(r['losses'][-30:]) / len(r['losses'][-30:]):.3f}"] for r in data["runs"]]
+    out += table(["run", "attention", "seed", "held-out ppl before", "after", "loss, mean of last 30 steps"], body)
+    out += ["", f"Mean per-step |loss - loss of full seed 0|: trainable 8b {sp['candidate_vs_full_s0']:.4f}, full seed 1 "
+                f"{sp['full_s1_vs_full_s0']:.4f} (after step {sp['after_step']}: {sp['candidate_vs_full_s0_after']:.4f} "
+                f"vs {sp['full_s1_vs_full_s0_after']:.4f}); {sp['note']}. Curves: `docs/img/finetune_smollm2_cpu.png`."]
+    return out
+
+
 def render(data_dir: str) -> str:
     per_gpu: dict = {}
     for path in sorted(glob.glob(os.path.join(data_dir, "*.json"))):
@@ -262,7 +276,9 @@ def render(data_dir: str) -> str:
             data = json.load(f)
         k = kind_of(data)
         src = os.path.relpath(path, ROOT)
-        if k == "multigpu":
+        if k == "finetune":
+            per_gpu.setdefault(data["meta"].get("machine", "CPU"), {}).setdefault(k, []).append((src, data))
+        elif k == "multigpu":
             meta = data["runs"][0].get("meta", {})
             per_gpu.setdefault(f"{meta.get('world_size')} x {meta.get('gpu')}", {}).setdefault(k, []).append((src, data))
         elif k in ("end_to_end", "diffusers", "transformers"):
@@ -277,7 +293,7 @@ def render(data_dir: str) -> str:
              "its date, command and the peers measured in the same run. Methods: `docs/benchmarks_transformers.md`, "
              "`docs/benchmarks_diffusers.md`; the kernel design these numbers belong to: `docs/design/kernels.md`. "
              "Earlier measurements are in git history (`git log -p -- docs/benchmarks.md`).", ""]
-    for gpu in sorted(per_gpu, key=lambda g: (" x " in g, "H200" not in g, g)):
+    for gpu in sorted(per_gpu, key=lambda g: (g.startswith("CPU"), " x " in g, "H200" not in g, g)):
         sec = per_gpu[gpu]
         lines += [f"## {gpu}", ""]
         for src, data in sec.get("kernel", []):
@@ -290,6 +306,8 @@ def render(data_dir: str) -> str:
             srcs = sorted({s for s, _, _ in sec["e2e"]})
             lines += [f"### End to end (`{'`, `'.join(srcs)}`)", ""]
             lines += render_e2e([r for _, r, _ in sec["e2e"]], next((m for _, _, m in sec["e2e"] if m), None)) + [""]
+        for src, data in sec.get("finetune", []):
+            lines += [f"### Fine-tuning on real weights (`{src}`)", ""] + render_finetune(data) + [""]
         for src, data in sec.get("multigpu", []):
             lines += [f"### Multiple GPUs (`{src}`)", ""] + render_multigpu(data) + [""]
     return "\n".join(lines).rstrip() + "\n"
