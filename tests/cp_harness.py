@@ -40,8 +40,16 @@ def _entry(rank, world_size, port, fn, args):
 
 
 def spawn(fn, world_size: int, *args) -> None:
-    """Run fn(rank, world_size, *args) on `world_size` gloo ranks (fn must be importable: a module-level function)."""
-    mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+    """Run fn(rank, world_size, *args) on `world_size` gloo ranks (fn must be importable: a module-level function).
+    The free port is found before the ranks bind it, so another process can take it in between: only that failure
+    is retried, with a new port."""
+    for attempt in range(3):
+        try:
+            mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+            return
+        except mp.ProcessRaisedException as e:
+            if attempt == 2 or "address already in use" not in str(e).lower():
+                raise
 
 
 @contextlib.contextmanager

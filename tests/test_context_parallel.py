@@ -185,6 +185,48 @@ def test_flux_ulysses2_x_ring2_four_processes():
     cp_harness.spawn(_flux_unified, 4)
 
 
+# ---- per-layer and per-step policies, per rank ------------------------------------------------------------------
+
+MIXED = {"default": "8b", "layers": [{"match": "transformer_blocks.0.*", "precision": "full"}],
+         "steps": [{"first": 1, "precision": "full"}]}
+
+
+def _mixed_policy(rank, world):
+    import sage_patch
+    from sage_patch.integrations.diffusers import set_step
+
+    m, inputs = tiny_flux()
+    m.enable_sage_attention(MIXED)
+    single = {}
+    for step in (0, 1):
+        set_step(m, step, 4)
+        single[step] = _run(m, inputs)
+    m.disable_sage_attention()
+    full = _run(m, inputs)
+    err = rel_l1(single[1], full)
+    assert err > 0                                      # step 1 mixes full and 8b layers
+    for mode in ({"ulysses_degree": 2}, {"ring_degree": 2}):
+        m, _ = tiny_flux()
+        cp_harness.enable_parallelism(m, **mode)
+        m.enable_sage_attention(MIXED)
+        set_step(m, 0, 4)                               # a step rule: every layer full on every rank
+        torch.testing.assert_close(_run(m, inputs), full, rtol=1e-5, atol=2e-5)
+        rep = sage_patch.report(m).to_dict()
+        assert all(st["used"] == {"full": 1} for st in rep.values()), rep
+        for st in sage_patch.report(m).layers.values():
+            st.reset()
+        set_step(m, 1, 4)                               # layer rules: block 0 full, the others 8b, on each rank
+        out = _run(m, inputs)
+        assert rel_l1(out, single[1]) <= 1.5 * err and rel_l1(out, full) <= 1.5 * err
+        rep = sage_patch.report(m).to_dict()
+        assert rep["transformer_blocks.0.attn"]["used"] == {"full": 1}, rep
+        assert all(st["used"] == {"8b": 1} for name, st in rep.items() if not name.startswith("transformer_blocks.0.")), rep
+
+
+def test_layer_and_step_policies_apply_on_every_rank():
+    cp_harness.spawn(_mixed_policy, 2)
+
+
 # ---- HunyuanVideo: the shipped plan, text key-padding mask, token refiner ---------------------------------------
 
 def _hunyuan(rank, world):
