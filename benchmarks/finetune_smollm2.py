@@ -36,6 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_transformers import impl_counts, reset_stats  # noqa: E402  (summed over a model's report)
 from timing import run_meta  # noqa: E402
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -188,24 +189,6 @@ def add_lora(model, r: int, seed: int):
     return get_peft_model(model, cfg)
 
 
-def impls_used(model) -> dict[str, int]:
-    """Calls per attention implementation over every routed layer of a sage model, from its report."""
-    import sage_patch
-
-    counts: dict[str, int] = {}
-    for st in sage_patch.report(model).layers.values():
-        for impl, n in st.impls.items():
-            counts[impl] = counts.get(impl, 0) + n
-    return counts
-
-
-def reset_stats(model) -> None:
-    import sage_patch
-
-    for st in sage_patch.report(model).layers.values():
-        st.reset()
-
-
 def held_out_ppl(model, windows, policy=None) -> float:
     """Perplexity on the held-out windows; policy: for a sage model, the policy to evaluate under (the model's
     default policy is set again after)."""
@@ -257,14 +240,14 @@ def train_run(name: str, attn: str, seed: int, args, text: str, log=print) -> di
            "train_windows": len(train), "heldout_windows": len(held), "train_s": train_s,
            "s_per_step": train_s / args.steps, "ppl_before": ppl_before}
     if is_sage:
-        run["training_impls"] = impls_used(model)
+        run["training_impls"] = impl_counts(model)
         others = {k: n for k, n in run["training_impls"].items() if k != TRAIN_IMPL}
         if others or not run["training_impls"]:
             raise RuntimeError(f"the sage run's training calls ran {run['training_impls']}, not only {TRAIN_IMPL}")
         run["ppl_after"] = held_out_ppl(model, held, "full")
         reset_stats(model)
         run["ppl_after_own_attention"] = held_out_ppl(model, held)  # its default policy, inference 8b (no grad)
-        run["own_attention_impls"] = impls_used(model)
+        run["own_attention_impls"] = impl_counts(model)
     else:
         run["ppl_after"] = held_out_ppl(model, held)
     run["wall_s"] = time.perf_counter() - t0
