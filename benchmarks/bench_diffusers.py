@@ -167,9 +167,11 @@ BUILDERS = {"flux": (_flux, FLUX_DEV), "sd35": (_sd35, SD35_LARGE), "cogvideox":
             "hunyuan": (_hunyuan, HUNYUAN_VIDEO)}
 
 
-def build(family, h, w, frames, device, dtype, tiny, seed=0):
+def build(family, h, w, frames, device, dtype, tiny, seed=0, overrides=None):
+    """The model (eval, no grad) and inputs of `family` at h x w (x frames); `overrides` replace config values
+    (e.g. fewer blocks)."""
     fn, cfg = BUILDERS[family]
-    cfg = TINY[family] if tiny else cfg
+    cfg = {**(TINY[family] if tiny else cfg), **(overrides or {})}
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)                 # random init directly in bf16 on the GPU: no fp32 copy

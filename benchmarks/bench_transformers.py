@@ -50,16 +50,18 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_att
             tie_word_embeddings=False)
 
 
-def llama_config(tiny: bool):
+def llama_config(tiny: bool, arch: dict = LLAMA31_8B, rope: dict = ROPE):
+    """LlamaConfig of `arch` with llama3 RoPE scaling `rope` (theta 500000), in the keys of the installed
+    transformers; `tiny`: the TINY stand-in with the same RoPE kind."""
     import transformers
     from transformers import LlamaConfig
 
-    kw = dict(TINY if tiny else LLAMA31_8B)
+    kw = dict(TINY if tiny else arch)
     if int(transformers.__version__.split(".")[0]) >= 5:
-        kw["rope_parameters"] = {**ROPE, "rope_theta": 500000.0, **(
+        kw["rope_parameters"] = {**rope, "rope_theta": 500000.0, **(
             {"original_max_position_embeddings": 1024} if tiny else {})}
     else:
-        kw["rope_scaling"], kw["rope_theta"] = dict(ROPE), 500000.0
+        kw["rope_scaling"], kw["rope_theta"] = dict(rope), 500000.0
     return LlamaConfig(**kw)
 
 

@@ -1,11 +1,14 @@
 """Shared timing and peer code of the benchmarks: one place for the CUDA-event loops, the SDPA backend forcing, the
 per-kernel profile, TOPS and the run's metadata, so that every benchmark measures the same way.
 
-Two ways of timing a call, chosen by what the number is for:
+Three ways of timing a call, chosen by what the number is for:
 - `bench_ms`: one call at a time, median (triton's do_bench when present: L2 flushed between calls; else an event
   loop with the same warm-up/repeat policy). The kernel tables use it.
 - `burst_ms`: bursts of calls between two events, median per call. Hides host gaps, as when a pipeline runs ahead
   of the GPU.
+- `counted_ms`: a given number of calls after a given number of warm-up calls, per-call times (L2 flushed before
+  each, no host sync between calls). For calls of tens of ms to seconds (attention forward + backward at long
+  sequences), where a time budget would mean one or two repeats.
 `Timer` / `Clock` time whole model forwards (CUDA events on a GPU, perf_counter on CPU, so --tiny smoke tests run).
 
 Importing this module needs torch only; nothing here touches the GPU until called.
@@ -105,6 +108,33 @@ def burst_ms(fn: Callable, n: int = 20, reps: int = 15, warmup: int = 5) -> floa
         b.synchronize()
         times.append(a.elapsed_time(b) / n)
     return statistics.median(times)
+
+
+def counted_ms(fn: Callable, warmup: int, reps: int, device="cuda", flush_l2: bool = True) -> list:
+    """ms of each of `reps` calls of `fn` after `warmup` untimed ones. On a GPU: a CUDA-event pair around each call,
+    L2 flushed before it (a 256 MiB memset, as do_bench), no host sync between calls (the host runs ahead, as in a
+    training loop); on CPU: perf_counter around each call."""
+    for _ in range(warmup):
+        fn()
+    if torch.device(device).type != "cuda":
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return times
+    cache = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if flush_l2 else None
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    torch.cuda.synchronize()
+    for s, e in zip(starts, ends):
+        if cache is not None:
+            cache.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
 class Clock:
