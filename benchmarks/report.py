@@ -15,6 +15,8 @@ Input kinds (recognised by their keys):
   1 GPU vs P GPUs, SDPA vs sage, context and tensor parallelism; a section of its own ("P x GPU").
 - finetune ({"kind": "finetune", meta, runs, spread}): `benchmarks/finetune_smollm2.py`, LoRA fine-tuning with full
   attention and the trainable 8b, held-out perplexity and the loss-spread statistic; its machine's section.
+- training ({"kind": "training", meta, attention, llama, flux}): `benchmarks/bench_training.py`, the trainable 8b
+  against torch SDPA: attention forward + backward and backward alone, training steps of Llama-3.2-1B and Flux.
 - end_to_end ({"kind": "end_to_end", meta, runs: [{gpu, date, command, rows}]}), and `bench_diffusers.py --json`
   output ({meta, records}) and `bench_transformers.py`'s bench_transformers.json ({meta, results}).
 The page is regenerated, never appended to: a new run replaces the file of its GPU and kind.
@@ -30,7 +32,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABELS = {"sage8b": "sage 8b", "sage_api": "sage 8b (public call)", "cudnn": "SDPA cuDNN", "flash": "SDPA flash (FA2)",
           "sa2_sm90": "public SageAttention2 sm90", "cudnn_fp8": "cuDNN FP8 (kernel only)",
-          "sage8b_portable": "sage 8b portable", "sage8b_wgmma": "sage 8b wgmma"}
+          "sage8b_portable": "sage 8b portable", "sage8b_wgmma": "sage 8b wgmma", "math": "SDPA math",
+          "efficient": "SDPA mem-efficient"}
 SHAPE_KEYS = {"B", "H", "N", "D", "causal"}
 OURS = ("sage8b", "sage_api")
 RATIO_PEERS = ("flash", "cudnn", "sa2_sm90")
@@ -269,6 +272,122 @@ def render_finetune(data: dict) -> list:
     return out
 
 
+def _label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def _cell_ms(m: dict, mode: str) -> str:
+    if "error" in m:
+        return "OOM" if m["error"].startswith("OOM") else "error"
+    if not m.get(mode + "_ms"):
+        return "n/a"
+    t = m[mode + "_tflops"]
+    return f"{m[mode + '_ms']:.2f} / " + (f"{t:.0f}" if t >= 100 else f"{t:.1f}" if t >= 1 else f"{t:.2g}")
+
+
+def _ratio(x) -> str:
+    return f"{x:.2f}" if isinstance(x, (int, float)) else "n/a"
+
+
+def _training_errors(rows: list, where) -> list:
+    out = []
+    for r in rows:
+        for name, m in (r.get("impls") or {"": r}).items():
+            if isinstance(m, dict) and m.get("error"):
+                out.append(f"- {where(r)}{' ' + _label(name) if name else ''}: {m['error']}")
+    return out
+
+
+def render_training_attention(rows: list, meta: dict) -> list:
+    am, base = meta.get("attention", {}), meta.get("baseline", "cudnn")
+    impls = list(dict.fromkeys(i for r in rows for i in r.get("impls", {})))
+    others = [i for i in impls if i != base]
+    shape = lambda r: [r["D"], "yes" if r["causal"] else "no", r["N"]]  # noqa: E731
+    b, h = rows[0]["B"], rows[0]["H"]
+    out = [f"Attention, B={b} H={h} {meta.get('dtype', '')}, inputs that require grad; the whole call (every "
+           f"quantization pass included). Cells: ms / TFLOPS, TFLOPS = {am.get('tflops', 'see the benchmark')}; "
+           f"speed-up = {_label(base)} time / time. sage 8b = `sagebwd_attention` (the SageBwd kernel, no routing); "
+           f"public call = `sage_patch.attention(precision=\"8b\")`, which runs what the resolver chose (column "
+           f"\"public call ran\"). Timing: {am.get('timing', 'see the benchmark')}."]
+    ran = lambda r: ", ".join(f"{k} x{v}" for k, v in r["impls"].get("sage_api", {}).get("ran", {}).items())  # noqa
+    for mode, title in (("fwdbwd", "Forward + backward"), ("bwd", "Backward alone (one forward outside the timing)")):
+        cols = ["D", "causal", "N"] + [_label(i) for i in impls] + [f"{_label(i)} vs {_label(base)}" for i in others]
+        body = [shape(r) + [_cell_ms(r["impls"].get(i, {"error": r.get("error", "not run")}), mode) for i in impls]
+                + [_ratio(r["impls"].get(i, {}).get(mode + "_vs_baseline")) for i in others] for r in rows]
+        if mode == "fwdbwd" and "sage_api" in impls:
+            cols.append("public call ran")
+            body = [line + [ran(r)] for line, r in zip(body, rows)]
+        out += ["", f"{title}:", ""] + table(cols, body)
+    peaks = [r for r in rows if any(m.get("peak_mib") is not None for m in r.get("impls", {}).values())]
+    if peaks:
+        out += ["", "Peak memory of one forward + backward, MiB beyond what was allocated before it (q, k, v, dO):",
+                ""]
+        out += table(["D", "causal", "N"] + [_label(i) for i in impls], [
+            shape(r) + [f"{r['impls'][i]['peak_mib']:.0f}" if r["impls"].get(i, {}).get("peak_mib") is not None
+                        else "n/a" for i in impls] for r in peaks])
+    accs = [r for r in rows if isinstance(r.get("accuracy"), dict) and any(
+        isinstance(v, dict) for v in r["accuracy"].values())]
+    if accs:
+        body = []
+        for r in accs:
+            for i in impls:
+                m = r["accuracy"].get(i)
+                if isinstance(m, dict):
+                    body.append(shape(r) + [_label(i)] + ([f"{m[k]:.6f}" for k in ("out", "dq", "dk", "dv")]
+                                                          if "error" not in m else [m["error"], "", "", ""]))
+        out += ["", f"Accuracy: cosine to torch SDPA math in float64 ({accs[0]['accuracy'].get('slice', '')}):", ""]
+        out += table(["D", "causal", "N", "implementation", "out", "dQ", "dK", "dV"], body)
+    errors = _training_errors(rows, lambda r: f"D={r['D']} causal={r['causal']} N={r['N']}")
+    if errors:
+        out += ["", "Did not run:", ""] + errors
+    return out
+
+
+def render_training_steps(rows: list, meta: dict, base: str) -> list:
+    out = [f"{meta.get('model', '')}; batch {meta.get('batch', 1)}, loss: {meta.get('loss', '')}; optimizer "
+           f"{meta.get('optimizer', '')} (lr {meta.get('lr', '')}); median of {meta.get('reps', '?')} steps after "
+           f"{meta.get('warmup', '?')} warm-up; gradient checkpointing: {meta.get('grad_ckpt', '?')} (auto: only "
+           f"after an out-of-memory, marked per row). Probe: one forward + backward per implementation on the same "
+           f"weights: its loss and the cosine of the gradient of {meta.get('probe_param', 'one weight')} to "
+           f"{_label(base)}'s. Peak: the most allocated during the timed steps (weights, gradients, optimizer state, "
+           f"activations).", ""]
+    name = lambda i: 'attn "sage"' if i == "sage" else f"SDPA {_label(i).replace('SDPA ', '')}"  # noqa: E731
+    body = []
+    for r in rows:
+        ok = "step_ms" in r
+        body.append([r["tokens"], name(r["impl"]), "yes" if r["grad_ckpt"] else "no", r.get("optimizer", ""),
+                     f"{r['step_ms']:.1f}" if ok else ("OOM" if r.get("error", "").startswith("OOM") else "error"),
+                     f"{r['tokens_per_s']:.0f}" if ok else "", _ratio(r.get("vs_baseline")) if ok else "",
+                     f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "n/a",
+                     f"{r['probe_loss']:.4f}" if "probe_loss" in r else "",
+                     f"{r['probe_grad_cos_vs_baseline']:.6f}" if "probe_grad_cos_vs_baseline" in r else "",
+                     ", ".join(f"{k} x{v}" for k, v in (r.get("ran") or {}).items())])
+    out += table(["tokens", "attention", "grad ckpt", "optimizer", "step ms", "tokens/s",
+                  f"speed-up vs {_label(base)}", "peak GiB", "probe loss", "probe grad cos", "sage ran"], body)
+    errors = [f"- {r['tokens']} tokens, {name(r['impl'])}, grad ckpt {'on' if r['grad_ckpt'] else 'off'}: "
+              f"{r['error']}" for r in rows if r.get("error")]
+    return out + (["", "Did not run:", ""] + errors if errors else [])
+
+
+def render_training(data: dict) -> list:
+    """bench_training.py's JSON: the attention tables, then the training-step tables of the models it ran."""
+    meta = data.get("meta", {})
+    trainable = meta.get("trainable") or {}
+    out = ["The trainable 8b attention (SageBwd) against torch SDPA in the same run: forward + backward, backward "
+           "alone, and whole training steps."
+           + (f" A training call of the public API ran `{trainable['impl']}`"
+              + (f" ({trainable['reason']})" if trainable.get("reason") else "") + "." if trainable.get("impl")
+              else ""), ""] + run_lines(meta)
+    if data.get("attention"):
+        out += ["", "#### Attention", ""] + render_training_attention(data["attention"], meta)
+    for key, title in (("llama", "Training step: Llama-3.2-1B architecture"),
+                       ("flux", "Training step: Flux transformer")):
+        if data.get(key):
+            out += ["", f"#### {title}", ""] + render_training_steps(data[key], meta.get(key, {}),
+                                                                     meta.get("baseline", "cudnn"))
+    return out
+
+
 def render(data_dir: str) -> str:
     per_gpu: dict = {}
     for path in sorted(glob.glob(os.path.join(data_dir, "*.json"))):
@@ -306,6 +425,8 @@ def render(data_dir: str) -> str:
             srcs = sorted({s for s, _, _ in sec["e2e"]})
             lines += [f"### End to end (`{'`, `'.join(srcs)}`)", ""]
             lines += render_e2e([r for _, r, _ in sec["e2e"]], next((m for _, _, m in sec["e2e"] if m), None)) + [""]
+        for src, data in sec.get("training", []):
+            lines += [f"### Training (`{src}`)", ""] + render_training(data) + [""]
         for src, data in sec.get("finetune", []):
             lines += [f"### Fine-tuning on real weights (`{src}`)", ""] + render_finetune(data) + [""]
         for src, data in sec.get("multigpu", []):
