@@ -344,7 +344,8 @@ def render_training_attention(rows: list, meta: dict) -> list:
 
 
 def render_training_steps(rows: list, meta: dict, base: str) -> list:
-    out = [f"{meta.get('model', '')}; batch {meta.get('batch', 1)}, loss: {meta.get('loss', '')}; optimizer "
+    tokens = f" ({meta['tokens']})" if meta.get("tokens") else ""
+    out = [f"{meta.get('model', '')}; batch {meta.get('batch', 1)}{tokens}, loss: {meta.get('loss', '')}; optimizer "
            f"{meta.get('optimizer', '')} (lr {meta.get('lr', '')}); median of {meta.get('reps', '?')} steps after "
            f"{meta.get('warmup', '?')} warm-up; gradient checkpointing: {meta.get('grad_ckpt', '?')} (auto: only "
            f"after an out-of-memory, marked per row). Probe: one forward + backward per implementation on the same "

@@ -163,8 +163,9 @@ def training_data():
             "attention": {"tflops": "forward 4*B*H*N*N*D", "timing": "CUDA events"},
             "llama": {"model": "Llama-3.2-1B architecture", "batch": 1, "loss": "the model's own", "optimizer": "adamw",
                       "lr": 1e-5, "grad_ckpt": "auto", "warmup": 2, "reps": 5, "probe_param": "q_proj"},
-            "flux": {"model": "Flux 4 + 8 blocks", "optimizer": "adamw", "grad_ckpt": "auto", "reps": 5,
-                     "warmup": 2}}
+            "flux": {"model": "Flux 4 + 8 blocks", "tokens": "4096 image + 512 text", "batch": 1, "loss": "MSE",
+                     "optimizer": "adamw", "lr": 1e-5, "grad_ckpt": "auto", "reps": 5, "warmup": 2,
+                     "probe_param": "to_q"}}
 
     def m(ms, tf, ratio, peak):
         return {"fwdbwd_ms": ms, "fwdbwd_tflops": tf, "fwdbwd_vs_baseline": ratio, "bwd_ms": ms / 2,
@@ -223,6 +224,7 @@ def test_report_renders_the_training_tables():
             "triton-sagebwd x224 |") in text
     assert "- 16384 tokens, attn \"sage\", grad ckpt off: OOM: out of memory" in text
     assert "#### Training step: Flux transformer" in text and "triton-sagebwd x84" in text
+    assert "Flux 4 + 8 blocks; batch 1 (4096 image + 512 text), loss: MSE; optimizer adamw (lr 1e-05)" in text
 
 
 def test_report_places_training_under_its_gpu_and_skips_absent_cases(tmp_path):
