@@ -47,10 +47,12 @@ def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_m
     if decision.reason and not torch.compiler.is_compiling():
         log_fallback_once(decision.reason)
 
-    if decision.impl in ("sdpa", "reference", TRAINABLE_IMPL):
+    trainable = decision.impl == TRAINABLE_IMPL or isinstance(decision.variant, kernels.registry.TrainingVariant)
+    if decision.impl in ("sdpa", "reference") or trainable:
         qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if layout == "bshd" else (q, k, v)
-        if decision.impl == TRAINABLE_IMPL:  # the resolver sends no return_lse call here
-            out = sagebwd_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, attn_mask=mask.mask)
+        if trainable:  # the resolver sends no return_lse call here
+            out = sagebwd_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, attn_mask=mask.mask,
+                                    kernel=decision.variant is not None)
             return out.transpose(1, 2) if layout == "bshd" else out
         if decision.impl == "sdpa":
             res = full_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, mask=mask,

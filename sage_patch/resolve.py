@@ -62,17 +62,19 @@ def _policy_fallback(policy, q, k, layout: str, varlen) -> str | None:
     return policy.fallback_reason(sq, skv, q.shape[-1], q.dtype)
 
 
-# The one precision with a backward pass: SageBwd (sage_patch.reference.sagebwd, sage_patch.trainable).
+# The one precision with a backward pass: SageBwd (sage_patch.trainable over sage_patch.kernels.sagebwd on a GPU,
+# the reference simulation sage_patch.reference.sagebwd on CPU).
 TRAINABLE = "8b"
 TRAINABLE_IMPL = "reference-sagebwd"
 
 
-def _resolve_training(requested: str, q, k, *, layout, mask, dropout_p, return_lse, smooth_v, policy,
+def _resolve_training(requested: str, q, k, v, *, layout, is_causal, mask, dropout_p, return_lse, smooth_v, policy,
                       varlen) -> Decision:
     """A call that needs a gradient. The policy's `training` key decides the precision ("8b" or "full"); without
     it, the layer's: full stays full, every quantized precision trains as the trainable 8b (4b and fp4 have no
-    backward pass). The trainable 8b runs the SageBwd reference simulation on CPU; on a GPU, full precision until
-    its kernel exists (the simulation only with SAGE_PATCH_SIMULATE_ON_GPU=1)."""
+    backward pass). The trainable 8b runs its kernels on a GPU where they serve the call and are faster than SDPA
+    (the variant's measured crossover), the reference simulation on CPU (on a GPU only with
+    SAGE_PATCH_SIMULATE_ON_GPU=1)."""
     training = getattr(policy, "training", None)
     wanted = training or ("full" if requested == "full" else TRAINABLE)
     if wanted == "full":
@@ -88,23 +90,32 @@ def _resolve_training(requested: str, q, k, *, layout, mask, dropout_p, return_l
     why = _policy_fallback(policy, q, k, layout, varlen)
     if why:
         return _full(requested, why)
-    if q.is_cuda and not SIMULATE_ON_GPU:
-        return _full(requested, "no SageBwd kernel in this version: calls that need a gradient run full precision "
-                                "on the GPU (SAGE_PATCH_SIMULATE_ON_GPU=1 runs the reference simulation of its "
-                                "numerics instead)")
-    where = ("on the GPU (SAGE_PATCH_SIMULATE_ON_GPU=1; no SageBwd kernel in this version)" if q.is_cuda
-             else "(tensors on CPU)")
     if requested == TRAINABLE:
-        reason = f"reference simulation of the trainable 8b (SageBwd) {where}"
+        why_8b = None
     elif training is not None:
-        reason = f"policy training: 8b: calls that need a gradient run the trainable 8b (layer: {requested}); " \
-                 f"reference simulation of SageBwd {where}"
+        why_8b = f"policy training: 8b: calls that need a gradient run the trainable 8b (layer: {requested})"
     else:
-        reason = f"{requested} has no backward pass: calls that need a gradient run the trainable 8b (SageBwd); " \
-                 f"reference simulation {where}"
-    if smooth_v:
-        reason += "; options.smooth_v is not applied by the trainable 8b"
-    return Decision(requested, TRAINABLE, TRAINABLE_IMPL, reason)
+        why_8b = f"{requested} has no backward pass: calls that need a gradient run the trainable 8b (SageBwd)"
+    v_note = "; options.smooth_v is not applied by the trainable 8b" if smooth_v else ""
+    if q.is_cuda and not SIMULATE_ON_GPU:
+        if varlen is not None:  # varlen_attention then runs each sequence, which resolves here again
+            return _full(requested, "a packed (varlen) call that needs a gradient runs sequence by sequence")
+        if mask.kind == "dense":
+            return _full(requested, "dense (per-query) attn_mask: the SageBwd kernels take key-padding masks only")
+        variant, why = kernels.can_run_training(q, k, v, layout=layout,
+                                                attn_mask=mask.mask if mask.kind == "key_padding" else None)
+        if variant is None:
+            return _full(requested, f"the trainable 8b (SageBwd) kernels cannot run this call: {why}")
+        slow = mask.kind == "none" and kernels.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal)
+        if slow:
+            return _full(requested, slow)
+        reason = "; ".join(r for r in (why_8b, v_note[2:]) if r) or None
+        return Decision(requested, TRAINABLE, variant.name, reason, variant)
+    where = ("on the GPU (SAGE_PATCH_SIMULATE_ON_GPU=1)" if q.is_cuda else "(tensors on CPU)")
+    reason = f"reference simulation of the trainable 8b (SageBwd) {where}"
+    if why_8b:
+        reason = f"{why_8b}; {reason}"
+    return Decision(requested, TRAINABLE, TRAINABLE_IMPL, reason + v_note)
 
 
 class Varlen(NamedTuple):
@@ -129,8 +140,9 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
     A call that needs a gradient takes `_resolve_training` instead.
     """
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _resolve_training(requested, q, k, layout=layout, mask=mask, dropout_p=dropout_p,
-                                 return_lse=return_lse, smooth_v=smooth_v, policy=policy, varlen=varlen)
+        return _resolve_training(requested, q, k, v, layout=layout, is_causal=is_causal, mask=mask,
+                                 dropout_p=dropout_p, return_lse=return_lse, smooth_v=smooth_v, policy=policy,
+                                 varlen=varlen)
     if requested == "full":
         return _full(requested, None)
     if dropout_p > 0:

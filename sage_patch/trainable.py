@@ -1,6 +1,6 @@
-"""The trainable 8b attention (SageBwd) through autograd: two torch.library custom ops over the reference simulation
-(sage_patch.reference.sagebwd), with fake implementations so torch.compile(fullgraph=True) traces a training step,
-and their autograd formula.
+"""The trainable 8b attention (SageBwd) through autograd: two torch.library custom ops over the GPU kernels
+(sage_patch.kernels.sagebwd, `kernel=True`) or the reference simulation (sage_patch.reference.sagebwd), with fake
+implementations so torch.compile(fullgraph=True) traces a training step, and their autograd formula.
 
     sage_patch::sagebwd_fwd  (q, k, v, ...) -> out, lse, and what the backward needs (INT8 Q^/K^ and block scales,
                               the smoothed scores' LSE); out doubles as the O the backward reads (input dtype)
@@ -30,58 +30,71 @@ def _cdiv(a, b):
 
 @torch.library.custom_op("sage_patch::sagebwd_fwd", mutates_args=())
 def sagebwd_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                is_causal: bool, scale: float, block_q: int, block_k: int, smooth_k: bool, dp: str,
-                p_scale: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                       torch.Tensor, torch.Tensor]:
+                is_causal: bool, scale: float, groups: str, block_q: int, block_k: int, smooth_k: bool, dp: str,
+                p_scale: str, kernel: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor, torch.Tensor, torch.Tensor]:
     """SageBwd training forward. Returns (out (B, Hq, Sq, Dv) in q's dtype, lse fp32 (B, Hq, Sq), lse of the
-    smoothed scores, q_int int8, q_scale, k_int int8, k_scale); attn_mask: bool (B, Skv) or broadcastable 4-D."""
-    cfg = SageBwdConfig(block_q, block_k, smooth_k, dp, p_scale)
+    smoothed scores, q_int int8, q_scale, k_int int8, k_scale); attn_mask: bool (B, Skv) or broadcastable 4-D
+    (the kernel: (B, Skv) only)."""
+    if kernel:
+        from .kernels import sagebwd
+
+        return sagebwd.forward(q, k, v, is_causal=is_causal, scale=scale, key_padding_mask=attn_mask,
+                               smooth_k=smooth_k)
+    cfg = SageBwdConfig(groups, block_q, block_k, smooth_k, dp, p_scale)
     out, lse, s = sagebwd_forward(q, k, v, is_causal=is_causal, scale=scale, attn_mask=attn_mask, config=cfg)
     # contiguous, as the fake implementation says (elementwise ops keep a transposed input's strides)
     return tuple(t.contiguous() for t in (s.out, lse, s.lse, s.q_int, s.q_scale, s.k_int, s.k_scale))
 
 
 @sagebwd_fwd.register_fake
-def _(q, k, v, attn_mask, is_causal, scale, block_q, block_k, smooth_k, dp, p_scale):
+def _(q, k, v, attn_mask, is_causal, scale, groups, block_q, block_k, smooth_k, dp, p_scale, kernel):
     b, hq, sq, _ = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     f32 = torch.float32
+    tq, tk = (sq, skv) if groups == "token" else (_cdiv(sq, block_q), _cdiv(skv, block_k))
     return (q.new_empty((b, hq, sq, v.shape[3])), q.new_empty((b, hq, sq), dtype=f32),
             q.new_empty((b, hq, sq), dtype=f32), q.new_empty(q.shape, dtype=torch.int8),
-            q.new_empty((b, hq, _cdiv(sq, block_q)), dtype=f32), k.new_empty(k.shape, dtype=torch.int8),
-            k.new_empty((b, hkv, _cdiv(skv, block_k)), dtype=f32))
+            q.new_empty((b, hq, tq), dtype=f32), k.new_empty(k.shape, dtype=torch.int8),
+            k.new_empty((b, hkv, tk), dtype=f32))
 
 
 @torch.library.custom_op("sage_patch::sagebwd_bwd", mutates_args=())
 def sagebwd_bwd(dout: torch.Tensor, q_int: torch.Tensor, q_scale: torch.Tensor, k_int: torch.Tensor,
                 k_scale: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse_smoothed: torch.Tensor,
-                attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, block_q: int, block_k: int,
-                smooth_k: bool, dp: str, p_scale: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, groups: str, block_q: int,
+                block_k: int, smooth_k: bool, dp: str, p_scale: str,
+                kernel: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SageBwd backward from what sagebwd_fwd saved. Returns (dq, dk, dv) in the input dtype (v's)."""
-    cfg = SageBwdConfig(block_q, block_k, smooth_k, dp, p_scale)
+    if kernel:
+        from .kernels import sagebwd
+
+        return sagebwd.backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, is_causal=is_causal,
+                                scale=scale, key_padding_mask=attn_mask)
+    cfg = SageBwdConfig(groups, block_q, block_k, smooth_k, dp, p_scale)
     saved = SageBwdSaved(q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, attn_mask, is_causal, scale, cfg)
     dq, dk, dv = sagebwd_backward(dout, saved)
     return tuple(t.to(v.dtype).contiguous() for t in (dq, dk, dv))
 
 
 @sagebwd_bwd.register_fake
-def _(dout, q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, attn_mask, is_causal, scale, block_q, block_k,
-      smooth_k, dp, p_scale):
+def _(dout, q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, attn_mask, is_causal, scale, groups, block_q,
+      block_k, smooth_k, dp, p_scale, kernel):
     return v.new_empty(q_int.shape), v.new_empty(k_int.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, is_causal, scale, block_q, block_k, smooth_k, dp, p_scale = inputs
+    q, k, v, attn_mask, *args = inputs
     out, _, lse_s, q_int, q_scale, k_int, k_scale = output
     ctx.save_for_backward(q_int, q_scale, k_int, k_scale, v, out, lse_s, attn_mask)
-    ctx.args = (is_causal, scale, block_q, block_k, smooth_k, dp, p_scale)
+    ctx.args = tuple(args)  # is_causal, scale, groups, block_q, block_k, smooth_k, dp, p_scale, kernel
 
 
 def _backward(ctx, dout, *unused_grads):
     q_int, q_scale, k_int, k_scale, v, out, lse_s, attn_mask = ctx.saved_tensors
     dq, dk, dv = torch.ops.sage_patch.sagebwd_bwd(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, attn_mask,
                                                   *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (3 + len(ctx.args))
 
 
 def _no_double_backward(ctx, *grads):
@@ -96,10 +109,24 @@ sagebwd_fwd.register_autograd(_backward, setup_context=_setup_context)
 sagebwd_bwd.register_autograd(_no_double_backward, setup_context=_bwd_setup_context)
 
 
-def sagebwd_attention(q, k, v, *, is_causal: bool, scale, attn_mask, config: SageBwdConfig | None = None):
+def sagebwd_attention(q, k, v, *, is_causal: bool, scale, attn_mask, config: SageBwdConfig | None = None,
+                      kernel: bool | None = None):
     """Trainable 8b attention, (B, H, S, D) layout: the output (q's dtype) of sage_patch::sagebwd_fwd, differentiable
-    through sage_patch::sagebwd_bwd. attn_mask: None or bool, (B, Skv) key padding or broadcastable 4-D."""
+    through sage_patch::sagebwd_bwd. attn_mask: None or bool, (B, Skv) key padding or broadcastable 4-D (the kernel:
+    key padding only). kernel: the GPU kernels (numerics: sage_patch.kernels.sagebwd.KERNEL_CONFIG; `config` must be
+    None or that) or the reference simulation; None = the kernels for CUDA tensors."""
+    kernel = q.is_cuda if kernel is None else bool(kernel)
+    if kernel:
+        from .kernels.sagebwd import KERNEL_CONFIG
+
+        if config not in (None, KERNEL_CONFIG):
+            raise ValueError(f"config={config!r}: the SageBwd kernels compute {KERNEL_CONFIG!r} only (kernel=False "
+                             f"runs the reference simulation of any config)")
+        if attn_mask is not None and attn_mask.dim() != 2:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)}: the SageBwd kernels take a (B, Skv) key "
+                             f"padding mask only")
+        config = KERNEL_CONFIG
     cfg = DEFAULT_SAGEBWD_CONFIG if config is None else config
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return torch.ops.sage_patch.sagebwd_fwd(q, k, v, attn_mask, bool(is_causal), scale, cfg.block_q, cfg.block_k,
-                                            cfg.smooth_k, cfg.dp, cfg.p_scale)[0]
+    return torch.ops.sage_patch.sagebwd_fwd(q, k, v, attn_mask, bool(is_causal), scale, cfg.groups, cfg.block_q,
+                                            cfg.block_k, cfg.smooth_k, cfg.dp, cfg.p_scale, kernel)[0]

@@ -124,16 +124,28 @@ def test_info_on_hopper(fake_gpu, capsys):
     assert d["precisions"]["fp4"]["runs"] == "8b" and d["device"]["arch"] == "sm_90" and not d["device"]["jit"]
 
 
-def test_info_on_hopper_training_runs_full_until_the_sagebwd_kernel_exists(fake_gpu, capsys, monkeypatch):
+def test_info_on_hopper_training_rows(fake_gpu, capsys, monkeypatch):
+    import sage_patch.kernels as K
     import sage_patch.resolve as R
 
     fake_gpu["cc"] = (9, 0)
+    monkeypatch.setattr(K, "_TRITON_REASON", [None])
     assert main(["info"]) == 0
     rows, training = _sections(capsys.readouterr().out)
     assert "cuda-wgmma-fp8pv" in rows["8b"]
     assert training["full"].split()[1:] == ["torch", "SDPA"]
-    for p in ("8b", "4b", "fp4"):
-        assert "as full: torch SDPA  -- no SageBwd kernel in this version" in training[p], training[p]
+    for p in ("8b", "4b", "fp4"):  # the SageBwd kernels are slower than cuDNN at every measured length
+        assert "as full: torch SDPA  -- SDPA is faster than triton-sagebwd at every measured length" in training[p]
+    monkeypatch.setattr(K, "SPEED_ROUTING", False)
+    assert main(["info"]) == 0
+    _, training = _sections(capsys.readouterr().out)
+    assert "8b    triton-sagebwd [sagebwd-triton]" in training["8b"] and "--" not in training["8b"]
+    assert "as 8b: triton-sagebwd [sagebwd-triton]  -- fp4 has no backward pass" in training["fp4"]
+    monkeypatch.setattr(K, "_TRITON_REASON", ["Triton is not installed (pip install triton)"])
+    assert main(["info"]) == 0
+    _, training = _sections(capsys.readouterr().out)
+    assert "as full: torch SDPA  -- the trainable 8b (SageBwd) kernels cannot run this call: Triton is not" \
+        in training["8b"]
     monkeypatch.setattr(R, "SIMULATE_ON_GPU", True)
     assert main(["info"]) == 0
     _, training = _sections(capsys.readouterr().out)

@@ -58,13 +58,21 @@ def test_gradients_vs_float64_on_structured_inputs(d, causal):
     assert (ours[1] - ref[1]).abs().mean() < 0.03
 
 
+# The paper's numerics (Algorithms 2 and 3): one scale per 32 x 32 block, INT8 P~ V in the forward.
+PAPER = SageBwdConfig(groups="block", block_q=32, block_k=32, pv="int8")
+
+
 def test_gradients_at_4k_reach_the_issue_target():
-    """The target: dQ, dK, dV cosine >= 0.997 against float64 at N=4K, here on the worst case of the README table
-    (D=64, not causal; measured dQ 0.99716, dK 0.99860, dV 0.99844, O 0.999998 with the default 32 x 32 blocks)."""
+    """The issue's target: dQ, dK, dV cosine >= 0.998 against float64 at N=4K (D=64, not causal) with the default
+    (the kernels') numerics; the paper's 32 x 32 blocks reach >= 0.997 (measured dQ 0.99716, dK 0.99860, dV 0.99844)."""
     q, k, v = structured_qkv(b=1, h=2, sq=4096, d=64, dtype=torch.float16, seed=1)
     dout = _dout(q)
-    cos = _cosines(_sagebwd(q, k, v, dout), _float64_grads(q, k, v, dout))
-    assert cos["O"] >= MIN_COS["O"] and all(cos[n] >= 0.997 for n in ("dQ", "dK", "dV")), cos
+    ref = _float64_grads(q, k, v, dout)
+    cos = _cosines(_sagebwd(q, k, v, dout), ref)
+    assert cos["O"] >= MIN_COS["O"] and all(cos[n] >= 0.998 for n in ("dQ", "dK", "dV")), cos
+    paper = _cosines(_sagebwd(q, k, v, dout, config=PAPER), ref)
+    assert all(paper[n] >= 0.997 for n in ("dQ", "dK", "dV")), paper
+    assert all(cos[n] > paper[n] for n in ("dQ", "dK", "dV")), (cos, paper)
 
 
 def test_bf16_inputs():
@@ -81,8 +89,9 @@ def test_ablation_int8_dp_loses_dq_accuracy_growing_with_n():
         q, k, v = structured_qkv(b=1, h=2, sq=n, d=64, dtype=torch.float16, seed=1)
         dout = _dout(q)
         ref_dq = _float64_grads(q, k, v, dout)[2]
-        fp16 = cosine(_sagebwd(q, k, v, dout)[2], ref_dq)
-        int8 = cosine(_sagebwd(q, k, v, dout, config=SageBwdConfig(dp="int8"))[2], ref_dq)
+        fp16 = cosine(_sagebwd(q, k, v, dout, config=PAPER)[2], ref_dq)
+        int8 = cosine(_sagebwd(q, k, v, dout, config=SageBwdConfig(groups="block", block_q=32, block_k=32,
+                                                                     pv="int8", dp="int8"))[2], ref_dq)
         assert fp16 > int8, (n, fp16, int8)
         gaps[n] = fp16 - int8
     # measured: gap 1.3e-3 at N=256, 3.3e-3 at N=1024 (6.5e-3 at N=4096)
@@ -202,10 +211,13 @@ def test_inputs_are_never_modified():
 
 def test_saved_state_is_int8_and_the_lse_shift_is_added_back():
     q, k, v = structured_qkv(b=1, h=2, sq=200, d=64, dtype=torch.float16, seed=11)
-    out, lse, saved = sagebwd_forward(q, k, v, config=SageBwdConfig(block_q=64, block_k=32))
+    out, lse, saved = sagebwd_forward(q, k, v, config=SageBwdConfig(groups="block", block_q=64, block_k=32))
     assert saved.q_int.dtype == saved.k_int.dtype == torch.int8
     assert saved.q_int.abs().max() <= 127 and saved.k_int.abs().max() <= 127
     assert saved.q_scale.shape == (1, 2, 4) and saved.k_scale.shape == (1, 2, 7)  # one scale per block
+    _, _, tok = sagebwd_forward(q, k, v)
+    assert tok.q_scale.shape == tok.k_scale.shape == (1, 2, 200)  # token groups: one per token
+    assert tok.q_int.abs().amax(-1).eq(127).all()
     assert saved.out.dtype == torch.float16 and saved.v is v
     # the saved LSE is the smoothed scores'; the caller's adds back tau q . mean(K)
     shift = (q.float() @ k.float().mean(-2, keepdim=True).transpose(-1, -2)).squeeze(-1) / 8.0
@@ -213,6 +225,7 @@ def test_saved_state_is_int8_and_the_lse_shift_is_added_back():
 
 
 def test_smaller_tiles_are_more_accurate_and_unit_p_scale_is_coarser():
+    """The paper's block groups: smaller blocks are more accurate; 16-bit P~ V (the default) beats every INT8 one."""
     q, k, v = structured_qkv(b=1, h=2, sq=512, d=64, dtype=torch.float16, seed=12)
     dout = _dout(q)
     ref = _float64_grads(q, k, v, dout)
@@ -220,18 +233,24 @@ def test_smaller_tiles_are_more_accurate_and_unit_p_scale_is_coarser():
     def err(cfg=None):
         return {n: 1 - c for n, c in _cosines(_sagebwd(q, k, v, dout, config=cfg), ref).items()}
 
-    default, mid, large = err(), err(SageBwdConfig(block_q=64, block_k=64)), err(SageBwdConfig(block_q=128, block_k=128))
-    assert SageBwdConfig() == SageBwdConfig(block_q=32, block_k=32)
+    def block(n, **kw):
+        return SageBwdConfig(groups="block", block_q=n, block_k=n, pv="int8", **kw)
+
+    default, mid, large = err(block(32)), err(block(64)), err(block(128))
+    assert SageBwdConfig() == SageBwdConfig(groups="token", block_q=64, block_k=64, pv="input")
+    token = err()
+    assert all(token[n] < default[n] for n in ("O", "dQ", "dK", "dV")), (token, default)
     # measured (1 - cos of dQ): 2.5e-3 at 32x32 (the default), 5.5e-3 at 64x64, 1.3e-2 at 128x128
     assert default["dQ"] < mid["dQ"] < large["dQ"] and default["dK"] < mid["dK"] < large["dK"], (default, mid, large)
     # P~ scaled by 1/127 instead of its row maximum in the block (which the online softmax has): O 9x worse, and
     # dQ through D = rowsum(dO o O) (measured 1 - cos: O 4.7e-5 vs 5e-6, dQ 1.5e-2 vs 2.5e-3)
-    unit = err(SageBwdConfig(p_scale="unit"))
+    unit = err(block(32, p_scale="unit"))
     assert unit["O"] > 3 * default["O"] and unit["dQ"] > 2 * default["dQ"], (unit, default)
 
 
 @pytest.mark.parametrize("kw,msg", [({"block_q": 0}, "block_q"), ({"block_k": 1.5}, "block_k"),
-                                    ({"dp": "fp8"}, "dp"), ({"p_scale": "token"}, "p_scale")])
+                                    ({"dp": "fp8"}, "dp"), ({"p_scale": "token"}, "p_scale"), ({"pv": "fp8"}, "pv"),
+                                    ({"groups": "tile"}, "groups"), ({"dp": "int8"}, "groups='block'")])
 def test_config_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SageBwdConfig(**kw)

@@ -58,7 +58,8 @@ def sdpa_faster_reason(variant: KernelVariant, q, k, *, layout: str, is_causal: 
     n = min(q.shape[sdim], k.shape[sdim])  # compared, not int()-ed: a symbolic length under torch.compile stays one
     if n >= below:
         return None
-    return (f"SDPA is faster than {variant.name} below {below} tokens (head dim {q.shape[-1]}, "
+    where = "at every measured length" if below == math.inf else f"below {below} tokens"
+    return (f"SDPA is faster than {variant.name} {where} (head dim {q.shape[-1]}, "
             f"causal={bool(is_causal)}; this call {n}): running full precision (SAGE_PATCH_SPEED_ROUTING=0 keeps "
             "the kernel)")
 
@@ -202,6 +203,45 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
         if ms[1] != ks[sdim] or ms[0] not in (1, qs[0]):
             return None, f"key-padding mask shape {tuple(ms)} does not match (B, Skv)"
     return _select(precision, q, smooth_v=smooth_v, lse=return_lse)
+
+
+_TRITON_REASON: list = []
+
+
+def triton_reason() -> str | None:
+    """Why the Triton kernels (SageBwd) cannot run in this process, None when they can (read once)."""
+    if not _TRITON_REASON:
+        import importlib.util
+
+        why = None
+        if importlib.util.find_spec("triton") is None:
+            why = "Triton is not installed (pip install triton; torch's Linux CUDA wheels depend on it)"
+        _TRITON_REASON.append(why)
+    return _TRITON_REASON[0]
+
+
+def can_run_training(q, k, v, *, layout, attn_mask):
+    """The training variant (registry.TrainingVariant) that runs forward + backward of this call, or None and why.
+    attn_mask: None or a bool (B, Skv) key-padding mask (resolve normalizes masks first)."""
+    torch = _torch()
+    dev = q.device
+    if not (q.is_cuda and k.is_cuda and v.is_cuda) or not (dev == k.device == v.device):
+        return None, "q, k, v must be CUDA tensors on one device"
+    if not _layout_ok(layout):
+        return None, f"layout {layout!r} not supported by the SageBwd kernels (bhsd, bshd)"
+    bshd = str(layout).lower() == "bshd"
+    d = q.shape[-1]
+    if k.shape[-1] != d or v.shape[-1] != d:
+        return None, f"head dims differ (q {d}, k {k.shape[-1]}, v {v.shape[-1]}): the SageBwd kernels need one"
+    why = _dtype_dim_gqa_reason(q, k, v, 2 if bshd else 1, torch)
+    if why:
+        return None, why
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.numel() >= 2**31:
+            return None, f"{name} has 2**31 or more elements (32-bit offsets in the SageBwd kernels)"
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    t = registry.TrainingTarget(_ops.device_cc(idx), int(d), triton_reason())
+    return registry.select_training(t)
 
 
 def _target(precision, q, *, varlen=False, smooth_v=False, lse=True, cc=None) -> Target:

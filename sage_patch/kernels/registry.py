@@ -17,6 +17,7 @@ variants with that P~V / "4b" Q K^T mode wherever they can run (tests, e.g. the 
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple
@@ -265,3 +266,71 @@ def explicit(t: Target, pv: str, qk: str | None = None) -> KernelVariant:
         if v.pv == pv and v.qk == qk and t.precision in v.precisions:
             return v
     raise RuntimeError(f"no compiled kernel with pv={pv!r}, qk={qk!r} for precision {t.precision!r}")
+
+
+# --- training (forward + backward) kernels ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrainingTarget:
+    """What a training kernel's constraints look at: the device, the call's features, and Triton's availability."""
+    cc: tuple[int, int]
+    head_dim: int
+    triton: str | None                 # why Triton cannot be used here, None when it can
+
+
+@dataclass(frozen=True)
+class TrainingVariant:
+    """A trainable kernel pair (forward saving what its backward reads, and that backward), e.g. SageBwd's Triton
+    kernels (sage_patch/kernels/sagebwd). Its numerics are sage_patch.kernels.sagebwd.KERNEL_CONFIG (a SageBwdConfig
+    the reference simulation takes as its config)."""
+    key: str
+    name: str
+    family: str                       # "triton"
+    precisions: tuple[str, ...]
+    constraints: tuple[Callable[[TrainingTarget], "str | None"], ...] = ()
+    # the shortest sequence (min of Sq, Skv) at which forward + backward beats torch SDPA (cuDNN), per (head dim,
+    # causal); shorter calls without a key-padding mask train with SDPA instead (measured, docs/benchmarks.md)
+    sdpa_faster_below: Mapping[tuple[int, bool], int] = field(default_factory=dict)
+
+    def why_not(self, t: TrainingTarget) -> str | None:
+        for c in self.constraints:
+            why = c(t)
+            if why:
+                return why
+        return None
+
+
+def _training_cc(t: TrainingTarget):
+    return None if t.cc >= (8, 0) else f"the SageBwd kernels need sm_80+ (device is sm_{t.cc[0]}{t.cc[1]})"
+
+
+def _training_triton(t: TrainingTarget):
+    return t.triton
+
+
+def _training_head_dim(t: TrainingTarget):
+    return None if t.head_dim in NATIVE_HEAD_DIMS else (
+        f"head_dim {t.head_dim}: the SageBwd kernels have head dims {NATIVE_HEAD_DIMS} only")
+
+
+IMPL_SAGEBWD = "triton-sagebwd"
+TRAINING_VARIANTS: tuple[TrainingVariant, ...] = (
+    # SageBwd in Triton (sm_80+: Triton emits wgmma on sm_90, mma.sync below): INT8 Q K^T, P~ V, P^T dO, dS^T Q,
+    # dS K; dO V^T in the input dtype.
+    # Speed routing measured on the H200 (B=4 H=32 bf16, forward + backward against cuDNN): 0.28-0.41x at N 2K-8K,
+    # D 64 and 128, causal or not (docs/benchmarks.md), so every length trains with SDPA by default.
+    TrainingVariant("sagebwd-triton", IMPL_SAGEBWD, "triton", ("8b",),
+                    (_training_cc, _training_triton, _training_head_dim),
+                    sdpa_faster_below={(d, c): math.inf for d in NATIVE_HEAD_DIMS for c in (False, True)}),
+)
+
+
+def select_training(t: TrainingTarget) -> tuple[TrainingVariant | None, str]:
+    """The training variant that serves `t` and "ok", or None and the reason none does."""
+    first = None
+    for v in TRAINING_VARIANTS:
+        why = v.why_not(t)
+        if why is None:
+            return v, "ok"
+        first = first or why
+    return None, first or "no trainable kernel"

@@ -1,0 +1,128 @@
+"""SageBwd on the GPU: the trainable 8b attention's forward and backward as Triton kernels (sm_80 and newer).
+
+    forward(q, k, v, ...)   -> out, lse, lse_s, q_int, q_scale, k_int, k_scale   (what the backward reads)
+    backward(dout, ...)     -> dq, dk, dv
+
+The numerics are `KERNEL_CONFIG`'s, simulated exactly by sage_patch.reference.sagebwd (the GPU tests compare the two):
+per-token INT8 scales for Q, the smoothed K and dO, P~ V in the input dtype, and the P / dS operands of the
+backward's INT8 products quantized per row or column of their tile after the other operand's scale is folded in
+(SageBwdConfig docstring). The tile sizes that set the numerics are the backward's block_q (dK/dV's query tile)
+and block_k (dQ's key tile); the others are free and chosen for speed (TILES).
+
+Layout (B, H, S, D) with any strides whose channel stride is 1; outputs are contiguous. Launches go to the current
+CUDA stream (Triton's default), with no host synchronization: CUDA graphs capture them. Triton is imported when a
+kernel first runs, so importing sage_patch never needs it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...reference.sagebwd import SageBwdConfig
+
+KERNEL_CONFIG = SageBwdConfig(groups="token", block_q=64, block_k=64, pv="input")
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+
+# Free tile sizes and launch settings per head dim: forward query rows, dK/dV keys, dQ query rows, warps, stages.
+TILES = {
+    64: dict(fwd_m=128, fwd_n=64, fwd_warps=4, dkdv_n=64, dkdv_warps=4, dq_m=64, dq_warps=4, stages=2),
+    128: dict(fwd_m=128, fwd_n=64, fwd_warps=8, dkdv_n=64, dkdv_warps=4, dq_m=64, dq_warps=4, stages=2),
+}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _channels_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _key_padding(mask: torch.Tensor | None, q: torch.Tensor):
+    """(uint8 (B, Skv) or a dummy, its batch stride, whether a mask is used)."""
+    if mask is None:
+        return q.new_empty(1, dtype=torch.uint8), 0, False
+    m = mask.to(torch.uint8)
+    return m, (0 if m.shape[0] == 1 else m.stride(0)), True
+
+
+def _quantize_tokens(x, out, out_strides, scale, *, mean=None, mean_group=1, dot=None, o=None, delta=None):
+    from .quant import quantize_tokens_kernel
+
+    b, h, s, d = x.shape
+    mode = 0 if mean is None else (2 if dot is not None else 1)
+    dummy = scale
+    block = 64
+    quantize_tokens_kernel[(_cdiv(s, block), b * h)](
+        x, x.stride(0), x.stride(1), x.stride(2), out, *out_strides, scale,
+        dummy if mean is None else mean, dummy if dot is None else dot,
+        x if o is None else o, *((0, 0, 0) if o is None else (o.stride(0), o.stride(1), o.stride(2))),
+        dummy if delta is None else delta, h, s, mean_group,
+        D=d, BLOCK_S=block, MEAN_MODE=mode, DELTA=o is not None)
+
+
+def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, smooth_k: bool = True):
+    """Training forward. q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D), fp16 or bf16; key_padding_mask None or bool
+    (B, Skv), True = attend. Returns (out (B, Hq, Sq, D) in q's dtype, lse fp32 (B, Hq, Sq), lse of the smoothed
+    scores, q_int int8 (B, Hq, Sq, D), q_scale fp32 (B, Hq, Sq), k_int int8 (B, Hkv, Skv, D), k_scale (B, Hkv, Skv))."""
+    from .fwd import forward_kernel
+
+    q, k, v = (_channels_contiguous(x) for x in (q, k, v))
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    cfg, t = KERNEL_CONFIG, TILES[d]
+    f32 = torch.float32
+    k_int = torch.empty(b, hkv, skv, d, dtype=torch.int8, device=q.device)
+    k_scale = torch.empty(b, hkv, skv, dtype=f32, device=q.device)
+    mean = k.mean(dim=2, dtype=f32).contiguous() if smooth_k else None          # (B, Hkv, D)
+    _quantize_tokens(k, k_int, (skv * d, d, 1), k_scale, mean=mean)
+    q_int = torch.empty(b, hq, sq, d, dtype=torch.int8, device=q.device)
+    q_scale = torch.empty(b, hq, sq, dtype=f32, device=q.device)
+    qdot = torch.empty(b, hq, sq, dtype=f32, device=q.device) if smooth_k else q_scale
+    _quantize_tokens(q, q_int, (sq * d, d, 1), q_scale, mean=mean, mean_group=hq // hkv,
+                     dot=qdot if smooth_k else None)
+    out = torch.empty(b, hq, sq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, sq, dtype=f32, device=q.device)
+    lse_s = torch.empty_like(lse)
+    kpm, skpm, has_kpm = _key_padding(key_padding_mask, q)
+    forward_kernel[(_cdiv(sq, t["fwd_m"]), b * hq)](
+        q_int, q_scale, qdot, k_int, k_scale, v, v.stride(0), v.stride(1), v.stride(2), out, out.stride(0), out.stride(1), out.stride(2),
+        lse, lse_s, kpm, skpm, hq, hkv, sq, skv, float(scale),
+        D=d, BLOCK_M=t["fwd_m"], BLOCK_N=t["fwd_n"], CAUSAL=bool(is_causal), KEY_PADDING=has_kpm,
+        SMOOTH_K=bool(smooth_k), num_warps=t["fwd_warps"], num_stages=t["stages"])
+    return out, lse, lse_s, q_int, q_scale, k_int, k_scale
+
+
+def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: bool, scale: float,
+             key_padding_mask=None):
+    """Backward from what `forward` returned. dout (B, Hq, Sq, D) (cast to v's dtype, as autograd may hand it in
+    another). Returns (dq, dk, dv) in v's dtype, contiguous."""
+    from .bwd import dkdv_kernel, dq_kernel
+
+    dout = _channels_contiguous(dout.to(v.dtype))
+    v, out = _channels_contiguous(v), _channels_contiguous(out)
+    b, hq, sq, d = q_int.shape
+    hkv, skv = k_int.shape[1], k_int.shape[2]
+    cfg, t = KERNEL_CONFIG, TILES[d]
+    f32 = torch.float32
+    do_t = torch.empty(b, hq, d, sq, dtype=torch.int8, device=v.device)
+    do_scale = torch.empty(b, hq, sq, dtype=f32, device=v.device)
+    delta = torch.empty(b, hq, sq, dtype=f32, device=v.device)
+    _quantize_tokens(dout, do_t, (d * sq, 1, sq), do_scale, o=out, delta=delta)
+    q_t = q_int.transpose(2, 3).contiguous()   # the K-major operands of dS^T Q^ and dS K^
+    k_t = k_int.transpose(2, 3).contiguous()
+    kpm, skpm, has_kpm = _key_padding(key_padding_mask, v)
+    dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
+    dv = torch.empty_like(dk)
+    dkdv_kernel[(_cdiv(skv, t["dkdv_n"]), b * hkv)](
+        q_int, q_t, q_scale, k_int, k_scale, v, v.stride(0), v.stride(1), v.stride(2),
+        dout, dout.stride(0), dout.stride(1), dout.stride(2), do_t, do_scale, lse_s, delta, dk, dv, kpm, skpm,
+        hq, hkv, sq, skv, float(scale), D=d, BLOCK_M=cfg.block_q, BLOCK_N=t["dkdv_n"], CAUSAL=bool(is_causal),
+        KEY_PADDING=has_kpm, num_warps=t["dkdv_warps"], num_stages=t["stages"])
+    dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)
+    dq_kernel[(_cdiv(sq, t["dq_m"]), b * hq)](
+        q_int, q_scale, k_int, k_t, k_scale, v, v.stride(0), v.stride(1), v.stride(2),
+        dout, dout.stride(0), dout.stride(1), dout.stride(2), lse_s, delta, dq, kpm, skpm,
+        hq, hkv, sq, skv, float(scale), D=d, BLOCK_M=t["dq_m"], BLOCK_N=cfg.block_k, CAUSAL=bool(is_causal),
+        KEY_PADDING=has_kpm, num_warps=t["dq_warps"], num_stages=t["stages"])
+    return dq, dk, dv

@@ -1,0 +1,84 @@
+"""SageBwd training forward (Triton): INT8 Q K^T, an fp32 online softmax, and P~ V in the input dtype (fp32
+accumulation); writes O, the LSE the caller sees and the LSE of the smoothed scores the backward recomputes P from.
+
+P~ V stays 16-bit because the forward's error reaches every gradient through Delta = rowsum(dO o O) (the reference
+SageBwdConfig.pv explains the measurement). One program per (BLOCK_M query rows, batch x query head) walks the key
+tiles of BLOCK_N keys. Scores are kept in the log2 domain (exp2, with log2(e) folded into the softmax scale).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) bool: query offs_m sees key offs_n (in range, bottom-right causal, key padding)."""
+    ok = (offs_n < Skv)[None, :] & (offs_m < Sq)[:, None]
+    if CAUSAL:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None] + (Skv - Sq))
+    if KEY_PADDING:
+        keep = tl.load(kpm_ptr + b * skpm + offs_n, mask=offs_n < Skv, other=0)
+        ok = ok & (keep != 0)[None, :]
+    return ok
+
+
+@triton.jit
+def forward_kernel(
+    q_ptr, qs_ptr, qdot_ptr,         # Q^ int8 (B, Hq, Sq, D) contiguous, scales (B, Hq, Sq), q . mean(K) (B, Hq, Sq)
+    k_ptr, ks_ptr,                   # K^ int8 (B, Hkv, Skv, D) contiguous, scales (B, Hkv, Skv)
+    v_ptr, svb, svh, svs,            # V (B, Hkv, Skv, D) in the input dtype, channel stride 1
+    o_ptr, sob, soh, sos,            # O (B, Hq, Sq, D), channel stride 1
+    lse_ptr, lse_s_ptr,              # fp32 (B, Hq, Sq): LSE of the scores, of the smoothed scores
+    kpm_ptr, skpm,                   # key padding (B, Skv) uint8, 1 = attend (KEY_PADDING)
+    Hq, Hkv, Sq, Skv, sm_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr, SMOOTH_K: tl.constexpr,
+):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // Hq, bh % Hq
+    hkv = h // (Hq // Hkv)
+    bkv = b * Hkv + hkv
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    rows = offs_m < Sq
+    q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=rows[:, None], other=0)
+    qs = tl.load(qs_ptr + bh * Sq + offs_m, mask=rows, other=0.0) * (sm_scale * LOG2E)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    hi = Skv
+    if CAUSAL:
+        hi = tl.minimum(Skv, tl.maximum(pid_m * BLOCK_M + BLOCK_M + Skv - Sq, 0))
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        cols = offs_n < Skv
+        k = tl.load(k_ptr + (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :], mask=cols[:, None], other=0)
+        ks = tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * qs[:, None] * ks[None, :]
+        ok = visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING)
+        s = tl.where(ok, s, float("-inf"))
+        rowmax = tl.max(s, axis=1)
+        m_new = tl.maximum(m, rowmax)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + b * svb + hkv * svh + offs_n[:, None] * svs + offs_d[None, :], mask=cols[:, None],
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    nonempty = l != 0.0
+    l_safe = tl.where(nonempty, l, 1.0)
+    out = tl.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
+    tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=rows[:, None])
+    lse_s = tl.where(nonempty, (m + tl.log2(l_safe)) * LN2, float("-inf"))
+    tl.store(lse_s_ptr + bh * Sq + offs_m, lse_s, mask=rows)
+    lse = lse_s
+    if SMOOTH_K:  # softmax ignores the row shift tau q_i . mean(K); the LSE the caller sees does not
+        lse = lse_s + tl.load(qdot_ptr + bh * Sq + offs_m, mask=rows, other=0.0) * sm_scale
+    tl.store(lse_ptr + bh * Sq + offs_m, lse, mask=rows)

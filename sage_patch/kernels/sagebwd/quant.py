@@ -1,0 +1,52 @@
+"""SageBwd's quantization passes (Triton): the INT8 operands and scales the forward and backward kernels read.
+
+Every scale is one per token (Q, the smoothed K, dO); what each kernel's products need from them is in fwd.py and
+bwd.py, and the numerics are those of sage_patch.reference.sagebwd with SageBwdConfig(groups="token", pv="input").
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# round half to even for |x| < 2**22: adding 1.5 * 2**23 leaves no fraction bits (IEEE add rounds to nearest even)
+ROUND_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def rint(x):
+    return (x + ROUND_MAGIC) - ROUND_MAGIC
+
+
+@triton.jit
+def quantize_tokens_kernel(
+    x_ptr, sxb, sxh, sxs,            # input (B, H, S, D), channel stride 1
+    xq_ptr, qsh, qss, qsd,           # INT8 output, one head's offset qsh, token stride qss, channel stride qsd
+    scale_ptr,                       # fp32 (B, H, S) contiguous
+    mean_ptr, dot_ptr,               # fp32 (B, H_mean, D) and (B, H, S) (MEAN_MODE 1: subtract, 2: dot)
+    o_ptr, sob, soh, sos, delta_ptr, # DELTA: O (B, H, S, D) strides and fp32 (B, H, S) output rowsum(x o O)
+    H, S, MEAN_GROUP,                # MEAN_GROUP: heads of x per head of mean (GQA)
+    D: tl.constexpr, BLOCK_S: tl.constexpr, MEAN_MODE: tl.constexpr, DELTA: tl.constexpr,
+):
+    """One scale per token: s = max_d |x| / 127, x^ = rint(x / s) (0 where s = 0)."""
+    pid_s, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    rows = offs_s < S
+    x = tl.load(x_ptr + b * sxb + h * sxh + offs_s[:, None] * sxs + offs_d[None, :], mask=rows[:, None],
+                other=0.0).to(tl.float32)
+    if MEAN_MODE != 0:
+        mean = tl.load(mean_ptr + (b * (H // MEAN_GROUP) + h // MEAN_GROUP) * D + offs_d)
+        if MEAN_MODE == 1:
+            x = x - mean[None, :]
+        else:
+            tl.store(dot_ptr + bh * S + offs_s, tl.sum(x * mean[None, :], axis=1), mask=rows)
+    if DELTA:
+        o = tl.load(o_ptr + b * sob + h * soh + offs_s[:, None] * sos + offs_d[None, :], mask=rows[:, None],
+                    other=0.0).to(tl.float32)
+        tl.store(delta_ptr + bh * S + offs_s, tl.sum(x * o, axis=1), mask=rows)
+    amax = tl.max(tl.abs(x), axis=1)
+    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    xq = rint(x * inv[:, None]).to(tl.int8)
+    tl.store(scale_ptr + bh * S + offs_s, amax / 127.0, mask=rows)
+    tl.store(xq_ptr + bh * qsh + offs_s[:, None] * qss + offs_d[None, :] * qsd, xq, mask=rows[:, None])
