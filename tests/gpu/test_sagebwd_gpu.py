@@ -63,6 +63,10 @@ def test_kernels_match_the_simulation_of_their_numerics(case, dtype):
     mask = _key_padding(b, skv) if kp else None
     (out, lse, lse_s, qi, qs, ki, ks), (dq, dk, dv) = _kernel(q, k, v, dout, causal, mask)
     cfg = sagebwd.KERNEL_CONFIG
+    # the simulation runs on the CPU: IEEE fp32 matmuls (a GPU may run fp32 matmuls in TF32)
+    q, k, v, dout, out, lse, lse_s, qi, qs, ki, ks, dq, dk, dv = (
+        x.cpu() for x in (q, k, v, dout, out, lse, lse_s, qi, qs, ki, ks, dq, dk, dv))
+    mask = None if mask is None else mask.cpu()
     r_out, r_lse, saved = sagebwd_forward(q, k, v, is_causal=causal, attn_mask=mask, config=cfg)
     # forward: the quantized operands are the simulation's (a rounding tie may land one step apart), O and LSE agree
     assert (qi.int() - saved.q_int.int()).abs().max().item() <= 1
