@@ -8,6 +8,7 @@ import torch
 
 import sage_patch
 from sage_patch.accuracy import cosine
+from sage_patch.trainable import sagebwd_attention
 from sage_patch.reference.sagebwd import sagebwd_backward, sagebwd_forward
 from sage_patch.report import GLOBAL_STATS
 from tests.conftest import structured_qkv
@@ -72,9 +73,21 @@ def test_kernels_match_the_simulation_of_their_numerics(case, dtype):
     assert (qi.int() - saved.q_int.int()).abs().max().item() <= 1
     assert (ki.int() - saved.k_int.int()).abs().max().item() <= 1
     assert rel_l1(out, r_out.to(dtype)) <= 1e-3
+    # LSE: exactly the log-sum-exp of the kernel's own dequantized scores (a K^ entry one rounding step from the
+    # simulation's, the K mean being summed in another order, moves a whole row's LSE), plus tau q . mean(K)
     fin = torch.isfinite(r_lse)
-    assert torch.equal(fin, torch.isfinite(lse))
-    assert (lse[fin] - r_lse[fin]).abs().max().item() <= 1e-3
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.equal(fin, torch.isfinite(lse_s))
+    g = hq // hkv
+    scores = (qi.double() * qs.double()[..., None]) @ (ki.double() * ks.double()[..., None]).repeat_interleave(
+        g, 1).transpose(-1, -2) / math.sqrt(d)
+    from sage_patch.masks import combined_bool_mask
+    vis = combined_bool_mask(mask, causal, sq, skv, scores.device)
+    if vis is not None:
+        scores = scores.masked_fill(~vis, -math.inf)
+    exact = torch.logsumexp(scores, dim=-1)
+    assert (lse_s[fin].double() - exact[fin]).abs().max().item() <= 2e-4
+    shift = (q.double() @ k.double().mean(2, keepdim=True).repeat_interleave(g, 1).transpose(-1, -2)).squeeze(-1)
+    assert ((lse - lse_s)[fin].double() - shift[fin] / math.sqrt(d)).abs().max().item() <= 2e-4
     # backward from the same saved operands, and end to end
     same = saved._replace(q_int=qi, q_scale=qs, k_int=ki, k_scale=ks, out=out, lse=lse_s)
     for ours, ref in zip((dq, dk, dv), sagebwd_backward(dout, same)):
@@ -101,7 +114,7 @@ def test_gradients_against_float64(n, d, causal):
         pytest.skip("one head dim at 16K keeps the float64 reference's time down")
     q, k, v, dout = _inputs(1, 2, 2, n, n, d, torch.bfloat16, seed=3)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    out = sage_patch.trainable.sagebwd_attention(qg, kg, vg, is_causal=causal, scale=None, attn_mask=None)
+    out = sagebwd_attention(qg, kg, vg, is_causal=causal, scale=None, attn_mask=None)
     out.backward(dout)
     ref = _float64_grads(q, k, v, dout, causal)
     cos = {n_: cosine(a.float(), b.float()) for n_, a, b in zip(("O", "dQ", "dK", "dV"), (out, qg.grad, kg.grad,
@@ -147,7 +160,7 @@ def test_public_call_routes_to_the_kernel_in_both_layouts():
     grads = {}
     for layout in ("bhsd", "bshd"):
         t = (lambda x: x.transpose(1, 2).contiguous()) if layout == "bshd" else (lambda x: x)
-        qg, kg, vg = (t(x).requires_grad_() for x in (q, k, v))
+        qg, kg, vg = (t(x).detach().requires_grad_() for x in (q, k, v))
         out = sage_patch.attention(qg, kg, vg, layout=layout, is_causal=True, precision="8b")
         out.backward(t(dout))
         back = (lambda x: x.transpose(1, 2)) if layout == "bshd" else (lambda x: x)
@@ -164,7 +177,7 @@ def test_cuda_graph_capture_of_forward_and_backward():
     def step():
         for x in (qg, kg, vg):
             x.grad = None
-        out = sage_patch.trainable.sagebwd_attention(qg, kg, vg, is_causal=True, scale=None, attn_mask=None)
+        out = sagebwd_attention(qg, kg, vg, is_causal=True, scale=None, attn_mask=None)
         out.backward(dout)
         return out
 
@@ -179,7 +192,7 @@ def test_cuda_graph_capture_of_forward_and_backward():
     for x in (qg, kg, vg):
         x.grad = None
     with torch.cuda.graph(graph):
-        out = sage_patch.trainable.sagebwd_attention(qg, kg, vg, is_causal=True, scale=None, attn_mask=None)
+        out = sagebwd_attention(qg, kg, vg, is_causal=True, scale=None, attn_mask=None)
         out.backward(dout)
     graph.replay()
     torch.cuda.synchronize()
