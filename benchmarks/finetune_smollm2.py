@@ -35,6 +35,8 @@ import time
 
 import torch
 
+from sage_patch.reference.sagebwd import DEFAULT_SAGEBWD_CONFIG
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_transformers import impl_counts, reset_stats  # noqa: E402  (summed over a model's report)
 from timing import run_meta  # noqa: E402
@@ -366,7 +368,8 @@ def main(argv=None) -> dict:
         runs.append(train_run(name, attn, seed, args, text))
     what = ("CPU, float32. full: attn_implementation='sdpa' (torch SDPA). sage: attn_implementation='sage', default "
             "policy; training calls run the trainable 8b = the reference simulation of SageBwd on CPU "
-            f"(impl {TRAIN_IMPL}); no GPU kernel. LoRA r={args.lora_r} on {','.join(LORA_TARGETS)}, AdamW "
+            f"(impl {TRAIN_IMPL}) with the numerics {DEFAULT_SAGEBWD_CONFIG}. LoRA r={args.lora_r} on "
+            f"{','.join(LORA_TARGETS)}, AdamW "
             f"lr={args.lr}, {args.steps} steps x {args.batch} x {args.seq} tokens")
     command = " ".join(["benchmarks/finetune_smollm2.py", *(sys.argv[1:] if argv is None else argv)])
     meta = run_meta(command=command, machine=f"CPU ({os.cpu_count()} cores)", torch_threads=torch.get_num_threads(),
