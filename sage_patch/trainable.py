@@ -16,7 +16,11 @@ from typing import Optional, Tuple
 
 import torch
 
+from .kernels.sagebwd import KERNEL_LAYOUT
 from .reference.sagebwd import DEFAULT_SAGEBWD_CONFIG, SageBwdConfig, SageBwdSaved, sagebwd_backward, sagebwd_forward
+
+# What the GPU kernels compute, as the simulation's config (the CPU default is the same: tests/test_training.py)
+KERNEL_CONFIG = SageBwdConfig(**KERNEL_LAYOUT)
 
 DOUBLE_BACKWARD_ERROR = (
     "sage_patch: double backward (a gradient of a gradient, e.g. create_graph=True followed by a second backward) "
@@ -113,12 +117,10 @@ def sagebwd_attention(q, k, v, *, is_causal: bool, scale, attn_mask, config: Sag
                       kernel: bool | None = None):
     """Trainable 8b attention, (B, H, S, D) layout: the output (q's dtype) of sage_patch::sagebwd_fwd, differentiable
     through sage_patch::sagebwd_bwd. attn_mask: None or bool, (B, Skv) key padding or broadcastable 4-D (the kernel:
-    key padding only). kernel: the GPU kernels (numerics: sage_patch.kernels.sagebwd.KERNEL_CONFIG; `config` must be
+    key padding only). kernel: the GPU kernels (numerics: KERNEL_CONFIG; `config` must be
     None or that) or the reference simulation; None = the kernels for CUDA tensors."""
     kernel = q.is_cuda if kernel is None else bool(kernel)
     if kernel:
-        from .kernels.sagebwd import KERNEL_CONFIG
-
         if config not in (None, KERNEL_CONFIG):
             raise ValueError(f"config={config!r}: the SageBwd kernels compute {KERNEL_CONFIG!r} only (kernel=False "
                              f"runs the reference simulation of any config)")

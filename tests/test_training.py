@@ -277,3 +277,10 @@ def test_policy_training_key_keeps_inference_and_training_apart():
             assert st["impl"].get(train_impl) == 1, (policy, st)
             if infer_impl is not None:  # a full layer without a gradient runs the caller's own SDPA (not counted)
                 assert st["impl"].get(infer_impl) == 1, (policy, st)
+
+
+def test_the_cpu_default_numerics_are_the_gpu_kernels():
+    from sage_patch.reference.sagebwd import DEFAULT_SAGEBWD_CONFIG
+    from sage_patch.trainable import KERNEL_CONFIG
+
+    assert KERNEL_CONFIG == DEFAULT_SAGEBWD_CONFIG

@@ -8,7 +8,7 @@ import torch
 
 import sage_patch
 from sage_patch.accuracy import cosine
-from sage_patch.trainable import sagebwd_attention
+from sage_patch.trainable import KERNEL_CONFIG, sagebwd_attention
 from sage_patch.reference.sagebwd import sagebwd_backward, sagebwd_forward
 from sage_patch.report import GLOBAL_STATS
 from tests.conftest import structured_qkv
@@ -63,7 +63,7 @@ def test_kernels_match_the_simulation_of_their_numerics(case, dtype):
     q, k, v, dout = _inputs(b, hq, hkv, sq, skv, d, dtype)
     mask = _key_padding(b, skv) if kp else None
     (out, lse, lse_s, qi, qs, ki, ks), (dq, dk, dv) = _kernel(q, k, v, dout, causal, mask)
-    cfg = sagebwd.KERNEL_CONFIG
+    cfg = KERNEL_CONFIG
     # the simulation runs on the CPU: IEEE fp32 matmuls (a GPU may run fp32 matmuls in TF32)
     q, k, v, dout, out, lse, lse_s, qi, qs, ki, ks, dq, dk, dv = (
         x.cpu() for x in (q, k, v, dout, out, lse, lse_s, qi, qs, ki, ks, dq, dk, dv))

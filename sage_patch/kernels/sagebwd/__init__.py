@@ -3,7 +3,8 @@
     forward(q, k, v, ...)   -> out, lse, lse_s, q_int, q_scale, k_int, k_scale   (what the backward reads)
     backward(dout, ...)     -> dq, dk, dv
 
-The numerics are `KERNEL_CONFIG`'s, simulated exactly by sage_patch.reference.sagebwd (the GPU tests compare the two):
+The numerics are `KERNEL_LAYOUT`, data that sage_patch.reference.sagebwd.SageBwdConfig takes (`SageBwdConfig(**
+KERNEL_LAYOUT)`, sage_patch.trainable.KERNEL_CONFIG) to simulate them exactly (the GPU tests compare the two):
 per-token INT8 scales for Q, the smoothed K and dO, P~ V in the input dtype, and the P / dS operands of the
 backward's INT8 products quantized per row or column of their tile after the other operand's scale is folded in
 (SageBwdConfig docstring). The tile sizes that set the numerics are the backward's block_q (dK/dV's query tile)
@@ -17,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ...reference.sagebwd import SageBwdConfig
-
-KERNEL_CONFIG = SageBwdConfig(groups="token", block_q=64, block_k=64, pv="input")
+# SageBwdConfig's fields (the kernels describe their numerics as data; the reference layer interprets them)
+KERNEL_LAYOUT = {"groups": "token", "block_q": 64, "block_k": 64, "pv": "input", "smooth_k": True, "dp": "input"}
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -70,7 +70,7 @@ def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, sm
     q, k, v = (_channels_contiguous(x) for x in (q, k, v))
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
-    cfg, t = KERNEL_CONFIG, TILES[d]
+    t = TILES[d]
     f32 = torch.float32
     k_int = torch.empty(b, hkv, skv, d, dtype=torch.int8, device=q.device)
     k_scale = torch.empty(b, hkv, skv, dtype=f32, device=q.device)
@@ -103,7 +103,7 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     v, out = _channels_contiguous(v), _channels_contiguous(out)
     b, hq, sq, d = q_int.shape
     hkv, skv = k_int.shape[1], k_int.shape[2]
-    cfg, t = KERNEL_CONFIG, TILES[d]
+    t = TILES[d]
     f32 = torch.float32
     do_t = torch.empty(b, hq, d, sq, dtype=torch.int8, device=v.device)
     do_scale = torch.empty(b, hq, sq, dtype=f32, device=v.device)
@@ -117,12 +117,12 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     dkdv_kernel[(_cdiv(skv, t["dkdv_n"]), b * hkv)](
         q_int, q_t, q_scale, k_int, k_scale, v, v.stride(0), v.stride(1), v.stride(2),
         dout, dout.stride(0), dout.stride(1), dout.stride(2), do_t, do_scale, lse_s, delta, dk, dv, kpm, skpm,
-        hq, hkv, sq, skv, float(scale), D=d, BLOCK_M=cfg.block_q, BLOCK_N=t["dkdv_n"], CAUSAL=bool(is_causal),
+        hq, hkv, sq, skv, float(scale), D=d, BLOCK_M=KERNEL_LAYOUT["block_q"], BLOCK_N=t["dkdv_n"], CAUSAL=bool(is_causal),
         KEY_PADDING=has_kpm, num_warps=t["dkdv_warps"], num_stages=t["stages"])
     dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)
     dq_kernel[(_cdiv(sq, t["dq_m"]), b * hq)](
         q_int, q_scale, k_int, k_t, k_scale, v, v.stride(0), v.stride(1), v.stride(2),
         dout, dout.stride(0), dout.stride(1), dout.stride(2), lse_s, delta, dq, kpm, skpm,
-        hq, hkv, sq, skv, float(scale), D=d, BLOCK_M=t["dq_m"], BLOCK_N=cfg.block_k, CAUSAL=bool(is_causal),
+        hq, hkv, sq, skv, float(scale), D=d, BLOCK_M=t["dq_m"], BLOCK_N=KERNEL_LAYOUT["block_k"], CAUSAL=bool(is_causal),
         KEY_PADDING=has_kpm, num_warps=t["dq_warps"], num_stages=t["stages"])
     return dq, dk, dv
