@@ -23,10 +23,14 @@ KERNEL_LAYOUT = {"groups": "token", "block_q": 64, "block_k": 64, "pv": "input",
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 
-# Free tile sizes and launch settings per head dim: forward query rows, dK/dV keys, dQ query rows, warps, stages.
+# Free tile sizes and launch settings per head dim (measured on the H200, docs/design/tried_and_rejected.md): forward
+# query rows, keys, warps and pipeline stages; dK/dV keys and warps, and whether dK and dV share one launch
+# (dkdv_fused) or take one each; dQ query rows and warps; the backward's pipeline stages.
 TILES = {
-    64: dict(fwd_m=128, fwd_n=64, fwd_warps=4, dkdv_n=64, dkdv_warps=4, dq_m=64, dq_warps=4, stages=2),
-    128: dict(fwd_m=128, fwd_n=64, fwd_warps=8, dkdv_n=64, dkdv_warps=4, dq_m=64, dq_warps=4, stages=2),
+    64: dict(fwd_m=128, fwd_n=64, fwd_warps=4, fwd_stages=2, dkdv_n=64, dkdv_warps=4, dkdv_fused=True, dq_m=64,
+             dq_warps=4, bwd_stages=2),
+    128: dict(fwd_m=128, fwd_n=64, fwd_warps=8, fwd_stages=3, dkdv_n=64, dkdv_warps=4, dkdv_fused=False, dq_m=64,
+              dq_warps=4, bwd_stages=2),
 }
 
 
@@ -89,7 +93,7 @@ def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, sm
         q_int, q_scale, qdot, k_int, k_scale, v, v.stride(0), v.stride(1), v.stride(2), out, out.stride(0), out.stride(1), out.stride(2),
         lse, lse_s, kpm, skpm, hq, hkv, sq, skv, float(scale),
         D=d, BLOCK_M=t["fwd_m"], BLOCK_N=t["fwd_n"], CAUSAL=bool(is_causal), KEY_PADDING=has_kpm,
-        SMOOTH_K=bool(smooth_k), num_warps=t["fwd_warps"], num_stages=t["stages"])
+        SMOOTH_K=bool(smooth_k), num_warps=t["fwd_warps"], num_stages=t["fwd_stages"])
     return out, lse, lse_s, q_int, q_scale, k_int, k_scale
 
 
@@ -109,20 +113,25 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     do_scale = torch.empty(b, hq, sq, dtype=f32, device=v.device)
     delta = torch.empty(b, hq, sq, dtype=f32, device=v.device)
     _quantize_tokens(dout, do_t, (d * sq, 1, sq), do_scale, o=out, delta=delta)
-    q_t = q_int.transpose(2, 3).contiguous()   # the K-major operands of dS^T Q^ and dS K^
-    k_t = k_int.transpose(2, 3).contiguous()
+    q_t = q_int.transpose(2, 3).contiguous()   # the K-major operand of dS^T Q^
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, v)
+    flags = dict(D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
+                 num_warps=t["dkdv_warps"], BLOCK_M=KERNEL_LAYOUT["block_q"], BLOCK_N=t["dkdv_n"])
+    sizes = (hq, hkv, sq, skv, float(scale))
     dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
     dv = torch.empty_like(dk)
-    dkdv_kernel[(_cdiv(skv, t["dkdv_n"]), b * hkv)](
-        q_int, q_t, q_scale, k_int, k_scale, v, v.stride(0), v.stride(1), v.stride(2),
-        dout, dout.stride(0), dout.stride(1), dout.stride(2), do_t, do_scale, lse_s, delta, dk, dv, kpm, skpm,
-        hq, hkv, sq, skv, float(scale), D=d, BLOCK_M=KERNEL_LAYOUT["block_q"], BLOCK_N=t["dkdv_n"], CAUSAL=bool(is_causal),
-        KEY_PADDING=has_kpm, num_warps=t["dkdv_warps"], num_stages=t["stages"])
+    args = (q_int, q_t, q_scale, k_int, k_scale, v, v.stride(0), v.stride(1), v.stride(2),
+            dout, dout.stride(0), dout.stride(1), dout.stride(2), do_t, do_scale, lse_s, delta, dk, dv, kpm, skpm,
+            *sizes)
+    grid = (_cdiv(skv, t["dkdv_n"]), b * hkv)
+    for parts in ((True, True),) if t["dkdv_fused"] else ((False, True), (True, False)):
+        dkdv_kernel[grid](*args, DK=parts[0], DV=parts[1], **flags)
+    del do_t, q_t  # the transposed INT8 operands are not needed by dQ: freed before K^T is made
+    k_t = k_int.transpose(2, 3).contiguous()   # the K-major operand of dS K^
     dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)
     dq_kernel[(_cdiv(sq, t["dq_m"]), b * hq)](
         q_int, q_scale, k_int, k_t, k_scale, v, v.stride(0), v.stride(1), v.stride(2),
-        dout, dout.stride(0), dout.stride(1), dout.stride(2), lse_s, delta, dq, kpm, skpm,
-        hq, hkv, sq, skv, float(scale), D=d, BLOCK_M=t["dq_m"], BLOCK_N=KERNEL_LAYOUT["block_k"], CAUSAL=bool(is_causal),
-        KEY_PADDING=has_kpm, num_warps=t["dq_warps"], num_stages=t["stages"])
+        dout, dout.stride(0), dout.stride(1), dout.stride(2), lse_s, delta, dq, kpm, skpm, *sizes,
+        D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"], num_warps=t["dq_warps"],
+        BLOCK_M=t["dq_m"], BLOCK_N=KERNEL_LAYOUT["block_k"])
     return dq, dk, dv

@@ -1,8 +1,7 @@
-"""SageBwd backward (Triton): dK and dV in one kernel, dQ in another, both recomputing P = exp(S - L) from the
-saved INT8 Q^, K^ and their scales. No atomics: each output tile is written by one program, so the result is
-deterministic.
+"""SageBwd backward (Triton): dK/dV and dQ kernels, each recomputing P = exp(S - L) from the saved INT8 Q^, K^ and
+their scales. No atomics: each output tile is written by one program, so the result is deterministic.
 
-dkdv_kernel: one program per (BLOCK_N keys, batch x KV head); it walks the query heads of its GQA group and their
+dkdv_kernel: one program per (BLOCK_N keys, batch x KV head), walking the query heads of its GQA group and their
 query tiles of BLOCK_M rows (the numerics' block_q), so dK and dV are summed over the group in registers.
   dV_j += sum_i P_ij dO_i      as INT8: (P s_dO) per key column of the tile, dO^ per token
   dP    = dO V^T               in the input dtype (fp32 accumulation): quantizing it costs dQ most of its accuracy
@@ -12,26 +11,59 @@ dq_kernel: one program per (BLOCK_M query rows, batch x query head), walking key
   dQ_i += sum_j dS_ij K_j      as INT8: (dS s_K) per query row of the tile, K^ per token
 Each operand's scale that varies along a product's reduction is folded into the other operand before that one is
 quantized, so every scale factors out of the exact int32 product.
+
+Why half-width accumulators and a dK/dV kernel that can run as two launches: an INT8 product's int32 result is
+rescaled before it is added to its fp32 accumulator, so each product needs a temporary as large as its share of the
+accumulator. At D=128, dK and dV in one launch (K^ and V held for the whole loop) left ptxas at 255 registers with
+2.7 KB of spills per thread; one launch each, with every accumulator kept as two D/2-wide halves, is faster there.
+At D=64 one launch for both is faster (docs/design/kernels.md).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .fwd import LOG2E, visible
+from .fwd import LOG2E, scores, visible
 from .quant import rint
 
 
 @triton.jit
-def quantize_rows_of(x, axis: tl.constexpr):
-    """INT8 with one scale per slice along `axis` reduced (axis=1: per row, axis=0: per column): (x^, scale)."""
-    amax = tl.max(tl.abs(x), axis=axis)
+def quantize_rows_of(x):
+    """INT8 with one scale per row of x: (x^, scale)."""
+    amax = tl.max(tl.abs(x), axis=1)
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-    if axis == 1:
-        xq = rint(x * inv[:, None]).to(tl.int8)
-    else:
-        xq = rint(x * inv[None, :]).to(tl.int8)
-    return xq, amax / 127.0
+    return rint(x * inv[:, None]).to(tl.int8), amax / 127.0
+
+
+@triton.jit
+def half_product(a8, bt_ptr, row0, stride, offs_h, offs_c, cols):
+    """a8 (R, C) INT8 times B (C, D/2) where B^T is stored row-major at bt_ptr (rows row0 + offs_h, columns offs_c,
+    row stride `stride`): the int32 product as fp32 (R, D/2)."""
+    bt = tl.load(bt_ptr + (row0 + offs_h[:, None]) * stride + offs_c[None, :], mask=cols[None, :], other=0)
+    return tl.dot(a8, tl.trans(bt), out_dtype=tl.int32).to(tl.float32)
+
+
+@triton.jit
+def probs_t(k, ks, q_ptr, qs_ptr, lse_ptr, bh, b, offs_m, offs_n, offs_d, rows, Sq, Skv, kpm_ptr, skpm,
+            D: tl.constexpr, CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr):
+    """P^T (BLOCK_N, BLOCK_M) of one query tile from the saved operands (ks carries tau log2(e)), and Q's scales."""
+    q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=rows[:, None], other=0)
+    qs = tl.load(qs_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
+    # +inf for rows past Sq makes their P exactly 0; an empty row's scores are all -inf (P = 0 too)
+    lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=rows, other=float("inf")) * LOG2E
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    st = scores(k, ks, q, qs)
+    ok = tl.trans(visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING))
+    return tl.where(ok, tl.exp2(st - lse[None, :]), 0.0), qs
+
+
+@triton.jit
+def first_query_tile(pid_n, Sq, Skv, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Query i sees key j when j <= i + Skv - Sq: the first tile with a row at or past n0 - (Skv - Sq)."""
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(pid_n * BLOCK_N - (Skv - Sq), 0) // BLOCK_M * BLOCK_M
+    return lo
 
 
 @triton.jit
@@ -46,51 +78,55 @@ def dkdv_kernel(
     kpm_ptr, skpm,
     Hq, Hkv, Sq, Skv, sm_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr,
+    CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
 ):
+    """dK (DK) and / or dV (DV) of BLOCK_N keys: one launch with both, or one launch for each, which holds half the
+    accumulators (TILES in __init__ chooses per head dim)."""
     pid_n, bkv = tl.program_id(0), tl.program_id(1)
     b, hkv = bkv // Hkv, bkv % Hkv
     group = Hq // Hkv
+    HALF: tl.constexpr = D // 2
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
+    offs_h = tl.arange(0, HALF)
     cols = offs_n < Skv
     k = tl.load(k_ptr + (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :], mask=cols[:, None], other=0)
     ks = tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0) * (sm_scale * LOG2E)
-    v = tl.load(v_ptr + b * svb + hkv * svh + offs_n[:, None] * svs + offs_d[None, :], mask=cols[:, None], other=0.0)
-    dk = tl.zeros((BLOCK_N, D), tl.float32)
-    dv = tl.zeros((BLOCK_N, D), tl.float32)
-    lo = 0
-    if CAUSAL:  # query i sees key j when j <= i + Skv - Sq: the first tile with a row at or past n0 - (Skv - Sq)
-        lo = tl.maximum(pid_n * BLOCK_N - (Skv - Sq), 0) // BLOCK_M * BLOCK_M
+    if DK:
+        v = tl.load(v_ptr + b * svb + hkv * svh + offs_n[:, None] * svs + offs_d[None, :], mask=cols[:, None],
+                    other=0.0)
+    dk0 = tl.zeros((BLOCK_N, HALF), tl.float32)
+    dk1 = tl.zeros((BLOCK_N, HALF), tl.float32)
+    dv0 = tl.zeros((BLOCK_N, HALF), tl.float32)
+    dv1 = tl.zeros((BLOCK_N, HALF), tl.float32)
+    lo = first_query_tile(pid_n, Sq, Skv, BLOCK_M, BLOCK_N, CAUSAL)
     for g in range(0, group):
         bh = b * Hq + hkv * group + g
         for m0 in range(lo, Sq, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             rows = offs_m < Sq
-            q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=rows[:, None], other=0)
-            qs = tl.load(qs_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
-            # +inf for rows past Sq makes their P exactly 0; an empty row's scores are all -inf (P = 0 too)
-            lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=rows, other=float("inf")) * LOG2E
-            lse = tl.where(lse == float("-inf"), 0.0, lse)
-            st = tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32) * ks[:, None] * qs[None, :]
-            ok = tl.trans(visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING))
-            pt = tl.where(ok, tl.exp2(st - lse[None, :]), 0.0)                      # (BLOCK_N, BLOCK_M)
-            dos = tl.load(dos_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
-            p8, p_scale = quantize_rows_of(pt * dos[None, :], 1)
-            do8t = tl.load(dot_ptr + (bh * D + offs_d[:, None]) * Sq + offs_m[None, :], mask=rows[None, :],
-                           other=0)
-            dv += tl.dot(p8, tl.trans(do8t), out_dtype=tl.int32).to(tl.float32) * p_scale[:, None]
-            do = tl.load(do_ptr + b * sdob + (hkv * group + g) * sdoh + offs_m[:, None] * sdos + offs_d[None, :],
-                         mask=rows[:, None], other=0.0)
-            dpt = tl.dot(v, tl.trans(do))                                            # fp32 accumulation
-            delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
-            dst = pt * (dpt - delta[None, :])
-            ds8, ds_scale = quantize_rows_of(dst * qs[None, :], 1)
-            qt = tl.load(qt_ptr + (bh * D + offs_d[:, None]) * Sq + offs_m[None, :], mask=rows[None, :], other=0)
-            dk += tl.dot(ds8, tl.trans(qt), out_dtype=tl.int32).to(tl.float32) * ds_scale[:, None]
-    dst_off = (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :]
-    tl.store(dk_ptr + dst_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None])
-    tl.store(dv_ptr + dst_off, dv.to(dv_ptr.dtype.element_ty), mask=cols[:, None])
+            pt, qs = probs_t(k, ks, q_ptr, qs_ptr, lse_ptr, bh, b, offs_m, offs_n, offs_d, rows, Sq, Skv, kpm_ptr,
+                             skpm, D, CAUSAL, KEY_PADDING)
+            if DV:
+                dos = tl.load(dos_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
+                p8, p_scale = quantize_rows_of(pt * dos[None, :])
+                dv0 += half_product(p8, dot_ptr, bh * D, Sq, offs_h, offs_m, rows) * p_scale[:, None]
+                dv1 += half_product(p8, dot_ptr, bh * D + HALF, Sq, offs_h, offs_m, rows) * p_scale[:, None]
+            if DK:
+                do = tl.load(do_ptr + b * sdob + (hkv * group + g) * sdoh + offs_m[:, None] * sdos + offs_d[None, :],
+                             mask=rows[:, None], other=0.0)
+                dpt = tl.dot(v, tl.trans(do))                                        # fp32 accumulation
+                delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
+                ds8, ds_scale = quantize_rows_of(pt * (dpt - delta[None, :]) * qs[None, :])
+                dk0 += half_product(ds8, qt_ptr, bh * D, Sq, offs_h, offs_m, rows) * ds_scale[:, None]
+                dk1 += half_product(ds8, qt_ptr, bh * D + HALF, Sq, offs_h, offs_m, rows) * ds_scale[:, None]
+    out = (bkv * Skv + offs_n[:, None]) * D + offs_h[None, :]
+    if DV:
+        tl.store(dv_ptr + out, dv0.to(dv_ptr.dtype.element_ty), mask=cols[:, None])
+        tl.store(dv_ptr + out + HALF, dv1.to(dv_ptr.dtype.element_ty), mask=cols[:, None])
+    if DK:
+        tl.store(dk_ptr + out, (dk0 * sm_scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None])
+        tl.store(dk_ptr + out + HALF, (dk1 * sm_scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None])
 
 
 @triton.jit
@@ -110,8 +146,10 @@ def dq_kernel(
     b, h = bh // Hq, bh % Hq
     hkv = h // (Hq // Hkv)
     bkv = b * Hkv + hkv
+    HALF: tl.constexpr = D // 2
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
+    offs_h = tl.arange(0, HALF)
     rows = offs_m < Sq
     q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=rows[:, None], other=0)
     qs = tl.load(qs_ptr + bh * Sq + offs_m, mask=rows, other=0.0) * (sm_scale * LOG2E)
@@ -120,7 +158,8 @@ def dq_kernel(
     do = tl.load(do_ptr + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=rows[:, None],
                  other=0.0)
     delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
-    dq = tl.zeros((BLOCK_M, D), tl.float32)
+    dq0 = tl.zeros((BLOCK_M, HALF), tl.float32)
+    dq1 = tl.zeros((BLOCK_M, HALF), tl.float32)
     hi = Skv
     if CAUSAL:
         hi = tl.minimum(Skv, tl.maximum(pid_m * BLOCK_M + BLOCK_M + Skv - Sq, 0))
@@ -129,15 +168,14 @@ def dq_kernel(
         cols = offs_n < Skv
         k = tl.load(k_ptr + (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :], mask=cols[:, None], other=0)
         ks = tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * qs[:, None] * ks[None, :]
         ok = visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING)
-        p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.where(ok, tl.exp2(scores(q, qs, k, ks) - lse[:, None]), 0.0)
         v = tl.load(v_ptr + b * svb + hkv * svh + offs_n[:, None] * svs + offs_d[None, :], mask=cols[:, None],
                     other=0.0)
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        ds8, ds_scale = quantize_rows_of(ds * ks[None, :], 1)
-        kt = tl.load(kt_ptr + (bkv * D + offs_d[:, None]) * Skv + offs_n[None, :], mask=cols[None, :], other=0)
-        dq += tl.dot(ds8, tl.trans(kt), out_dtype=tl.int32).to(tl.float32) * ds_scale[:, None]
-    tl.store(dq_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], (dq * sm_scale).to(dq_ptr.dtype.element_ty),
-             mask=rows[:, None])
+        ds8, ds_scale = quantize_rows_of(p * (dp - delta[:, None]) * ks[None, :])
+        dq0 += half_product(ds8, kt_ptr, bkv * D, Skv, offs_h, offs_n, cols) * ds_scale[:, None]
+        dq1 += half_product(ds8, kt_ptr, bkv * D + HALF, Skv, offs_h, offs_n, cols) * ds_scale[:, None]
+    dst = dq_ptr + (bh * Sq + offs_m[:, None]) * D + offs_h[None, :]
+    tl.store(dst, (dq0 * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None])
+    tl.store(dst + HALF, (dq1 * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None])

@@ -27,6 +27,12 @@ def visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL: tl.constexpr, KEY
 
 
 @triton.jit
+def scores(a, a_scale, b, b_scale):
+    """A^ B^T (INT8 operands, exact int32 product) times the row scales of A and the row scales of B, in fp32."""
+    return tl.dot(a, tl.trans(b), out_dtype=tl.int32).to(tl.float32) * a_scale[:, None] * b_scale[None, :]
+
+
+@triton.jit
 def forward_kernel(
     q_ptr, qs_ptr, qdot_ptr,         # Q^ int8 (B, Hq, Sq, D) contiguous, scales (B, Hq, Sq), q . mean(K) (B, Hq, Sq)
     k_ptr, ks_ptr,                   # K^ int8 (B, Hkv, Skv, D) contiguous, scales (B, Hkv, Skv)
@@ -58,7 +64,7 @@ def forward_kernel(
         cols = offs_n < Skv
         k = tl.load(k_ptr + (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :], mask=cols[:, None], other=0)
         ks = tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * qs[:, None] * ks[None, :]
+        s = scores(q, qs, k, ks)
         ok = visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING)
         s = tl.where(ok, s, float("-inf"))
         rowmax = tl.max(s, axis=1)
