@@ -4,6 +4,8 @@
 
     python benchmarks/finetune_smollm2.py --steps 300 --seq 256 --batch 1 --out docs/data/finetune_smollm2_cpu.json \
         --png docs/img/finetune_smollm2_cpu.png      # the committed evidence: ~15 min on 2 idle cores
+    python benchmarks/finetune_smollm2.py --runs sage --merge --out docs/data/finetune_smollm2_cpu.json \
+        --png docs/img/finetune_smollm2_cpu.png      # SageBwd's numerics changed: retrain the sage run only
     python benchmarks/finetune_smollm2.py --tiny --steps 2 --out /tmp/ft_tiny.json     # smoke test, random tiny Llama
 
 Three runs of the same base model, LoRA (peft) on q_proj, k_proj, v_proj, o_proj, AdamW, float32:
@@ -21,7 +23,8 @@ torch SDPA for every run so the weights are compared, and for the sage run also 
 training batches are drawn from the rest, a fresh permutation per pass over it.
 
 Writes --out (JSON: meta, per-step losses, perplexities, wall times, the spread statistics) and a PNG of the loss
-curves next to it (or --png).
+curves next to it (or --png). --merge trains --runs only and keeps the other runs of the JSON --out holds (full
+attention does not depend on SageBwd's numerics), each stamped with the date and command that made it.
 """
 from __future__ import annotations
 
@@ -61,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a random tiny Llama on the text's bytes (smoke test)")
     p.add_argument("--out", required=True, help="JSON to write")
     p.add_argument("--png", default=None, help="loss-curve PNG (default: --out with .png)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the runs of the JSON --out holds that are not in --runs (same settings required)")
     p.add_argument("--replot", action="store_true",
                    help="no training: recompute the statistics and draw the PNG from the JSON --out holds")
     a = p.parse_args(argv)
@@ -73,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--lr must be > 0, got {a.lr}")
     if a.seeds[0] == a.seeds[1]:
         p.error(f"--seeds must be two different seeds (the run-to-run spread), got {a.seeds[0]} twice")
+    if a.merge and a.replot:
+        p.error("--merge trains runs, --replot trains none: give one of them")
     return a
 
 
@@ -310,6 +317,53 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+# ---- merge --------------------------------------------------------------------------------------------------------
+
+# What must be equal for runs of two invocations to share a JSON: the training settings and the software (the text
+# and base weights are compared through what every run measures before training: check_same_start)
+MERGE_ARGS = ("steps", "seq", "batch", "lr", "seeds", "lora_r", "heldout", "tiny")
+MERGE_META = ("torch", "transformers", "peft")
+
+
+def kept_runs(path: str, args, meta_now: dict) -> list[dict]:
+    """The runs of the JSON at path that a --merge invocation keeps (those not in args.runs), each stamped with the
+    date and command that made it. Raises SystemExit naming what differs when the file was made with other training
+    settings (MERGE_ARGS) or other software (MERGE_META, compared with meta_now)."""
+    if not os.path.exists(path):
+        raise SystemExit(f"--merge: no JSON at --out {path} to keep runs from")
+    with open(path) as f:
+        old = json.load(f)
+    theirs, ours = old["meta"]["args"], vars(args)
+    norm = (lambda v: list(v) if isinstance(v, (list, tuple)) else v)
+    differ = [f"--{k.replace('_', '-')} {norm(theirs.get(k))} there, {norm(ours[k])} here" for k in MERGE_ARGS
+              if norm(theirs.get(k)) != norm(ours[k])]
+    differ += [f"{k} {old['meta'].get(k)!r} there, {meta_now[k]!r} here" for k in MERGE_META
+               if old["meta"].get(k) != meta_now[k]]
+    if differ:
+        raise SystemExit(f"--merge: the runs of {path} were made otherwise ({'; '.join(differ)}): run all of them "
+                         f"without --merge")
+    kept = [r for r in old["runs"] if r["name"] not in args.runs]
+    for r in kept:  # a run stamped by an earlier merge keeps its own stamp
+        r.setdefault("date", old["meta"]["date"])
+        r.setdefault("command", old["meta"]["command"])
+    return kept
+
+
+def check_same_start(kept: list[dict], runs: list[dict]) -> None:
+    """Raises SystemExit unless the new runs started where the kept ones did: the same windows of the text and the
+    same held-out perplexity of the base model (torch SDPA for every run)."""
+    for old in kept:
+        for new in runs:
+            for k in ("train_windows", "heldout_windows"):
+                if old[k] != new[k]:
+                    raise SystemExit(f"--merge: {k} {old[k]} in run {old['name']}, {new[k]} in run {new['name']}: "
+                                     f"another text or tokenizer; run all of them without --merge")
+            if not math.isclose(old["ppl_before"], new["ppl_before"], rel_tol=1e-6):
+                raise SystemExit(f"--merge: base model's held-out perplexity {old['ppl_before']} in run {old['name']}, "
+                                 f"{new['ppl_before']} in run {new['name']}: other base weights or text; run all of "
+                                 f"them without --merge")
+
+
 # ---- main ----------------------------------------------------------------------------------------------------------
 
 def summarize(result: dict) -> None:
@@ -360,6 +414,9 @@ def main(argv=None) -> dict:
     from sage_patch.demo import stdlib_text
 
     text, source = stdlib_text()
+    text_what = source if not args.tiny else f"UTF-8 bytes of {source}"
+    software = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+    kept = kept_runs(args.out, args, software) if args.merge else []  # before training: fail fast
     s0, s1 = args.seeds
     plan = {"full": ("sdpa", s0), "full1": ("sdpa", s1), "sage": ("sage", s0)}
     runs = []
@@ -373,9 +430,14 @@ def main(argv=None) -> dict:
             f"lr={args.lr}, {args.steps} steps x {args.batch} x {args.seq} tokens")
     command = " ".join(["benchmarks/finetune_smollm2.py", *(sys.argv[1:] if argv is None else argv)])
     meta = run_meta(command=command, machine=f"CPU ({os.cpu_count()} cores)", torch_threads=torch.get_num_threads(),
-                    transformers=transformers.__version__, peft=peft.__version__,
-                    model=runs[0]["model"], text=source if not args.tiny else f"UTF-8 bytes of {source}",
-                    what_ran=what, args={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()})
+                    transformers=transformers.__version__, peft=peft.__version__, model=runs[0]["model"],
+                    text=text_what, what_ran=what,
+                    args={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()})
+    if args.merge:
+        check_same_start(kept, runs)
+        for r in runs:
+            r.update(date=meta["date"], command=command)
+        runs = sorted(kept + runs, key=lambda r: list(plan).index(r["name"]))
     result = {"kind": "finetune", "meta": meta, "runs": runs}   # "kind": benchmarks/report.py renders it
     summarize(result)
     write(result, args.out, png)

@@ -262,7 +262,17 @@ def render_multigpu(data: dict) -> list:
 
 def render_finetune(data: dict) -> list:
     meta, sp = data["meta"], data["spread"]
-    out = [f"What ran: {meta['what_ran']}.", ""] + run_lines(meta) + [""]
+    out = [f"What ran: {meta['what_ran']}.", ""] + run_lines(meta)
+    # runs kept from an earlier invocation by --merge carry the date and command that made them
+    this_run, earlier = (meta.get("date"), meta.get("command")), {}
+    for r in data["runs"]:
+        made = (r.get("date", this_run[0]), r.get("command", this_run[1]))
+        if made != this_run:
+            earlier.setdefault(made, []).append(r["name"])
+    for (date, command), names in earlier.items():
+        out.append(f"- Runs {', '.join(names)} kept from an earlier invocation (`--merge`): **Date**: {date}; "
+                   f"**Command**: `{command}`")
+    out += [""]
     body = [[r["name"], r["attn_implementation"], r["seed"], f"{r['ppl_before']:.3f}", f"{r['ppl_after']:.3f}",
              f"{sum(r['losses'][-30:]) / len(r['losses'][-30:]):.3f}"] for r in data["runs"]]
     out += table(["run", "attention", "seed", "held-out ppl before", "after", "loss, mean of last 30 steps"], body)

@@ -87,3 +87,47 @@ def test_two_step_run_on_a_tiny_llama(tmp_path):
     again = ft.main(["--replot", "--out", str(out)])
     assert again["runs"] == res["runs"] and again["spread"] == res["spread"]
     assert (tmp_path / "ft.png").stat().st_size > 10_000
+
+
+def test_merge_retrains_only_the_named_runs_and_keeps_the_others(tmp_path):
+    out = tmp_path / "ft.json"
+    common = ["--tiny", "--steps", "2", "--seq", "128", "--heldout", "1", "--out", str(out)]
+    first = ft.main(common + ["--runs", "full", "full1", "sage"])
+    # settings or a file that the kept runs were not made with: refused before any training, naming what differs
+    with pytest.raises(SystemExit, match=r"--steps 2 there, 3 here"):
+        ft.main(["--tiny", "--steps", "3", "--seq", "128", "--heldout", "1", "--out", str(out), "--runs", "sage",
+                 "--merge"])
+    with pytest.raises(SystemExit, match="no JSON at --out"):
+        ft.main(common[:-1] + [str(tmp_path / "none.json"), "--runs", "sage", "--merge"])
+    with pytest.raises(SystemExit):
+        ft.parse_args(["--out", "x.json", "--merge", "--replot"])
+
+    merged = ft.main(common + ["--runs", "sage", "--merge"])
+    saved = json.loads(out.read_text())
+    assert saved["runs"] == merged["runs"] and saved["meta"]["command"] == merged["meta"]["command"]
+    assert "--runs sage --merge" in merged["meta"]["command"]
+    runs, before = {r["name"]: r for r in merged["runs"]}, {r["name"]: r for r in first["runs"]}
+    assert [r["name"] for r in merged["runs"]] == ["full", "full1", "sage"]
+    for name in ("full", "full1"):  # kept as they were, stamped with the invocation that made them
+        assert runs[name]["losses"] == before[name]["losses"]
+        assert (runs[name]["date"], runs[name]["command"]) == (first["meta"]["date"], first["meta"]["command"])
+    assert runs["sage"]["command"] == merged["meta"]["command"]
+    # the simulation is deterministic on CPU: the retrained sage run, hence the spread, is the first one's
+    assert runs["sage"]["losses"] == before["sage"]["losses"]
+    assert merged["spread"] == first["spread"]
+    # the report names where the kept runs came from
+    import report
+
+    text = "\n".join(report.render_finetune(merged))
+    assert f"Runs full, full1 kept from an earlier invocation (`--merge`): **Date**: {first['meta']['date']}; " \
+           f"**Command**: `{first['meta']['command']}`" in text
+    assert "kept from an earlier invocation" not in "\n".join(report.render_finetune(first))
+
+
+def test_merge_refuses_runs_that_started_elsewhere():
+    old = {"name": "full", "train_windows": 92, "heldout_windows": 8, "ppl_before": 19.93}
+    ft.check_same_start([old], [dict(old, name="sage")])
+    with pytest.raises(SystemExit, match="train_windows 92 in run full, 91 in run sage"):
+        ft.check_same_start([old], [dict(old, name="sage", train_windows=91)])
+    with pytest.raises(SystemExit, match="perplexity 19.93 in run full, 20.5 in run sage"):
+        ft.check_same_start([old], [dict(old, name="sage", ppl_before=20.5)])
