@@ -35,7 +35,7 @@ def _cdiv(a, b):
 @torch.library.custom_op("sage_patch::sagebwd_fwd", mutates_args=())
 def sagebwd_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                 is_causal: bool, scale: float, groups: str, block_q: int, block_k: int, smooth_k: bool, dp: str,
-                p_scale: str, kernel: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                p_scale: str, pv: str, kernel: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                      torch.Tensor, torch.Tensor, torch.Tensor]:
     """SageBwd training forward. Returns (out (B, Hq, Sq, Dv) in q's dtype, lse fp32 (B, Hq, Sq), lse of the
     smoothed scores, q_int int8, q_scale, k_int int8, k_scale); attn_mask: bool (B, Skv) or broadcastable 4-D
@@ -45,14 +45,15 @@ def sagebwd_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Op
 
         return sagebwd.forward(q, k, v, is_causal=is_causal, scale=scale, key_padding_mask=attn_mask,
                                smooth_k=smooth_k)
-    cfg = SageBwdConfig(groups, block_q, block_k, smooth_k, dp, p_scale)
+    cfg = SageBwdConfig(groups, block_q, block_k, smooth_k, dp, p_scale, pv)
     out, lse, s = sagebwd_forward(q, k, v, is_causal=is_causal, scale=scale, attn_mask=attn_mask, config=cfg)
     # contiguous, as the fake implementation says (elementwise ops keep a transposed input's strides)
+    lse = lse.clone() if lse is s.lse else lse  # without K smoothing they are one tensor; an op's outputs may not alias
     return tuple(t.contiguous() for t in (s.out, lse, s.lse, s.q_int, s.q_scale, s.k_int, s.k_scale))
 
 
 @sagebwd_fwd.register_fake
-def _(q, k, v, attn_mask, is_causal, scale, groups, block_q, block_k, smooth_k, dp, p_scale, kernel):
+def _(q, k, v, attn_mask, is_causal, scale, groups, block_q, block_k, smooth_k, dp, p_scale, pv, kernel):
     b, hq, sq, _ = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     f32 = torch.float32
@@ -67,7 +68,7 @@ def _(q, k, v, attn_mask, is_causal, scale, groups, block_q, block_k, smooth_k, 
 def sagebwd_bwd(dout: torch.Tensor, q_int: torch.Tensor, q_scale: torch.Tensor, k_int: torch.Tensor,
                 k_scale: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse_smoothed: torch.Tensor,
                 attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, groups: str, block_q: int,
-                block_k: int, smooth_k: bool, dp: str, p_scale: str,
+                block_k: int, smooth_k: bool, dp: str, p_scale: str, pv: str,
                 kernel: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SageBwd backward from what sagebwd_fwd saved. Returns (dq, dk, dv) in the input dtype (v's)."""
     if kernel:
@@ -75,7 +76,7 @@ def sagebwd_bwd(dout: torch.Tensor, q_int: torch.Tensor, q_scale: torch.Tensor, 
 
         return sagebwd.backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, is_causal=is_causal,
                                 scale=scale, key_padding_mask=attn_mask)
-    cfg = SageBwdConfig(groups, block_q, block_k, smooth_k, dp, p_scale)
+    cfg = SageBwdConfig(groups, block_q, block_k, smooth_k, dp, p_scale, pv)
     saved = SageBwdSaved(q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, attn_mask, is_causal, scale, cfg)
     dq, dk, dv = sagebwd_backward(dout, saved)
     return tuple(t.to(v.dtype).contiguous() for t in (dq, dk, dv))
@@ -83,7 +84,7 @@ def sagebwd_bwd(dout: torch.Tensor, q_int: torch.Tensor, q_scale: torch.Tensor, 
 
 @sagebwd_bwd.register_fake
 def _(dout, q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, attn_mask, is_causal, scale, groups, block_q,
-      block_k, smooth_k, dp, p_scale, kernel):
+      block_k, smooth_k, dp, p_scale, pv, kernel):
     return v.new_empty(q_int.shape), v.new_empty(k_int.shape), v.new_empty(v.shape)
 
 
@@ -91,7 +92,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, *args = inputs
     out, _, lse_s, q_int, q_scale, k_int, k_scale = output
     ctx.save_for_backward(q_int, q_scale, k_int, k_scale, v, out, lse_s, attn_mask)
-    ctx.args = tuple(args)  # is_causal, scale, groups, block_q, block_k, smooth_k, dp, p_scale, kernel
+    ctx.args = tuple(args)  # is_causal, scale, groups, block_q, block_k, smooth_k, dp, p_scale, pv, kernel
 
 
 def _backward(ctx, dout, *unused_grads):
@@ -131,4 +132,4 @@ def sagebwd_attention(q, k, v, *, is_causal: bool, scale, attn_mask, config: Sag
     cfg = DEFAULT_SAGEBWD_CONFIG if config is None else config
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.sage_patch.sagebwd_fwd(q, k, v, attn_mask, bool(is_causal), scale, cfg.groups, cfg.block_q,
-                                            cfg.block_k, cfg.smooth_k, cfg.dp, cfg.p_scale, kernel)[0]
+                                            cfg.block_k, cfg.smooth_k, cfg.dp, cfg.p_scale, cfg.pv, kernel)[0]

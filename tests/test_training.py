@@ -137,12 +137,12 @@ def test_custom_ops_pass_opcheck():
 
     q, k, v = _leaves(*structured_qkv(b=1, h=4, hkv=2, sq=40, skv=48, d=16, dtype=torch.float16, seed=8))
     kp = torch.rand(1, 48, generator=torch.Generator().manual_seed(0)) > 0.2
-    args = (q, k, v, kp, True, 0.25, "token", 16, 16, True, "input", "rowmax", False)
+    args = (q, k, v, kp, True, 0.25, "token", 16, 16, True, "input", "rowmax", "input", False)
     torch.library.opcheck(torch.ops.sage_patch.sagebwd_fwd.default, args)
     outs = torch.ops.sage_patch.sagebwd_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     dout = torch.randn(1, 4, 40, 16).half()
     bwd = (dout, outs[3], outs[4], outs[5], outs[6], v.detach(), outs[0], outs[2], kp, True, 0.25, "token", 16, 16,
-           True, "input", "rowmax", False)
+           True, "input", "rowmax", "input", False)
     torch.library.opcheck(torch.ops.sage_patch.sagebwd_bwd.default, bwd,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
@@ -284,3 +284,16 @@ def test_the_cpu_default_numerics_are_the_gpu_kernels():
     from sage_patch.trainable import KERNEL_CONFIG
 
     assert KERNEL_CONFIG == DEFAULT_SAGEBWD_CONFIG
+
+
+def test_every_config_field_reaches_the_simulation():
+    """sagebwd_attention(config=...) runs exactly that config (each field travels through the custom ops)."""
+    from sage_patch.reference.sagebwd import SageBwdConfig, sagebwd_forward
+    from sage_patch.trainable import sagebwd_attention
+
+    q, k, v = structured_qkv(b=1, h=2, sq=70, d=16, dtype=torch.float16, seed=21)
+    for cfg in (SageBwdConfig(pv="int8"), SageBwdConfig(groups="block", block_q=32, block_k=16, pv="int8", dp="int8",
+                                                        p_scale="unit", smooth_k=False)):
+        ours = sagebwd_attention(q, k, v, is_causal=True, scale=None, attn_mask=None, config=cfg, kernel=False)
+        ref = sagebwd_forward(q, k, v, is_causal=True, config=cfg)[0].to(q.dtype)
+        assert torch.equal(ours, ref), cfg
