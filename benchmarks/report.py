@@ -361,7 +361,7 @@ def render_training_steps(rows: list, meta: dict, base: str) -> list:
            f"after an out-of-memory, marked per row). Probe: one forward + backward per implementation on the same "
            f"weights: its loss and the cosine of the gradient of {meta.get('probe_param', 'one weight')} to "
            f"{_label(base)}'s. Peak: the most allocated during the timed steps (weights, gradients, optimizer state, "
-           f"activations).", ""]
+           f"activations)." + (f" {meta['note']}" if meta.get("note") else ""), ""]
     name = lambda i: 'attn "sage"' if i == "sage" else f"SDPA {_label(i).replace('SDPA ', '')}"  # noqa: E731
     body = []
     for r in rows:

@@ -317,7 +317,7 @@ IMPL_SAGEBWD = "triton-sagebwd"
 TRAINING_VARIANTS: tuple[TrainingVariant, ...] = (
     # SageBwd in Triton (sm_80+: Triton emits wgmma on sm_90, mma.sync below): INT8 Q K^T, P~ V, P^T dO, dS^T Q,
     # dS K; dO V^T in the input dtype.
-    # Speed routing measured on the H200 (B=4 H=32 bf16, forward + backward against cuDNN): 0.18-0.42x at N 1K-16K,
+    # Speed routing measured on the H200 (B=4 H=32 bf16, forward + backward against cuDNN): 0.17-0.44x at N 1K-32K,
     # D 64 and 128, causal or not (docs/benchmarks.md), so every length trains with SDPA by default.
     TrainingVariant("sagebwd-triton", IMPL_SAGEBWD, "triton", ("8b",),
                     (_training_cc, _training_triton, _training_head_dim),
