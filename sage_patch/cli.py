@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -108,11 +109,17 @@ def _speed_routing() -> list[str]:
     if not kernels.SPEED_ROUTING:
         return ["speed routing: off (SAGE_PATCH_SPEED_ROUTING=0): the kernels run at every length"]
     lines = []
-    for variant in kernels.registry.VARIANTS:
+    for variant in kernels.registry.VARIANTS + kernels.registry.TRAINING_VARIANTS:
         table = variant.sdpa_faster_below
-        if table:
+        calls = "training calls" if isinstance(variant, kernels.registry.TrainingVariant) else "calls"
+        if table and all(n == math.inf for n in table.values()):
+            dims = "/".join(str(d) for d in sorted({d for d, _ in table}))
+            lines.append(f"speed routing: {variant.name} {calls} run SDPA at every length (slower than SDPA at every "
+                         f"measured length, D={dims}, causal or not)")
+        elif table:
             rule = ", ".join(f"D={d}{' causal' if c else ''} < {n}" for (d, c), n in sorted(table.items()))
-            lines.append(f"speed routing: {variant.name} calls run SDPA below the measured crossover ({rule} tokens)")
+            lines.append(f"speed routing: {variant.name} {calls} run SDPA below the measured crossover ({rule} "
+                         f"tokens)")
     return lines
 
 
