@@ -1,0 +1,195 @@
+"""SageBwd backward (Triton): dK/dV and dQ kernels, each recomputing P = exp(S - L) from the saved INT8 Q^, K^ and
+their scales. No atomics: each output tile is written by one program, so the result is deterministic.
+
+dkdv_kernel: one program per (BLOCK_N keys, batch x KV head), walking the query heads of its GQA group and their
+query tiles of BLOCK_M rows (the numerics' block_q), so dK and dV are summed over the group in registers.
+  dV_j += sum_i P_ij dO_i      as INT8: (P s_dO) per key column of the tile, dO^ per token
+  dP    = dO V^T               in the input dtype (fp32 accumulation): quantizing it costs dQ most of its accuracy
+  dS    = P o (dP - Delta)
+  dK_j += sum_i dS_ij Q_i      as INT8: (dS s_Q) per key column of the tile, Q^ per token
+dq_kernel: one program per (BLOCK_M query rows, batch x query head), walking key tiles of BLOCK_N keys (block_k):
+  dQ_i += sum_j dS_ij K_j      as INT8: (dS s_K) per query row of the tile, K^ per token
+Each operand's scale that varies along a product's reduction is folded into the other operand before that one is
+quantized, so every scale factors out of the exact int32 product.
+
+Why half-width accumulators and a dK/dV kernel that can run as two launches: an INT8 product's int32 result is
+rescaled before it is added to its fp32 accumulator, so each product needs a temporary as large as its share of the
+accumulator. At D=128, dK and dV in one launch (K^ and V held for the whole loop) left ptxas at 255 registers with
+2.7 KB of spills per thread; one launch each, with every accumulator kept as two D/2-wide halves, is faster there.
+At D=64 one launch for both is faster (docs/design/kernels.md).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fwd import LOG2E, scores, visible
+from .quant import rint
+
+
+@triton.jit
+def quantize_rows_of(x):
+    """INT8 with one scale per row of x: (x^, scale)."""
+    amax = tl.max(tl.abs(x), axis=1)
+    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    return rint(x * inv[:, None]).to(tl.int8), amax / 127.0
+
+
+@triton.jit
+def half_product(a8, bt_ptr, row0, stride, offs_h, offs_c, cols):
+    """a8 (R, C) INT8 times B (C, D/2) where B^T is stored row-major at bt_ptr (rows row0 + offs_h, columns offs_c,
+    row stride `stride`): the int32 product as fp32 (R, D/2)."""
+    bt = tl.load(bt_ptr + (row0 + offs_h[:, None]) * stride + offs_c[None, :], mask=cols[None, :], other=0)
+    return tl.dot(a8, tl.trans(bt), out_dtype=tl.int32).to(tl.float32)
+
+
+@triton.jit
+def probs_t(k, ks, q_ptr, qs_ptr, lse_ptr, bh, b, offs_m, offs_n, offs_d, rows, Sq, Skv, kpm_ptr, skpm,
+            D: tl.constexpr, CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr):
+    """P^T (BLOCK_N, BLOCK_M) of one query tile from the saved operands (ks carries tau log2(e)), and Q's scales."""
+    q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=rows[:, None], other=0)
+    qs = tl.load(qs_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
+    # +inf for rows past Sq makes their P exactly 0; an empty row's scores are all -inf (P = 0 too)
+    lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=rows, other=float("inf")) * LOG2E
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    st = scores(k, ks, q, qs)
+    ok = tl.trans(visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING))
+    return tl.where(ok, tl.exp2(st - lse[None, :]), 0.0), qs
+
+
+@triton.jit
+def first_query_tile(pid_n, Sq, Skv, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Query i sees key j when j <= i + Skv - Sq: the first tile with a row at or past n0 - (Skv - Sq)."""
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(pid_n * BLOCK_N - (Skv - Sq), 0) // BLOCK_M * BLOCK_M
+    return lo
+
+
+@triton.jit
+def dkdv_kernel(
+    q_ptr, qt_ptr, qs_ptr,           # Q^ int8 (B, Hq, Sq, D) and Q^T (B, Hq, D, Sq), scales (B, Hq, Sq)
+    k_ptr, ks_ptr,                   # K^ int8 (B, Hkv, Skv, D), scales (B, Hkv, Skv)
+    v_ptr, svb, svh, svs,            # V (B, Hkv, Skv, D) in the input dtype
+    do_ptr, sdob, sdoh, sdos,        # dO (B, Hq, Sq, D) in the input dtype
+    dot_ptr, dos_ptr,                # dO^T int8 (B, Hq, D, Sq), scales (B, Hq, Sq)
+    lse_ptr, delta_ptr,              # fp32 (B, Hq, Sq): LSE of the smoothed scores, rowsum(dO o O)
+    dk_ptr, dv_ptr,                  # outputs (B, Hkv, Skv, D) contiguous
+    kt_ptr, dqa_ptr,                 # K^T int8 (B, Hkv, D, Skv); dQ accumulator fp32 (B, Hq, Sq, D), zeroed
+    kpm_ptr, skpm,
+    Hq, Hkv, Sq, Skv, sm_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DQ: tl.constexpr,
+):
+    """dK (DK) and / or dV (DV) of BLOCK_N keys: one launch with both, or one launch for each, which holds half the
+    accumulators (TILES in __init__ chooses per head dim)."""
+    pid_n, bkv = tl.program_id(0), tl.program_id(1)
+    b, hkv = bkv // Hkv, bkv % Hkv
+    group = Hq // Hkv
+    HALF: tl.constexpr = D // 2
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_h = tl.arange(0, HALF)
+    cols = offs_n < Skv
+    k = tl.load(k_ptr + (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :], mask=cols[:, None], other=0)
+    ks_raw = tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0)
+    ks = ks_raw * (sm_scale * LOG2E)
+    if DK:
+        v = tl.load(v_ptr + b * svb + hkv * svh + offs_n[:, None] * svs + offs_d[None, :], mask=cols[:, None],
+                    other=0.0)
+    dk0 = tl.zeros((BLOCK_N, HALF), tl.float32)
+    dk1 = tl.zeros((BLOCK_N, HALF), tl.float32)
+    dv0 = tl.zeros((BLOCK_N, HALF), tl.float32)
+    dv1 = tl.zeros((BLOCK_N, HALF), tl.float32)
+    lo = first_query_tile(pid_n, Sq, Skv, BLOCK_M, BLOCK_N, CAUSAL)
+    for g in range(0, group):
+        bh = b * Hq + hkv * group + g
+        for m0 in range(lo, Sq, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            rows = offs_m < Sq
+            pt, qs = probs_t(k, ks, q_ptr, qs_ptr, lse_ptr, bh, b, offs_m, offs_n, offs_d, rows, Sq, Skv, kpm_ptr,
+                             skpm, D, CAUSAL, KEY_PADDING)
+            if DV:
+                dos = tl.load(dos_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
+                p8, p_scale = quantize_rows_of(pt * dos[None, :])
+                dv0 += half_product(p8, dot_ptr, bh * D, Sq, offs_h, offs_m, rows) * p_scale[:, None]
+                dv1 += half_product(p8, dot_ptr, bh * D + HALF, Sq, offs_h, offs_m, rows) * p_scale[:, None]
+            if DK:
+                do = tl.load(do_ptr + b * sdob + (hkv * group + g) * sdoh + offs_m[:, None] * sdos + offs_d[None, :],
+                             mask=rows[:, None], other=0.0)
+                dpt = tl.dot(v, tl.trans(do))                                        # fp32 accumulation
+                delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
+                dst = pt * (dpt - delta[None, :])
+                if DQ:  # dQ_i += sum_j dS_ij K_j over this key tile: (dS s_K) INT8 per query row, atomically added
+                    x = dst * ks_raw[:, None]
+                    amax = tl.max(tl.abs(x), axis=0)
+                    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+                    dq8 = tl.trans(rint(x * inv[None, :]).to(tl.int8))                     # (BLOCK_M, BLOCK_N)
+                    w = (amax / 127.0 * sm_scale)[:, None]
+                    acc = dqa_ptr + (bh * Sq + offs_m[:, None]) * D + offs_h[None, :]
+                    tl.atomic_add(acc, half_product(dq8, kt_ptr, bkv * D, Skv, offs_h, offs_n, cols) * w,
+                                  mask=rows[:, None], sem="relaxed")
+                    tl.atomic_add(acc + HALF, half_product(dq8, kt_ptr, bkv * D + HALF, Skv, offs_h, offs_n, cols)
+                                  * w, mask=rows[:, None], sem="relaxed")
+                ds8, ds_scale = quantize_rows_of(dst * qs[None, :])
+                dk0 += half_product(ds8, qt_ptr, bh * D, Sq, offs_h, offs_m, rows) * ds_scale[:, None]
+                dk1 += half_product(ds8, qt_ptr, bh * D + HALF, Sq, offs_h, offs_m, rows) * ds_scale[:, None]
+    out = (bkv * Skv + offs_n[:, None]) * D + offs_h[None, :]
+    if DV:
+        tl.store(dv_ptr + out, dv0.to(dv_ptr.dtype.element_ty), mask=cols[:, None])
+        tl.store(dv_ptr + out + HALF, dv1.to(dv_ptr.dtype.element_ty), mask=cols[:, None])
+    if DK:
+        tl.store(dk_ptr + out, (dk0 * sm_scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None])
+        tl.store(dk_ptr + out + HALF, (dk1 * sm_scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None])
+
+
+@triton.jit
+def dq_kernel(
+    q_ptr, qs_ptr,                   # Q^ int8 (B, Hq, Sq, D), scales (B, Hq, Sq)
+    k_ptr, kt_ptr, ks_ptr,           # K^ int8 (B, Hkv, Skv, D) and K^T (B, Hkv, D, Skv), scales (B, Hkv, Skv)
+    v_ptr, svb, svh, svs,            # V (B, Hkv, Skv, D) in the input dtype
+    do_ptr, sdob, sdoh, sdos,        # dO (B, Hq, Sq, D) in the input dtype
+    lse_ptr, delta_ptr,
+    dq_ptr,                          # output (B, Hq, Sq, D) contiguous
+    kpm_ptr, skpm,
+    Hq, Hkv, Sq, Skv, sm_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr,
+):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // Hq, bh % Hq
+    hkv = h // (Hq // Hkv)
+    bkv = b * Hkv + hkv
+    HALF: tl.constexpr = D // 2
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_h = tl.arange(0, HALF)
+    rows = offs_m < Sq
+    q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=rows[:, None], other=0)
+    qs = tl.load(qs_ptr + bh * Sq + offs_m, mask=rows, other=0.0) * (sm_scale * LOG2E)
+    lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=rows, other=float("inf")) * LOG2E
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    do = tl.load(do_ptr + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=rows[:, None],
+                 other=0.0)
+    delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
+    dq0 = tl.zeros((BLOCK_M, HALF), tl.float32)
+    dq1 = tl.zeros((BLOCK_M, HALF), tl.float32)
+    hi = Skv
+    if CAUSAL:
+        hi = tl.minimum(Skv, tl.maximum(pid_m * BLOCK_M + BLOCK_M + Skv - Sq, 0))
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        cols = offs_n < Skv
+        k = tl.load(k_ptr + (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :], mask=cols[:, None], other=0)
+        ks = tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0)
+        ok = visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING)
+        p = tl.where(ok, tl.exp2(scores(q, qs, k, ks) - lse[:, None]), 0.0)
+        v = tl.load(v_ptr + b * svb + hkv * svh + offs_n[:, None] * svs + offs_d[None, :], mask=cols[:, None],
+                    other=0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds8, ds_scale = quantize_rows_of(p * (dp - delta[:, None]) * ks[None, :])
+        dq0 += half_product(ds8, kt_ptr, bkv * D, Skv, offs_h, offs_n, cols) * ds_scale[:, None]
+        dq1 += half_product(ds8, kt_ptr, bkv * D + HALF, Skv, offs_h, offs_n, cols) * ds_scale[:, None]
+    dst = dq_ptr + (bh * Sq + offs_m[:, None]) * D + offs_h[None, :]
+    tl.store(dst, (dq0 * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None])
+    tl.store(dst + HALF, (dq1 * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None])
