@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fwd import LOG2E, scores, visible
+from .fwd import LOG2E, key_end, key_tile, scores, visible
 from .quant import rint
 
 
@@ -160,14 +160,9 @@ def dq_kernel(
     delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
     dq0 = tl.zeros((BLOCK_M, HALF), tl.float32)
     dq1 = tl.zeros((BLOCK_M, HALF), tl.float32)
-    hi = Skv
-    if CAUSAL:
-        hi = tl.minimum(Skv, tl.maximum(pid_m * BLOCK_M + BLOCK_M + Skv - Sq, 0))
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(0, key_end(pid_m, Sq, Skv, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        cols = offs_n < Skv
-        k = tl.load(k_ptr + (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :], mask=cols[:, None], other=0)
-        ks = tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0)
+        k, ks, cols = key_tile(k_ptr, ks_ptr, bkv, offs_n, offs_d, Skv, D)
         ok = visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING)
         p = tl.where(ok, tl.exp2(scores(q, qs, k, ks) - lse[:, None]), 0.0)
         v = tl.load(v_ptr + b * svb + hkv * svh + offs_n[:, None] * svs + offs_d[None, :], mask=cols[:, None],

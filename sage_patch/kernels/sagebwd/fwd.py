@@ -33,6 +33,23 @@ def scores(a, a_scale, b, b_scale):
 
 
 @triton.jit
+def key_tile(k_ptr, ks_ptr, bkv, offs_n, offs_d, Skv, D: tl.constexpr):
+    """K^ rows offs_n of one KV head (0 past Skv) and their scales: (k (BLOCK_N, D) int8, ks (BLOCK_N,), in-range)."""
+    cols = offs_n < Skv
+    k = tl.load(k_ptr + (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :], mask=cols[:, None], other=0)
+    return k, tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0), cols
+
+
+@triton.jit
+def key_end(pid_m, Sq, Skv, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """One past the last key a query tile sees: bottom-right causal, query i sees keys j <= i + Skv - Sq."""
+    hi = Skv
+    if CAUSAL:
+        hi = tl.minimum(Skv, tl.maximum(pid_m * BLOCK_M + BLOCK_M + Skv - Sq, 0))
+    return hi
+
+
+@triton.jit
 def forward_kernel(
     q_ptr, qs_ptr, qdot_ptr,         # Q^ int8 (B, Hq, Sq, D) contiguous, scales (B, Hq, Sq), q . mean(K) (B, Hq, Sq)
     k_ptr, ks_ptr,                   # K^ int8 (B, Hkv, Skv, D) contiguous, scales (B, Hkv, Skv)
@@ -56,14 +73,9 @@ def forward_kernel(
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    hi = Skv
-    if CAUSAL:
-        hi = tl.minimum(Skv, tl.maximum(pid_m * BLOCK_M + BLOCK_M + Skv - Sq, 0))
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(0, key_end(pid_m, Sq, Skv, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        cols = offs_n < Skv
-        k = tl.load(k_ptr + (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :], mask=cols[:, None], other=0)
-        ks = tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0)
+        k, ks, cols = key_tile(k_ptr, ks_ptr, bkv, offs_n, offs_d, Skv, D)
         s = scores(q, qs, k, ks)
         ok = visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING)
         s = tl.where(ok, s, float("-inf"))
