@@ -91,6 +91,8 @@ def _(dout, q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, attn_mask, is_
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, *args = inputs
     out, _, lse_s, q_int, q_scale, k_int, k_scale = output
+    # only out is differentiable: autograd then materializes no zero gradients for the others (as large as Q and K)
+    ctx.mark_non_differentiable(*output[1:])
     ctx.save_for_backward(q_int, q_scale, k_int, k_scale, v, out, lse_s, attn_mask)
     ctx.args = tuple(args)  # is_causal, scale, groups, block_q, block_k, smooth_k, dp, p_scale, pv, kernel
 

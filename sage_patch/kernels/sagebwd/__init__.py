@@ -126,7 +126,7 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     grid = (_cdiv(skv, t["dkdv_n"]), b * hkv)
     for parts in ((True, True),) if t["dkdv_fused"] else ((False, True), (True, False)):
         dkdv_kernel[grid](*args, DK=parts[0], DV=parts[1], **flags)
-    del do_t, q_t  # the transposed INT8 operands are not needed by dQ: freed before K^T is made
+    del args, do_t, q_t  # the transposed INT8 operands are not needed by dQ: freed before K^T is made
     k_t = k_int.transpose(2, 3).contiguous()   # the K-major operand of dS K^
     dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)
     dq_kernel[(_cdiv(sq, t["dq_m"]), b * hq)](
