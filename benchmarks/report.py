@@ -388,7 +388,7 @@ def render_training(data: dict) -> list:
            "alone, and whole training steps."
            + (f" A training call of the public API ran `{trainable['impl']}`"
               + (f" ({trainable['reason']})" if trainable.get("reason") else "") + "." if trainable.get("impl")
-              else ""), ""] + run_lines(meta)
+              else ""), ""] + run_lines(meta) + ([f"- Note: {meta['note']}."] if meta.get("note") else [])
     if data.get("attention"):
         out += ["", "#### Attention", ""] + render_training_attention(data["attention"], meta)
     for key, title in (("llama", "Training step: Llama-3.2-1B architecture"),
