@@ -16,7 +16,8 @@
 #   --sass               registers, spills and instruction counts per kernel (tools/sass_summary.py)
 #   --smoke              a few calls of the Hopper kernel against the portable kernel (exit on a mismatch)
 #   --tests [PATHS]      pytest -m gpu (default tests/gpu); env PYTEST_TIMEOUT (s, 420), PYTEST_ARGS
-#   --sanitize           compute-sanitizer memcheck, racecheck, initcheck, synccheck on kernels_cuda/sanitize_check.cu
+#   --sanitize           compute-sanitizer memcheck, racecheck, initcheck, synccheck on kernels_cuda/sanitize_check.cu;
+#                        memcheck, racecheck on tools/sagebwd_sanitize.py (the SageBwd Triton kernels, with Triton)
 #   --bench MODE         benchmarks/bench_kernel.py: quick | full | none; --bench-args "..." extra arguments,
 #                        --profile N[,N] per-kernel device times at B=4 H=32 D=128 N
 #   --integrations       benchmarks/bench_transformers.py (env TF_SEQS, "8192 32768"), bench_diffusers.py (env
@@ -130,6 +131,14 @@ if [ $SANITIZE = 1 ]; then
       | tee -a "$OUT/summary.txt"
     { echo "=== $tool"; head -c 20000 /tmp/san.log; } >> "$OUT/sanitizer.log"
   done
+  if $PY -c "import triton" 2>/dev/null; then  # the SageBwd Triton kernels
+    for tool in memcheck racecheck; do
+      timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $PY tools/sagebwd_sanitize.py > /tmp/san.log 2>&1
+      echo "compute-sanitizer $tool (SageBwd) rc=$? : $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/san.log \
+        | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
+      { echo "=== $tool SageBwd"; head -c 20000 /tmp/san.log; } >> "$OUT/sanitizer.log"
+    done
+  fi
 fi
 if [ "$BENCH" != none ]; then
   log "bench ($BENCH)"
