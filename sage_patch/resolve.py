@@ -106,7 +106,9 @@ def _resolve_training(requested: str, q, k, v, *, layout, is_causal, mask, dropo
                                                 attn_mask=mask.mask if mask.kind == "key_padding" else None)
         if variant is None:
             return _full(requested, f"the trainable 8b (SageBwd) kernels cannot run this call: {why}")
-        slow = mask.kind == "none" and kernels.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal)
+        # unlike the forward-only kernels, key-padding calls are routed too: the crossover is measured without a
+        # mask, and the kernels are slower than cuDNN at every length there
+        slow = kernels.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal)
         if slow:
             return _full(requested, slow)
         reason = "; ".join(r for r in (why_8b, v_note[2:]) if r) or None

@@ -104,12 +104,13 @@ def test_on_a_gpu_gradients_take_the_kernel_where_it_serves_and_is_faster(fake_c
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     d = R.resolve("8b", q, q, q, **call)  # slower than cuDNN at every measured length: SDPA, with the reason
     assert (d.precision, d.impl) == ("full", "sdpa") and "SDPA is faster than triton-sagebwd at every" in d.reason
+    kp = MaskInfo("key_padding", torch.ones(1, 4096, dtype=torch.bool))
+    assert R.resolve("8b", q, q, q, **{**call, "mask": kp}).impl == "sdpa"  # key padding is routed too
     monkeypatch.setattr(K, "SPEED_ROUTING", False)
     d = R.resolve("8b", q, q, q, **call)
     assert (d.precision, d.impl, d.reason) == ("8b", "triton-sagebwd", None) and d.variant.key == "sagebwd-triton"
     d = R.resolve("4b", q, q, q, **call)
     assert (d.precision, d.impl) == ("8b", "triton-sagebwd") and "4b has no backward pass" in d.reason
-    kp = MaskInfo("key_padding", torch.ones(1, 4096, dtype=torch.bool))
     assert R.resolve("8b", q, q, q, **{**call, "mask": kp}).impl == "triton-sagebwd"
     dense = MaskInfo("dense", torch.ones(1, 1, 4096, 4096, dtype=torch.bool))
     assert "key-padding masks only" in R.resolve("8b", q, q, q, **{**call, "mask": dense}).reason
