@@ -1,5 +1,11 @@
 """SageBwd: an exact PyTorch simulation of 8-bit trainable attention (SageAttention3 paper, section 4,
-Algorithms 2 and 3), forward and backward.
+Algorithms 2 and 3), forward and backward, in two scale layouts (SageBwdConfig):
+
+- groups="token", pv="input" (the default, and what the GPU kernels sage_patch/kernels/sagebwd compute): one INT8
+  scale per token for Q, the smoothed K and dO; P~ V in the input dtype; the backward's P and dS quantized per row
+  or per column of their (block_q x block_k) tile after the other operand's scale is folded in (SageBwdConfig's
+  comment). Quantization multiplies by 127 / amax, as the kernels do, so both round every tie the same way.
+- groups="block", pv="int8" (the paper's algorithms, described below).
 
 Forward (Algorithm 2), per (batch, head), FlashAttention blocks of `block_q` query rows and `block_k` keys:
   - K is smoothed by its token mean (per batch and KV head): K_s = K - mean_j K_j. Softmax is invariant to it;
