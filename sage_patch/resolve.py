@@ -96,7 +96,7 @@ def _resolve_training(requested: str, q, k, v, *, layout, is_causal, mask, dropo
         why_8b = f"policy training: 8b: calls that need a gradient run the trainable 8b (layer: {requested})"
     else:
         why_8b = f"{requested} has no backward pass: calls that need a gradient run the trainable 8b (SageBwd)"
-    v_note = "; options.smooth_v is not applied by the trainable 8b" if smooth_v else ""
+    v_note = "options.smooth_v is not applied by the trainable 8b" if smooth_v else None
     if q.is_cuda and not SIMULATE_ON_GPU:
         if varlen is not None:  # varlen_attention then runs each sequence, which resolves here again
             return _full(requested, "a packed (varlen) call that needs a gradient runs sequence by sequence")
@@ -111,13 +111,11 @@ def _resolve_training(requested: str, q, k, v, *, layout, is_causal, mask, dropo
         slow = kernels.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal)
         if slow:
             return _full(requested, slow)
-        reason = "; ".join(r for r in (why_8b, v_note[2:]) if r) or None
+        reason = "; ".join(r for r in (why_8b, v_note) if r) or None
         return Decision(requested, TRAINABLE, variant.name, reason, variant)
     where = ("on the GPU (SAGE_PATCH_SIMULATE_ON_GPU=1)" if q.is_cuda else "(tensors on CPU)")
-    reason = f"reference simulation of the trainable 8b (SageBwd) {where}"
-    if why_8b:
-        reason = f"{why_8b}; {reason}"
-    return Decision(requested, TRAINABLE, TRAINABLE_IMPL, reason + v_note)
+    simulated = f"reference simulation of the trainable 8b (SageBwd) {where}"
+    return Decision(requested, TRAINABLE, TRAINABLE_IMPL, "; ".join(r for r in (why_8b, simulated, v_note) if r))
 
 
 class Varlen(NamedTuple):

@@ -15,16 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.multiproc import free_port
 
 
 def _entry(rank, world_size, port, fn, args):
@@ -45,7 +40,7 @@ def spawn(fn, world_size: int, *args) -> None:
     is retried, with a new port."""
     for attempt in range(3):
         try:
-            mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+            mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
             return
         except mp.ProcessRaisedException as e:
             if attempt == 2 or "address already in use" not in str(e).lower():

@@ -16,18 +16,16 @@ a failure never hangs CI.
 """
 import datetime
 import os
-import queue
-import socket
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import sage_patch
 from sage_patch.integrations import transformers as hf
 from sage_patch.router import bindings_of
+from tests.multiproc import run_ranks
 
 WORLD = 2
 TIMEOUT_S = 90
@@ -78,12 +76,6 @@ def _scenarios(model) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, port, path, misplan_path, mqa_path, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank))
@@ -120,30 +112,6 @@ def _worker(rank, port, path, misplan_path, mqa_path, results):
             dist.destroy_process_group()
 
 
-def _spawn(*args) -> dict:
-    """Run `_worker` on WORLD processes; returns {rank: result}. Fails (never hangs) after TIMEOUT_S."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, *args, results), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in procs:
-            rank, status, res = results.get(timeout=TIMEOUT_S)
-            assert status == "ok", f"rank {rank} failed:\n{res}"
-            out[rank] = res
-    except queue.Empty:
-        pytest.fail(f"tensor-parallel workers gave no result within {TIMEOUT_S} s (ranks done: {sorted(out)})")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return out
-
-
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
     torch.manual_seed(0)
@@ -154,7 +122,7 @@ def tp_run(tmp_path_factory):
     mqa = tmp_path_factory.mktemp("tiny_llama_mqa")
     LlamaForCausalLM._from_config(LlamaConfig(**{**CFG, "num_key_value_heads": 1})).save_pretrained(mqa)
     single = _scenarios(AutoModelForCausalLM.from_pretrained(path, attn_implementation="sage"))
-    return single, _spawn(str(path), str(misplan), str(mqa))
+    return single, run_ranks(_worker, WORLD, str(path), str(misplan), str(mqa), timeout_s=TIMEOUT_S)
 
 
 def test_each_rank_holds_its_share_of_the_heads(tp_run):

@@ -4,11 +4,12 @@ GPU. A small Flux-shaped transformer with head dim 128 (the kernel's), so every 
 kernel on each rank's shard; the parallel output is compared with the same model's single-GPU output of the same
 precision, and the report must show every call routed to the kernel."""
 import os
-import socket
 import tempfile
 
 import pytest
 import torch
+
+from tests.multiproc import free_port
 
 pytest.importorskip("diffusers")
 
@@ -85,12 +86,6 @@ def _worker(rank, port, kind, order, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cos(a, b):
     return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
@@ -101,7 +96,7 @@ def test_flux_context_parallel_runs_the_kernel_per_shard(kind, order):
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(_free_port(), kind, order, out_dir), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(free_port(), kind, order, out_dir), nprocs=WORLD, join=True)
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
     for r, res in enumerate(results):
         # every attention call of the parallel forward ran the compiled 8b kernel, none went elsewhere

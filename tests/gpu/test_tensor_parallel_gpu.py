@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
-import socket
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import sage_patch
@@ -25,6 +22,7 @@ import sage_patch.kernels as K
 from sage_patch.integrations import transformers as hf
 from sage_patch.router import bindings_of
 from sage_patch.routing import attach
+from tests.multiproc import run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -85,12 +83,6 @@ def test_kernel_on_a_shard_equals_unsharded_heads(dtype, monkeypatch):
         assert mod._sage_patch_binding.stats.impls == full_mod._sage_patch_binding.stats.impls
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, port, path, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank))
@@ -132,25 +124,7 @@ def test_tp2_nccl_logits_equal_single_gpu(tmp_path):
     del single
     torch.cuda.empty_cache()
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), results), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in procs:
-            rank, status, res = results.get(timeout=TIMEOUT_S)
-            assert status == "ok", f"rank {rank} failed:\n{res}"
-            out[rank] = res
-    except queue.Empty:
-        pytest.fail(f"tensor-parallel workers gave no result within {TIMEOUT_S} s (ranks done: {sorted(out)})")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    out = run_ranks(_worker, WORLD, str(tmp_path), timeout_s=TIMEOUT_S)
 
     for rank, res in out.items():
         assert res["shapes"] == [(CFG["num_attention_heads"] // WORLD, CFG["num_key_value_heads"] // WORLD)]
