@@ -91,13 +91,17 @@ def _(dout, q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, attn_mask, is_
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, *args = inputs
     out, _, lse_s, q_int, q_scale, k_int, k_scale = output
-    # only out is differentiable: autograd then materializes no zero gradients for the others (as large as Q and K)
+    # only out is differentiable, and autograd must not materialize zero gradients for the others: it would allocate
+    # them (the INT8 Q^ and K^ are as large as half of Q and K) before the backward runs, raising its peak memory
     ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q_int, q_scale, k_int, k_scale, v, out, lse_s, attn_mask)
     ctx.args = tuple(args)  # is_causal, scale, groups, block_q, block_k, smooth_k, dp, p_scale, pv, kernel
 
 
 def _backward(ctx, dout, *unused_grads):
+    if dout is None:  # no gradient reached the output (grads are not materialized)
+        return (None,) * (4 + len(ctx.args))
     q_int, q_scale, k_int, k_scale, v, out, lse_s, attn_mask = ctx.saved_tensors
     dq, dk, dv = torch.ops.sage_patch.sagebwd_bwd(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, attn_mask,
                                                   *ctx.args)

@@ -133,6 +133,27 @@ def test_double_backward_raises_clearly():
         gq.sum().backward()
 
 
+def test_backward_allocates_nothing_before_the_backward_op():
+    """Autograd would hand the backward zero gradients for the non-differentiable outputs (the INT8 Q^ and K^ are
+    half as large as Q and K), allocated before the op runs and alive through it: a peak-memory cost for nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, v = _leaves(*structured_qkv(b=1, h=2, sq=32, d=16, seed=5))
+    out = sage_patch.attention(q, k, v, precision="8b")
+    ops = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert "sage_patch.sagebwd_bwd.default" in ops
+    assert not [op for op in ops if "zeros" in op or "empty" in op or "full" in op], ops
+    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
 def test_custom_ops_pass_opcheck():
     from sage_patch.trainable import sagebwd_attention  # noqa: F401  (registers the ops)
 
