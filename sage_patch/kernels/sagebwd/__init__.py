@@ -10,7 +10,8 @@ backward's INT8 products quantized per row or column of their tile after the oth
 (SageBwdConfig docstring). The tile sizes that set the numerics are the backward's block_q (dK/dV's query tile)
 and block_k (dQ's key tile); the others are free and chosen for speed (TILES).
 
-Layout (B, H, S, D) with any strides whose channel stride is 1; outputs are contiguous. Launches go to the current
+Layout (B, H, S, D) with any strides whose channel stride is 1 and whose others are 16-byte aligned (tensor
+descriptors; other inputs are copied); outputs are contiguous. Launches go to the current
 CUDA stream (Triton's default), with no host synchronization: CUDA graphs capture them. Triton is imported when a
 kernel first runs, so importing sage_patch never needs it.
 """
@@ -38,8 +39,26 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _channels_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _descriptor_ready(x: torch.Tensor) -> torch.Tensor:
+    """x, or a contiguous copy where a tensor descriptor cannot address it (channel stride 1, every other stride
+    and the base address 16-byte aligned)."""
+    size = x.element_size()
+    ok = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in x.stride()[:-1])
+    return x if ok else x.contiguous()
+
+
+def _descriptor(x: torch.Tensor, box):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(box))
+
+
+def _int8_transposed(b: int, h: int, s: int, d: int, device) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """An empty INT8 (B * H, D, S) transposed operand whose rows are padded to 16 bytes (a descriptor's strides must
+    be), and the (head, token, channel) strides that _quantize_tokens writes it with."""
+    padded = _cdiv(s, 16) * 16
+    buf = torch.empty(b * h, d, padded, dtype=torch.int8, device=device)
+    return buf[:, :, :s], (d * padded, 1, padded)
 
 
 def _key_padding(mask: torch.Tensor | None, q: torch.Tensor):
@@ -71,7 +90,7 @@ def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, sm
     scores, q_int int8 (B, Hq, Sq, D), q_scale fp32 (B, Hq, Sq), k_int int8 (B, Hkv, Skv, D), k_scale (B, Hkv, Skv))."""
     from .fwd import forward_kernel
 
-    q, k, v = (_channels_contiguous(x) for x in (q, k, v))
+    q, k, v = (_descriptor_ready(x) for x in (q, k, v))
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     t = TILES[d]
@@ -89,8 +108,10 @@ def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, sm
     lse = torch.empty(b, hq, sq, dtype=f32, device=q.device)
     lse_s = torch.empty_like(lse)
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, q)
+    k_desc = _descriptor(k_int.view(b * hkv, skv, d), (1, t["fwd_n"], d))
     forward_kernel[(_cdiv(sq, t["fwd_m"]), b * hq)](
-        q_int, q_scale, qdot, k_int, k_scale, v, v.stride(0), v.stride(1), v.stride(2), out, out.stride(0), out.stride(1), out.stride(2),
+        q_int, q_scale, qdot, k_desc, k_scale, _descriptor(v, (1, 1, t["fwd_n"], d)),
+        out, out.stride(0), out.stride(1), out.stride(2),
         lse, lse_s, kpm, skpm, hq, hkv, sq, skv, float(scale),
         D=d, BLOCK_M=t["fwd_m"], BLOCK_N=t["fwd_n"], CAUSAL=bool(is_causal), KEY_PADDING=has_kpm,
         SMOOTH_K=bool(smooth_k), num_warps=t["fwd_warps"], num_stages=t["fwd_stages"])
@@ -103,35 +124,38 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     another). Returns (dq, dk, dv) in v's dtype, contiguous."""
     from .bwd import dkdv_kernel, dq_kernel
 
-    dout = _channels_contiguous(dout.to(v.dtype))
-    v, out = _channels_contiguous(v), _channels_contiguous(out)
+    dout = _descriptor_ready(dout.to(v.dtype))
+    v, out = _descriptor_ready(v), _descriptor_ready(out)
     b, hq, sq, d = q_int.shape
     hkv, skv = k_int.shape[1], k_int.shape[2]
     t = TILES[d]
+    half, bm, bn = d // 2, KERNEL_LAYOUT["block_q"], KERNEL_LAYOUT["block_k"]
     f32 = torch.float32
-    do_t = torch.empty(b, hq, d, sq, dtype=torch.int8, device=v.device)
+    do_t, do_t_strides = _int8_transposed(b, hq, sq, d, v.device)
     do_scale = torch.empty(b, hq, sq, dtype=f32, device=v.device)
     delta = torch.empty(b, hq, sq, dtype=f32, device=v.device)
-    _quantize_tokens(dout, do_t, (d * sq, 1, sq), do_scale, o=out, delta=delta)
-    q_t = q_int.transpose(2, 3).contiguous()   # the K-major operand of dS^T Q^
+    _quantize_tokens(dout, do_t, do_t_strides, do_scale, o=out, delta=delta)
+    q_t, _ = _int8_transposed(b, hq, sq, d, v.device)   # the K-major operand of dS^T Q^
+    q_t.copy_(q_int.view(b * hq, sq, d).transpose(1, 2))
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, v)
     flags = dict(D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
-                 num_warps=t["dkdv_warps"], BLOCK_M=KERNEL_LAYOUT["block_q"], BLOCK_N=t["dkdv_n"])
+                 num_warps=t["dkdv_warps"], BLOCK_M=bm, BLOCK_N=t["dkdv_n"])
     sizes = (hq, hkv, sq, skv, float(scale))
     dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
     dv = torch.empty_like(dk)
-    args = (q_int, q_t, q_scale, k_int, k_scale, v, v.stride(0), v.stride(1), v.stride(2),
-            dout, dout.stride(0), dout.stride(1), dout.stride(2), do_t, do_scale, lse_s, delta, dk, dv, kpm, skpm,
-            *sizes)
+    args = (_descriptor(q_int.view(b * hq, sq, d), (1, bm, d)), _descriptor(q_t, (1, half, bm)), q_scale, k_int,
+            k_scale, v, v.stride(0), v.stride(1), v.stride(2), _descriptor(dout, (1, 1, bm, d)),
+            _descriptor(do_t, (1, half, bm)), do_scale, lse_s, delta, dk, dv, kpm, skpm, *sizes)
     grid = (_cdiv(skv, t["dkdv_n"]), b * hkv)
     for parts in ((True, True),) if t["dkdv_fused"] else ((False, True), (True, False)):
         dkdv_kernel[grid](*args, DK=parts[0], DV=parts[1], **flags)
     del args, do_t, q_t  # the transposed INT8 operands are not needed by dQ: freed before K^T is made
-    k_t = k_int.transpose(2, 3).contiguous()   # the K-major operand of dS K^
+    k_t, _ = _int8_transposed(b, hkv, skv, d, v.device)   # the K-major operand of dS K^
+    k_t.copy_(k_int.view(b * hkv, skv, d).transpose(1, 2))
     dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)
     dq_kernel[(_cdiv(sq, t["dq_m"]), b * hq)](
-        q_int, q_scale, k_int, k_t, k_scale, v, v.stride(0), v.stride(1), v.stride(2),
-        dout, dout.stride(0), dout.stride(1), dout.stride(2), lse_s, delta, dq, kpm, skpm, *sizes,
-        D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"], num_warps=t["dq_warps"],
-        BLOCK_M=t["dq_m"], BLOCK_N=KERNEL_LAYOUT["block_k"])
+        q_int, q_scale, _descriptor(k_int.view(b * hkv, skv, d), (1, bn, d)), _descriptor(k_t, (1, half, bn)),
+        k_scale, _descriptor(v, (1, 1, bn, d)), dout, dout.stride(0), dout.stride(1), dout.stride(2), lse_s, delta,
+        dq, kpm, skpm, *sizes, D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
+        num_warps=t["dq_warps"], BLOCK_M=t["dq_m"], BLOCK_N=bn)
     return dq, dk, dv

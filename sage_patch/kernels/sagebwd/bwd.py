@@ -14,17 +14,20 @@ quantized, so every scale factors out of the exact int32 product.
 
 Why half-width accumulators and a dK/dV kernel that can run as two launches: an INT8 product's int32 result is
 rescaled before it is added to its fp32 accumulator, so each product needs a temporary as large as its share of the
-accumulator. At D=128, dK and dV in one launch (K^ and V held for the whole loop) left ptxas at 255 registers with
-2.7 KB of spills per thread; one launch each, with every accumulator kept as two D/2-wide halves, is faster there.
-At D=64 one launch for both is faster (docs/design/kernels.md).
+accumulator. At D=128, dK and dV in one launch (K^ and V held for the whole loop) spill (0.4 KB per thread); one
+launch each, with every accumulator kept as two D/2-wide halves, does not and is faster there. At D=64 one launch for
+both is faster (docs/design/kernels.md).
+
+Every tile read inside the loops comes through a tensor descriptor (fwd.py says why); the transposed INT8 operands
+are (B * H, D, S) with rows padded to 16 bytes, as a descriptor's strides must be.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .fwd import LOG2E, key_end, key_tile, scores, visible
-from .quant import rint
+from .fwd import LOG2E, hide, key_end, key_tile, scores
+from .quant import int_to_float, to_int8
 
 
 @triton.jit
@@ -32,29 +35,30 @@ def quantize_rows_of(x):
     """INT8 with one scale per row of x: (x^, scale)."""
     amax = tl.max(tl.abs(x), axis=1)
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-    return rint(x * inv[:, None]).to(tl.int8), amax / 127.0
+    return to_int8(x * inv[:, None]), amax / 127.0
 
 
 @triton.jit
-def half_product(a8, bt_ptr, row0, stride, offs_h, offs_c, cols):
-    """a8 (R, C) INT8 times B (C, D/2) where B^T is stored row-major at bt_ptr (rows row0 + offs_h, columns offs_c,
-    row stride `stride`): the int32 product as fp32 (R, D/2)."""
-    bt = tl.load(bt_ptr + (row0 + offs_h[:, None]) * stride + offs_c[None, :], mask=cols[None, :], other=0)
-    return tl.dot(a8, tl.trans(bt), out_dtype=tl.int32).to(tl.float32)
+def half_product(a8, bt_desc, bh, h0, c0, HALF: tl.constexpr, C: tl.constexpr):
+    """a8 (R, C) INT8 times B (C, D/2), the channels h0.. of the columns c0.. of head bh of the transposed operand
+    B^T (B * H, D, S): the int32 product as fp32 (R, D/2)."""
+    bt = bt_desc.load([bh, h0, c0]).reshape(HALF, C)
+    return int_to_float(tl.dot(a8, tl.trans(bt), out_dtype=tl.int32))
 
 
 @triton.jit
-def probs_t(k, ks, q_ptr, qs_ptr, lse_ptr, bh, b, offs_m, offs_n, offs_d, rows, Sq, Skv, kpm_ptr, skpm,
-            D: tl.constexpr, CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr):
+def probs_t(k, ks, q_desc, qs_ptr, lse_ptr, bh, b, m0, n0, offs_m, offs_n, rows, Sq, Skv, kpm_ptr, skpm,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+            KEY_PADDING: tl.constexpr):
     """P^T (BLOCK_N, BLOCK_M) of one query tile from the saved operands (ks carries tau log2(e)), and Q's scales."""
-    q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=rows[:, None], other=0)
+    q = q_desc.load([bh, m0, 0]).reshape(BLOCK_M, D)
     qs = tl.load(qs_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
     # +inf for rows past Sq makes their P exactly 0; an empty row's scores are all -inf (P = 0 too)
     lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=rows, other=float("inf")) * LOG2E
     lse = tl.where(lse == float("-inf"), 0.0, lse)
-    st = scores(k, ks, q, qs)
-    ok = tl.trans(visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING))
-    return tl.where(ok, tl.exp2(st - lse[None, :]), 0.0), qs
+    pt = tl.exp2(scores(k, ks, q, qs) - lse[None, :])
+    pt = hide(pt, 0.0, m0, n0, offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, BLOCK_M, BLOCK_N, CAUSAL, KEY_PADDING, True)
+    return pt, qs
 
 
 @triton.jit
@@ -68,11 +72,11 @@ def first_query_tile(pid_n, Sq, Skv, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 @triton.jit
 def dkdv_kernel(
-    q_ptr, qt_ptr, qs_ptr,           # Q^ int8 (B, Hq, Sq, D) and Q^T (B, Hq, D, Sq), scales (B, Hq, Sq)
+    q_desc, qt_desc, qs_ptr,         # Q^ int8 (B * Hq, Sq, D) and Q^T (B * Hq, D, Sq) descriptors, scales (B, Hq, Sq)
     k_ptr, ks_ptr,                   # K^ int8 (B, Hkv, Skv, D), scales (B, Hkv, Skv)
     v_ptr, svb, svh, svs,            # V (B, Hkv, Skv, D) in the input dtype
-    do_ptr, sdob, sdoh, sdos,        # dO (B, Hq, Sq, D) in the input dtype
-    dot_ptr, dos_ptr,                # dO^T int8 (B, Hq, D, Sq), scales (B, Hq, Sq)
+    do_desc,                         # dO (B, Hq, Sq, D) in the input dtype, descriptor
+    dot_desc, dos_ptr,               # dO^T int8 (B * Hq, D, Sq) descriptor, scales (B, Hq, Sq)
     lse_ptr, delta_ptr,              # fp32 (B, Hq, Sq): LSE of the smoothed scores, rowsum(dO o O)
     dk_ptr, dv_ptr,                  # outputs (B, Hkv, Skv, D) contiguous
     kpm_ptr, skpm,
@@ -101,25 +105,25 @@ def dkdv_kernel(
     dv1 = tl.zeros((BLOCK_N, HALF), tl.float32)
     lo = first_query_tile(pid_n, Sq, Skv, BLOCK_M, BLOCK_N, CAUSAL)
     for g in range(0, group):
-        bh = b * Hq + hkv * group + g
+        h = hkv * group + g
+        bh = b * Hq + h
         for m0 in range(lo, Sq, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             rows = offs_m < Sq
-            pt, qs = probs_t(k, ks, q_ptr, qs_ptr, lse_ptr, bh, b, offs_m, offs_n, offs_d, rows, Sq, Skv, kpm_ptr,
-                             skpm, D, CAUSAL, KEY_PADDING)
+            pt, qs = probs_t(k, ks, q_desc, qs_ptr, lse_ptr, bh, b, m0, pid_n * BLOCK_N, offs_m, offs_n, rows, Sq,
+                             Skv, kpm_ptr, skpm, BLOCK_M, BLOCK_N, D, CAUSAL, KEY_PADDING)
             if DV:
                 dos = tl.load(dos_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
                 p8, p_scale = quantize_rows_of(pt * dos[None, :])
-                dv0 += half_product(p8, dot_ptr, bh * D, Sq, offs_h, offs_m, rows) * p_scale[:, None]
-                dv1 += half_product(p8, dot_ptr, bh * D + HALF, Sq, offs_h, offs_m, rows) * p_scale[:, None]
+                dv0 += half_product(p8, dot_desc, bh, 0, m0, HALF, BLOCK_M) * p_scale[:, None]
+                dv1 += half_product(p8, dot_desc, bh, HALF, m0, HALF, BLOCK_M) * p_scale[:, None]
             if DK:
-                do = tl.load(do_ptr + b * sdob + (hkv * group + g) * sdoh + offs_m[:, None] * sdos + offs_d[None, :],
-                             mask=rows[:, None], other=0.0)
+                do = do_desc.load([b, h, m0, 0]).reshape(BLOCK_M, D)
                 dpt = tl.dot(v, tl.trans(do))                                        # fp32 accumulation
                 delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
                 ds8, ds_scale = quantize_rows_of(pt * (dpt - delta[None, :]) * qs[None, :])
-                dk0 += half_product(ds8, qt_ptr, bh * D, Sq, offs_h, offs_m, rows) * ds_scale[:, None]
-                dk1 += half_product(ds8, qt_ptr, bh * D + HALF, Sq, offs_h, offs_m, rows) * ds_scale[:, None]
+                dk0 += half_product(ds8, qt_desc, bh, 0, m0, HALF, BLOCK_M) * ds_scale[:, None]
+                dk1 += half_product(ds8, qt_desc, bh, HALF, m0, HALF, BLOCK_M) * ds_scale[:, None]
     out = (bkv * Skv + offs_n[:, None]) * D + offs_h[None, :]
     if DV:
         tl.store(dv_ptr + out, dv0.to(dv_ptr.dtype.element_ty), mask=cols[:, None])
@@ -132,8 +136,8 @@ def dkdv_kernel(
 @triton.jit
 def dq_kernel(
     q_ptr, qs_ptr,                   # Q^ int8 (B, Hq, Sq, D), scales (B, Hq, Sq)
-    k_ptr, kt_ptr, ks_ptr,           # K^ int8 (B, Hkv, Skv, D) and K^T (B, Hkv, D, Skv), scales (B, Hkv, Skv)
-    v_ptr, svb, svh, svs,            # V (B, Hkv, Skv, D) in the input dtype
+    k_desc, kt_desc, ks_ptr,         # K^ int8 (B * Hkv, Skv, D) and K^T (B * Hkv, D, Skv) descriptors, scales
+    v_desc,                          # V (B, Hkv, Skv, D) in the input dtype, descriptor
     do_ptr, sdob, sdoh, sdos,        # dO (B, Hq, Sq, D) in the input dtype
     lse_ptr, delta_ptr,
     dq_ptr,                          # output (B, Hq, Sq, D) contiguous
@@ -162,15 +166,15 @@ def dq_kernel(
     dq1 = tl.zeros((BLOCK_M, HALF), tl.float32)
     for n0 in range(0, key_end(pid_m, Sq, Skv, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k, ks, cols = key_tile(k_ptr, ks_ptr, bkv, offs_n, offs_d, Skv, D)
-        ok = visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING)
-        p = tl.where(ok, tl.exp2(scores(q, qs, k, ks) - lse[:, None]), 0.0)
-        v = tl.load(v_ptr + b * svb + hkv * svh + offs_n[:, None] * svs + offs_d[None, :], mask=cols[:, None],
-                    other=0.0)
+        k, ks = key_tile(k_desc, ks_ptr, bkv, n0, offs_n, Skv, BLOCK_N, D)
+        p = tl.exp2(scores(q, qs, k, ks) - lse[:, None])
+        p = hide(p, 0.0, pid_m * BLOCK_M, n0, offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, BLOCK_M, BLOCK_N, CAUSAL,
+                 KEY_PADDING, False)
+        v = v_desc.load([b, hkv, n0, 0]).reshape(BLOCK_N, D)
         dp = tl.dot(do, tl.trans(v))
         ds8, ds_scale = quantize_rows_of(p * (dp - delta[:, None]) * ks[None, :])
-        dq0 += half_product(ds8, kt_ptr, bkv * D, Skv, offs_h, offs_n, cols) * ds_scale[:, None]
-        dq1 += half_product(ds8, kt_ptr, bkv * D + HALF, Skv, offs_h, offs_n, cols) * ds_scale[:, None]
+        dq0 += half_product(ds8, kt_desc, bkv, 0, n0, HALF, BLOCK_N) * ds_scale[:, None]
+        dq1 += half_product(ds8, kt_desc, bkv, HALF, n0, HALF, BLOCK_N) * ds_scale[:, None]
     dst = dq_ptr + (bh * Sq + offs_m[:, None]) * D + offs_h[None, :]
     tl.store(dst, (dq0 * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None])
     tl.store(dst + HALF, (dq1 * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None])

@@ -4,11 +4,17 @@ accumulation); writes O, the LSE the caller sees and the LSE of the smoothed sco
 P~ V stays 16-bit because the forward's error reaches every gradient through Delta = rowsum(dO o O) (the reference
 SageBwdConfig.pv explains the measurement). One program per (BLOCK_M query rows, batch x query head) walks the key
 tiles of BLOCK_N keys. Scores are kept in the log2 domain (exp2, with log2(e) folded into the softmax scale).
+
+Tiles read once per key step come through tensor descriptors (TMA on sm_90+: straight to shared memory, no address
+registers; Triton lowers them to plain loads before sm_90). A descriptor's box stops at its own head's sequence end and
+reads zeros past it, like the masked loads it replaces.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .quant import int_to_float
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -27,17 +33,34 @@ def visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL: tl.constexpr, KEY
 
 
 @triton.jit
-def scores(a, a_scale, b, b_scale):
-    """A^ B^T (INT8 operands, exact int32 product) times the row scales of A and the row scales of B, in fp32."""
-    return tl.dot(a, tl.trans(b), out_dtype=tl.int32).to(tl.float32) * a_scale[:, None] * b_scale[None, :]
+def hide(x, fill, m0, n0, offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+         CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """x (the tile of queries m0.. and keys n0.., or its transpose) with every pair `visible` hides set to fill.
+    Causal calls mask only the tiles that reach above the diagonal, or past Skv, or have key padding (most tiles
+    of a long causal call need no mask); other calls mask every tile, as a branch in their loop measured slower
+    than the mask. Queries past Sq need no mask: the forward never stores their rows, and the backward's +inf LSE
+    makes their P 0."""
+    if CAUSAL:
+        if (n0 + BLOCK_N > Skv) | (n0 + BLOCK_N - 1 > m0 + Skv - Sq) | KEY_PADDING:
+            ok = visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING)
+            x = tl.where(tl.trans(ok) if TRANSPOSED else ok, x, fill)
+    else:
+        ok = visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING)
+        x = tl.where(tl.trans(ok) if TRANSPOSED else ok, x, fill)
+    return x
 
 
 @triton.jit
-def key_tile(k_ptr, ks_ptr, bkv, offs_n, offs_d, Skv, D: tl.constexpr):
-    """K^ rows offs_n of one KV head (0 past Skv) and their scales: (k (BLOCK_N, D) int8, ks (BLOCK_N,), in-range)."""
-    cols = offs_n < Skv
-    k = tl.load(k_ptr + (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :], mask=cols[:, None], other=0)
-    return k, tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0), cols
+def scores(a, a_scale, b, b_scale):
+    """A^ B^T (INT8 operands, exact int32 product) times the row scales of A and the row scales of B, in fp32."""
+    return int_to_float(tl.dot(a, tl.trans(b), out_dtype=tl.int32)) * a_scale[:, None] * b_scale[None, :]
+
+
+@triton.jit
+def key_tile(k_desc, ks_ptr, bkv, n0, offs_n, Skv, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """K^ rows n0.. of one KV head (0 past Skv) and their scales: (k (BLOCK_N, D) int8, ks (BLOCK_N,))."""
+    k = k_desc.load([bkv, n0, 0]).reshape(BLOCK_N, D)
+    return k, tl.load(ks_ptr + bkv * Skv + offs_n, mask=offs_n < Skv, other=0.0)
 
 
 @triton.jit
@@ -52,8 +75,8 @@ def key_end(pid_m, Sq, Skv, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 @triton.jit
 def forward_kernel(
     q_ptr, qs_ptr, qdot_ptr,         # Q^ int8 (B, Hq, Sq, D) contiguous, scales (B, Hq, Sq), q . mean(K) (B, Hq, Sq)
-    k_ptr, ks_ptr,                   # K^ int8 (B, Hkv, Skv, D) contiguous, scales (B, Hkv, Skv)
-    v_ptr, svb, svh, svs,            # V (B, Hkv, Skv, D) in the input dtype, channel stride 1
+    k_desc, ks_ptr,                  # K^ int8 (B * Hkv, Skv, D) descriptor, box (1, BLOCK_N, D); scales (B, Hkv, Skv)
+    v_desc,                          # V (B, Hkv, Skv, D) in the input dtype, descriptor, box (1, 1, BLOCK_N, D)
     o_ptr, sob, soh, sos,            # O (B, Hq, Sq, D), channel stride 1
     lse_ptr, lse_s_ptr,              # fp32 (B, Hq, Sq): LSE of the scores, of the smoothed scores
     kpm_ptr, skpm,                   # key padding (B, Skv) uint8, 1 = attend (KEY_PADDING)
@@ -75,18 +98,17 @@ def forward_kernel(
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     for n0 in range(0, key_end(pid_m, Sq, Skv, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k, ks, cols = key_tile(k_ptr, ks_ptr, bkv, offs_n, offs_d, Skv, D)
+        k, ks = key_tile(k_desc, ks_ptr, bkv, n0, offs_n, Skv, BLOCK_N, D)
         s = scores(q, qs, k, ks)
-        ok = visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING)
-        s = tl.where(ok, s, float("-inf"))
+        s = hide(s, float("-inf"), pid_m * BLOCK_M, n0, offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, BLOCK_M, BLOCK_N,
+                 CAUSAL, KEY_PADDING, False)
         rowmax = tl.max(s, axis=1)
         m_new = tl.maximum(m, rowmax)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + b * svb + hkv * svh + offs_n[:, None] * svs + offs_d[None, :], mask=cols[:, None],
-                    other=0.0)
+        v = v_desc.load([b, hkv, n0, 0]).reshape(BLOCK_N, D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     nonempty = l != 0.0

@@ -8,13 +8,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# round half to even for |x| < 2**22: adding 1.5 * 2**23 leaves no fraction bits (IEEE add rounds to nearest even)
-ROUND_MAGIC = tl.constexpr(12582912.0)
+# Conversions between fp32 and integers without the conversion units (I2F / F2I issue at a quarter of the FP32 rate,
+# and the backward converts every INT8 product's int32 result and quantizes two operands per tile: they, not the
+# tensor cores, bounded its speed). Both rest on 1.5 * 2**23, whose fp32 mantissa holds an integer offset of up to
+# 2**22 either way; both are exact, with the conversion units' results.
+MAGIC_F32 = tl.constexpr(12582912.0)       # 1.5 * 2**23
+MAGIC_BITS = tl.constexpr(0x4B400000)      # its bit pattern; its low byte is 0
 
 
 @triton.jit
-def rint(x):
-    return (x + ROUND_MAGIC) - ROUND_MAGIC
+def to_int8(x):
+    """Round-half-to-even of fp32 x, |x| <= 127.5, as int8: adding 1.5 * 2**23 leaves no fraction bits (IEEE
+    addition rounds to nearest even) and puts round(x) in the low bits, whose low byte is round(x) as int8."""
+    return (x + MAGIC_F32).to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
+def int_to_float(x):
+    """int32 x, |x| < 2**22, as fp32. An INT8 product of D <= 128 or 64-long reductions stays below 2**21
+    (128 * 127 * 127); wider reductions would need the conversion unit."""
+    return (x + MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC_F32
 
 
 @triton.jit
@@ -27,7 +40,7 @@ def quantize_tokens_kernel(
     H, S, MEAN_GROUP,                # MEAN_GROUP: heads of x per head of mean (GQA)
     D: tl.constexpr, BLOCK_S: tl.constexpr, MEAN_MODE: tl.constexpr, DELTA: tl.constexpr,
 ):
-    """One scale per token: s = max_d |x| / 127, x^ = rint(x / s) (0 where s = 0)."""
+    """One scale per token: s = max_d |x| / 127, x^ = round(x / s) (0 where s = 0)."""
     pid_s, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -47,6 +60,6 @@ def quantize_tokens_kernel(
         tl.store(delta_ptr + bh * S + offs_s, tl.sum(x * o, axis=1), mask=rows)
     amax = tl.max(tl.abs(x), axis=1)
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-    xq = rint(x * inv[:, None]).to(tl.int8)
+    xq = to_int8(x * inv[:, None])
     tl.store(scale_ptr + bh * S + offs_s, amax / 127.0, mask=rows)
     tl.store(xq_ptr + bh * qsh + offs_s[:, None] * qss + offs_d[None, :] * qsd, xq, mask=rows[:, None])
