@@ -17,9 +17,12 @@ kernel first runs, so importing sage_patch never needs it.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 # SageBwdConfig's fields (the kernels describe their numerics as data; the reference layer interprets them)
+LOG2E = 1.4426950408889634  # the kernels keep scores in the log2 domain (fwd.LOG2E)
 KERNEL_LAYOUT = {"groups": "token", "block_q": 64, "block_k": 64, "pv": "input", "smooth_k": True, "dp": "input"}
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -143,13 +146,16 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     sizes = (hq, hkv, sq, skv, float(scale))
     dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
     dv = torch.empty_like(dk)
-    args = (_descriptor(q_int.view(b * hq, sq, d), (1, bm, d)), _descriptor(q_t, (1, half, bm)), q_scale, k_int,
-            k_scale, v, v.stride(0), v.stride(1), v.stride(2), _descriptor(dout, (1, 1, bm, d)),
-            _descriptor(do_t, (1, half, bm)), do_scale, lse_s, delta, dk, dv, kpm, skpm, *sizes)
+    # per-query values of the dK/dV loop, one row of four per query (bwd.row_stats): the LSE in the log2 domain
+    lse2 = lse_s * LOG2E
+    stats = torch.stack((q_scale, torch.where(lse2 == -math.inf, 0.0, lse2), delta, do_scale), dim=-1)
+    args = (_descriptor(q_int.view(b * hq, sq, d), (1, bm, d)), _descriptor(q_t, (1, half, bm)), k_int, k_scale, v,
+            v.stride(0), v.stride(1), v.stride(2), _descriptor(dout, (1, 1, bm, d)), _descriptor(do_t, (1, half, bm)),
+            _descriptor(stats.view(b * hq, sq, 4), (1, bm, 4)), dk, dv, kpm, skpm, *sizes)
     grid = (_cdiv(skv, t["dkdv_n"]), b * hkv)
     for parts in ((True, True),) if t["dkdv_fused"] else ((False, True), (True, False)):
         dkdv_kernel[grid](*args, DK=parts[0], DV=parts[1], **flags)
-    del args, do_t, q_t  # the transposed INT8 operands are not needed by dQ: freed before K^T is made
+    del args, do_t, q_t, stats  # the transposed INT8 operands are not needed by dQ: freed before K^T is made
     k_t, _ = _int8_transposed(b, hkv, skv, d, v.device)   # the K-major operand of dS K^
     k_t.copy_(k_int.view(b * hkv, skv, d).transpose(1, 2))
     dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)

@@ -47,18 +47,24 @@ def half_product(a8, bt_desc, bh, h0, c0, HALF: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def probs_t(k, ks, q_desc, qs_ptr, lse_ptr, bh, b, m0, n0, offs_m, offs_n, rows, Sq, Skv, kpm_ptr, skpm,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-            KEY_PADDING: tl.constexpr):
-    """P^T (BLOCK_N, BLOCK_M) of one query tile from the saved operands (ks carries tau log2(e)), and Q's scales."""
-    q = q_desc.load([bh, m0, 0]).reshape(BLOCK_M, D)
-    qs = tl.load(qs_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
-    # +inf for rows past Sq makes their P exactly 0; an empty row's scores are all -inf (P = 0 too)
-    lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=rows, other=float("inf")) * LOG2E
-    lse = tl.where(lse == float("-inf"), 0.0, lse)
+def row_stats(stats_desc, bh, m0, BLOCK_M: tl.constexpr):
+    """The per-query values of a query tile, (B * Hq, Sq, 4) rows read by one descriptor load (per-element loads of
+    four vectors cost the loop more instructions than its products): Q's scale, the LSE in the log2 domain (0 for
+    an empty row, whose P the mask makes 0), Delta and dO's scale. Rows past Sq read as zeros: with their Q and dO
+    scales 0, their share of dK and dV is 0."""
+    even, odd = tl.split(stats_desc.load([bh, m0, 0]).reshape(BLOCK_M, 2, 2))
+    qs, delta = tl.split(even)
+    lse, dos = tl.split(odd)
+    return qs, lse, delta, dos
+
+
+@triton.jit
+def probs_t(k, ks, q, qs, lse, b, m0, n0, offs_m, offs_n, Sq, Skv, kpm_ptr, skpm, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr):
+    """P^T (BLOCK_N, BLOCK_M) of one query tile from the saved operands (ks carries tau log2(e))."""
     pt = tl.exp2(scores(k, ks, q, qs) - lse[None, :])
-    pt = hide(pt, 0.0, m0, n0, offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, BLOCK_M, BLOCK_N, CAUSAL, KEY_PADDING, True)
-    return pt, qs
+    return hide(pt, 0.0, m0, n0, offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, BLOCK_M, BLOCK_N, CAUSAL, KEY_PADDING,
+                True)
 
 
 @triton.jit
@@ -72,12 +78,12 @@ def first_query_tile(pid_n, Sq, Skv, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 @triton.jit
 def dkdv_kernel(
-    q_desc, qt_desc, qs_ptr,         # Q^ int8 (B * Hq, Sq, D) and Q^T (B * Hq, D, Sq) descriptors, scales (B, Hq, Sq)
+    q_desc, qt_desc,                 # Q^ int8 (B * Hq, Sq, D) and Q^T (B * Hq, D, Sq) descriptors
     k_ptr, ks_ptr,                   # K^ int8 (B, Hkv, Skv, D), scales (B, Hkv, Skv)
     v_ptr, svb, svh, svs,            # V (B, Hkv, Skv, D) in the input dtype
     do_desc,                         # dO (B, Hq, Sq, D) in the input dtype, descriptor
-    dot_desc, dos_ptr,               # dO^T int8 (B * Hq, D, Sq) descriptor, scales (B, Hq, Sq)
-    lse_ptr, delta_ptr,              # fp32 (B, Hq, Sq): LSE of the smoothed scores, rowsum(dO o O)
+    dot_desc,                        # dO^T int8 (B * Hq, D, Sq) descriptor
+    stats_desc,                      # fp32 (B * Hq, Sq, 4) descriptor: row_stats
     dk_ptr, dv_ptr,                  # outputs (B, Hkv, Skv, D) contiguous
     kpm_ptr, skpm,
     Hq, Hkv, Sq, Skv, sm_scale,
@@ -109,18 +115,17 @@ def dkdv_kernel(
         bh = b * Hq + h
         for m0 in range(lo, Sq, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            rows = offs_m < Sq
-            pt, qs = probs_t(k, ks, q_desc, qs_ptr, lse_ptr, bh, b, m0, pid_n * BLOCK_N, offs_m, offs_n, rows, Sq,
-                             Skv, kpm_ptr, skpm, BLOCK_M, BLOCK_N, D, CAUSAL, KEY_PADDING)
+            q = q_desc.load([bh, m0, 0]).reshape(BLOCK_M, D)
+            qs, lse, delta, dos = row_stats(stats_desc, bh, m0, BLOCK_M)
+            pt = probs_t(k, ks, q, qs, lse, b, m0, pid_n * BLOCK_N, offs_m, offs_n, Sq, Skv, kpm_ptr, skpm, BLOCK_M,
+                         BLOCK_N, CAUSAL, KEY_PADDING)
             if DV:
-                dos = tl.load(dos_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
                 p8, p_scale = quantize_rows_of(pt * dos[None, :])
                 dv0 += half_product(p8, dot_desc, bh, 0, m0, HALF, BLOCK_M) * p_scale[:, None]
                 dv1 += half_product(p8, dot_desc, bh, HALF, m0, HALF, BLOCK_M) * p_scale[:, None]
             if DK:
                 do = do_desc.load([b, h, m0, 0]).reshape(BLOCK_M, D)
                 dpt = tl.dot(v, tl.trans(do))                                        # fp32 accumulation
-                delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
                 ds8, ds_scale = quantize_rows_of(pt * (dpt - delta[None, :]) * qs[None, :])
                 dk0 += half_product(ds8, qt_desc, bh, 0, m0, HALF, BLOCK_M) * ds_scale[:, None]
                 dk1 += half_product(ds8, qt_desc, bh, HALF, m0, HALF, BLOCK_M) * ds_scale[:, None]

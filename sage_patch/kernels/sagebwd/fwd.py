@@ -22,8 +22,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) bool: query offs_m sees key offs_n (in range, bottom-right causal, key padding)."""
-    ok = (offs_n < Skv)[None, :] & (offs_m < Sq)[:, None]
+    """(BLOCK_M, BLOCK_N) bool: query offs_m sees key offs_n (a key in range, bottom-right causal, key padding).
+    Queries past Sq are not masked: no kernel stores their rows, and the backward's zero scales for them (Q's, dO's)
+    make their share of every product 0."""
+    ok = (offs_n < Skv)[None, :]
     if CAUSAL:
         ok = ok & (offs_n[None, :] <= offs_m[:, None] + (Skv - Sq))
     if KEY_PADDING:
@@ -38,8 +40,7 @@ def hide(x, fill, m0, n0, offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, BLOCK_M: tl
     """x (the tile of queries m0.. and keys n0.., or its transpose) with every pair `visible` hides set to fill.
     Causal calls mask only the tiles that reach above the diagonal, or past Skv, or have key padding (most tiles
     of a long causal call need no mask); other calls mask every tile, as a branch in their loop measured slower
-    than the mask. Queries past Sq need no mask: the forward never stores their rows, and the backward's +inf LSE
-    makes their P 0."""
+    than the mask."""
     if CAUSAL:
         if (n0 + BLOCK_N > Skv) | (n0 + BLOCK_N - 1 > m0 + Skv - Sq) | KEY_PADDING:
             ok = visible(offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, CAUSAL, KEY_PADDING)
