@@ -16,6 +16,16 @@ def structured_qkv(b=2, h=4, sq=256, skv=None, d=64, hkv=None, dtype=torch.float
 
 
 @pytest.fixture
+def one_thread():
+    """Bitwise comparisons of two CPU runs: with several threads, a loaded machine can change how a matmul splits its
+    reductions between the runs (seen with the CPU busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def qkv():
     return structured_qkv
 

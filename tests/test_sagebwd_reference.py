@@ -130,7 +130,7 @@ def test_smoothing_gradient_identity_in_float64():
     assert ds.sum(-1).abs().max() < 1e-12 * ds.abs().max()
 
 
-def test_gqa_reduction_equals_repeated_kv_summed():
+def test_gqa_reduction_equals_repeated_kv_summed(one_thread):
     q, k, v = structured_qkv(b=2, h=6, hkv=2, sq=160, d=32, dtype=torch.float16, seed=5)
     dout = _dout(q)
     gqa = _sagebwd(q, k, v, dout, is_causal=True)
@@ -143,7 +143,7 @@ def test_gqa_reduction_equals_repeated_kv_summed():
 
 
 @pytest.mark.parametrize("sq,skv", [(96, 300), (300, 200)])
-def test_causal_bottom_right_with_unequal_lengths(sq, skv):
+def test_causal_bottom_right_with_unequal_lengths(sq, skv, one_thread):
     q, k, v = structured_qkv(b=1, h=2, sq=sq, skv=skv, d=64, dtype=torch.float16, seed=6)
     dout = _dout(q)
     ours = _sagebwd(q, k, v, dout, is_causal=True)
@@ -181,7 +181,7 @@ def test_key_padding_and_dense_masks():
     assert all(cos[n] >= MIN_COS[n] for n in MIN_COS), cos
 
 
-def test_empty_rows_give_zeros_and_no_nan():
+def test_empty_rows_give_zeros_and_no_nan(one_thread):
     q, k, v = structured_qkv(b=3, h=2, sq=100, skv=150, d=64, dtype=torch.float16, seed=9)
     dout = _dout(q)
     kp = torch.ones(3, 150, dtype=torch.bool)

@@ -23,7 +23,7 @@ def _simulated(q, k, v, dout, **kw):
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_attention_gradients_equal_the_simulations_backward(layout):
+def test_attention_gradients_equal_the_simulations_backward(layout, one_thread):
     q, k, v = structured_qkv(b=2, h=4, hkv=2, sq=80, skv=96, d=32, dtype=torch.float16, seed=1)
     kp = torch.ones(2, 96, dtype=torch.bool)
     kp[1, 70:] = False
@@ -41,7 +41,7 @@ def test_attention_gradients_equal_the_simulations_backward(layout):
     assert "reference-sagebwd" in str(sage_patch.report())
 
 
-def test_sdpa_drop_in_trains_through_the_simulation():
+def test_sdpa_drop_in_trains_through_the_simulation(one_thread):
     q, k, v = structured_qkv(b=1, h=2, sq=64, d=32, seed=3)
     dout = torch.randn(1, 2, 64, 32, generator=torch.Generator().manual_seed(4))
     ref = _simulated(q, k, v, dout, is_causal=True)
