@@ -56,6 +56,15 @@ def _descriptor(x: torch.Tensor, box):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), list(box))
 
 
+def _scales_descriptor(scale: torch.Tensor, block: int):
+    """A descriptor of (B, H, S) fp32 scales as (B * H, S) rows of `block`: rows padded to 16 bytes (a copy: the
+    kernels' saved scales stay contiguous), zeros past S."""
+    b, h, s = scale.shape
+    padded = torch.zeros(b * h, _cdiv(s, 4) * 4, dtype=scale.dtype, device=scale.device)
+    padded[:, :s] = scale.view(b * h, s)
+    return _descriptor(padded[:, :s], (1, block))
+
+
 def _int8_transposed(b: int, h: int, s: int, d: int, device) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """An empty INT8 (B * H, D, S) transposed operand whose rows are padded to 16 bytes (a descriptor's strides must
     be), and the (head, token, channel) strides that _quantize_tokens writes it with."""
@@ -111,12 +120,11 @@ def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, sm
     lse = torch.empty(b, hq, sq, dtype=f32, device=q.device)
     lse_s = torch.empty_like(lse)
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, q)
-    k_desc = _descriptor(k_int.view(b * hkv, skv, d), (1, t["fwd_n"], d))
+    bn = t["fwd_n"]
     forward_kernel[(_cdiv(sq, t["fwd_m"]), b * hq)](
-        q_int, q_scale, qdot, k_desc, k_scale, _descriptor(v, (1, 1, t["fwd_n"], d)),
-        out, out.stride(0), out.stride(1), out.stride(2),
-        lse, lse_s, kpm, skpm, hq, hkv, sq, skv, float(scale),
-        D=d, BLOCK_M=t["fwd_m"], BLOCK_N=t["fwd_n"], CAUSAL=bool(is_causal), KEY_PADDING=has_kpm,
+        q_int, q_scale, qdot, _descriptor(k_int.view(b * hkv, skv, d), (1, bn, d)), _scales_descriptor(k_scale, bn),
+        _descriptor(v, (1, 1, bn, d)), out, out.stride(0), out.stride(1), out.stride(2), lse, lse_s, kpm, skpm, hq, hkv,
+        sq, skv, float(scale), D=d, BLOCK_M=t["fwd_m"], BLOCK_N=bn, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm,
         SMOOTH_K=bool(smooth_k), num_warps=t["fwd_warps"], num_stages=t["fwd_stages"])
     return out, lse, lse_s, q_int, q_scale, k_int, k_scale
 
@@ -161,7 +169,7 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)
     dq_kernel[(_cdiv(sq, t["dq_m"]), b * hq)](
         q_int, q_scale, _descriptor(k_int.view(b * hkv, skv, d), (1, bn, d)), _descriptor(k_t, (1, half, bn)),
-        k_scale, _descriptor(v, (1, 1, bn, d)), dout, dout.stride(0), dout.stride(1), dout.stride(2), lse_s, delta,
-        dq, kpm, skpm, *sizes, D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
+        _scales_descriptor(k_scale, bn), _descriptor(v, (1, 1, bn, d)), dout, dout.stride(0), dout.stride(1),
+        dout.stride(2), lse_s, delta, dq, kpm, skpm, *sizes, D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
         num_warps=t["dq_warps"], BLOCK_M=t["dq_m"], BLOCK_N=bn)
     return dq, dk, dv

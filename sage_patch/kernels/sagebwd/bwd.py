@@ -141,7 +141,7 @@ def dkdv_kernel(
 @triton.jit
 def dq_kernel(
     q_ptr, qs_ptr,                   # Q^ int8 (B, Hq, Sq, D), scales (B, Hq, Sq)
-    k_desc, kt_desc, ks_ptr,         # K^ int8 (B * Hkv, Skv, D) and K^T (B * Hkv, D, Skv) descriptors, scales
+    k_desc, kt_desc, ks_desc,        # K^ int8 (B * Hkv, Skv, D), K^T (B * Hkv, D, Skv), scales (B * Hkv, Skv): descriptors
     v_desc,                          # V (B, Hkv, Skv, D) in the input dtype, descriptor
     do_ptr, sdob, sdoh, sdos,        # dO (B, Hq, Sq, D) in the input dtype
     lse_ptr, delta_ptr,
@@ -171,7 +171,7 @@ def dq_kernel(
     dq1 = tl.zeros((BLOCK_M, HALF), tl.float32)
     for n0 in range(0, key_end(pid_m, Sq, Skv, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k, ks = key_tile(k_desc, ks_ptr, bkv, n0, offs_n, Skv, BLOCK_N, D)
+        k, ks = key_tile(k_desc, ks_desc, bkv, n0, BLOCK_N, D)
         p = tl.exp2(scores(q, qs, k, ks) - lse[:, None])
         p = hide(p, 0.0, pid_m * BLOCK_M, n0, offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, BLOCK_M, BLOCK_N, CAUSAL,
                  KEY_PADDING, False)

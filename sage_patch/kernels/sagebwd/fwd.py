@@ -58,10 +58,10 @@ def scores(a, a_scale, b, b_scale):
 
 
 @triton.jit
-def key_tile(k_desc, ks_ptr, bkv, n0, offs_n, Skv, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """K^ rows n0.. of one KV head (0 past Skv) and their scales: (k (BLOCK_N, D) int8, ks (BLOCK_N,))."""
+def key_tile(k_desc, ks_desc, bkv, n0, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """K^ rows n0.. of one KV head and their scales, 0 past Skv: (k (BLOCK_N, D) int8, ks (BLOCK_N,))."""
     k = k_desc.load([bkv, n0, 0]).reshape(BLOCK_N, D)
-    return k, tl.load(ks_ptr + bkv * Skv + offs_n, mask=offs_n < Skv, other=0.0)
+    return k, ks_desc.load([bkv, n0]).reshape(BLOCK_N)
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def key_end(pid_m, Sq, Skv, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 @triton.jit
 def forward_kernel(
     q_ptr, qs_ptr, qdot_ptr,         # Q^ int8 (B, Hq, Sq, D) contiguous, scales (B, Hq, Sq), q . mean(K) (B, Hq, Sq)
-    k_desc, ks_ptr,                  # K^ int8 (B * Hkv, Skv, D) descriptor, box (1, BLOCK_N, D); scales (B, Hkv, Skv)
+    k_desc, ks_desc,                 # K^ int8 (B * Hkv, Skv, D), its scales (B * Hkv, Skv): descriptors
     v_desc,                          # V (B, Hkv, Skv, D) in the input dtype, descriptor, box (1, 1, BLOCK_N, D)
     o_ptr, sob, soh, sos,            # O (B, Hq, Sq, D), channel stride 1
     lse_ptr, lse_s_ptr,              # fp32 (B, Hq, Sq): LSE of the scores, of the smoothed scores
@@ -99,7 +99,7 @@ def forward_kernel(
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     for n0 in range(0, key_end(pid_m, Sq, Skv, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k, ks = key_tile(k_desc, ks_ptr, bkv, n0, offs_n, Skv, BLOCK_N, D)
+        k, ks = key_tile(k_desc, ks_desc, bkv, n0, BLOCK_N, D)
         s = scores(q, qs, k, ks)
         s = hide(s, float("-inf"), pid_m * BLOCK_M, n0, offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, BLOCK_M, BLOCK_N,
                  CAUSAL, KEY_PADDING, False)
