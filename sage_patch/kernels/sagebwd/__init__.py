@@ -31,9 +31,9 @@ DTYPES = (torch.float16, torch.bfloat16)
 # query rows, keys, warps and pipeline stages; dK/dV keys and warps, and whether dK and dV share one launch
 # (dkdv_fused) or take one each; dQ query rows and warps; the backward's pipeline stages.
 TILES = {
-    64: dict(fwd_m=128, fwd_n=64, fwd_warps=4, fwd_stages=2, dkdv_n=64, dkdv_warps=4, dkdv_fused=True, dq_m=64,
+    64: dict(fwd_m=128, fwd_n=64, fwd_warps=4, fwd_stages=3, dkdv_n=64, dkdv_warps=4, dkdv_fused=True, dq_m=64,
              dq_warps=4, bwd_stages=2),
-    128: dict(fwd_m=128, fwd_n=64, fwd_warps=8, fwd_stages=3, dkdv_n=64, dkdv_warps=4, dkdv_fused=False, dq_m=64,
+    128: dict(fwd_m=64, fwd_n=64, fwd_warps=4, fwd_stages=3, dkdv_n=64, dkdv_warps=4, dkdv_fused=False, dq_m=64,
               dq_warps=4, bwd_stages=2),
 }
 
@@ -71,6 +71,18 @@ def _int8_transposed(b: int, h: int, s: int, d: int, device) -> tuple[torch.Tens
     padded = _cdiv(s, 16) * 16
     buf = torch.empty(b * h, d, padded, dtype=torch.int8, device=device)
     return buf[:, :, :s], (d * padded, 1, padded)
+
+
+def _transpose(x_int: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) INT8, contiguous -> its (B * H, D, S) transpose (_int8_transposed)."""
+    from .quant import transpose_kernel
+
+    b, h, s, d = x_int.shape
+    xt, _ = _int8_transposed(b, h, s, d, x_int.device)
+    block = 64
+    transpose_kernel[(_cdiv(s, block), b * h)](_descriptor(x_int.view(b * h, s, d), (1, block, d)),
+                                               _descriptor(xt, (1, d, block)), BLOCK_S=block, D=d)
+    return xt
 
 
 def _key_padding(mask: torch.Tensor | None, q: torch.Tensor):
@@ -146,8 +158,7 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     do_scale = torch.empty(b, hq, sq, dtype=f32, device=v.device)
     delta = torch.empty(b, hq, sq, dtype=f32, device=v.device)
     _quantize_tokens(dout, do_t, do_t_strides, do_scale, o=out, delta=delta)
-    q_t, _ = _int8_transposed(b, hq, sq, d, v.device)   # the K-major operand of dS^T Q^
-    q_t.copy_(q_int.view(b * hq, sq, d).transpose(1, 2))
+    q_t = _transpose(q_int)   # the K-major operand of dS^T Q^
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, v)
     flags = dict(D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
                  num_warps=t["dkdv_warps"], BLOCK_M=bm, BLOCK_N=t["dkdv_n"])
@@ -164,8 +175,7 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     for parts in ((True, True),) if t["dkdv_fused"] else ((False, True), (True, False)):
         dkdv_kernel[grid](*args, DK=parts[0], DV=parts[1], **flags)
     del args, do_t, q_t, stats  # the transposed INT8 operands are not needed by dQ: freed before K^T is made
-    k_t, _ = _int8_transposed(b, hkv, skv, d, v.device)   # the K-major operand of dS K^
-    k_t.copy_(k_int.view(b * hkv, skv, d).transpose(1, 2))
+    k_t = _transpose(k_int)   # the K-major operand of dS K^
     dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)
     dq_kernel[(_cdiv(sq, t["dq_m"]), b * hq)](
         q_int, q_scale, _descriptor(k_int.view(b * hkv, skv, d), (1, bn, d)), _descriptor(k_t, (1, half, bn)),

@@ -63,3 +63,13 @@ def quantize_tokens_kernel(
     xq = to_int8(x * inv[:, None])
     tl.store(scale_ptr + bh * S + offs_s, amax / 127.0, mask=rows)
     tl.store(xq_ptr + bh * qsh + offs_s[:, None] * qss + offs_d[None, :] * qsd, xq, mask=rows[:, None])
+
+
+@triton.jit
+def transpose_kernel(x_desc, xt_desc, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    """xt[bh, :, s] = x[bh, s, :] for one tile of BLOCK_S tokens of one head, through descriptors: the K-major INT8
+    operands of the backward's products over tokens (a strided torch copy of int8 runs at a fraction of the
+    bandwidth)."""
+    pid_s, bh = tl.program_id(0), tl.program_id(1)
+    x = x_desc.load([bh, pid_s * BLOCK_S, 0]).reshape(BLOCK_S, D)
+    xt_desc.store([bh, 0, pid_s * BLOCK_S], tl.trans(x).reshape(1, D, BLOCK_S))
