@@ -14,7 +14,7 @@ quantized, so every scale factors out of the exact int32 product.
 
 Why half-width accumulators and a dK/dV kernel that can run as two launches: an INT8 product's int32 result is
 rescaled before it is added to its fp32 accumulator, so each product needs a temporary as large as its share of the
-accumulator. At D=128, dK and dV in one launch (K^ and V held for the whole loop) spill (0.4 KB per thread); one
+accumulator. At D=128, dK and dV in one launch (K^ and V held for the whole loop) spill (0.5 KB per thread); one
 launch each, with every accumulator kept as two D/2-wide halves, does not and is faster there. At D=64 one launch for
 both is faster (docs/design/kernels.md).
 
