@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .fwd import LOG2E, hide, key_end, key_tile, scores
-from .quant import int_to_float, to_int8
+from .quant import to_int8
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def half_product(a8, bt_desc, bh, h0, c0, HALF: tl.constexpr, C: tl.constexpr):
     """a8 (R, C) INT8 times B (C, D/2), the channels h0.. of the columns c0.. of head bh of the transposed operand
     B^T (B * H, D, S): the int32 product as fp32 (R, D/2)."""
     bt = bt_desc.load([bh, h0, c0]).reshape(HALF, C)
-    return int_to_float(tl.dot(a8, tl.trans(bt), out_dtype=tl.int32))
+    return tl.dot(a8, tl.trans(bt), out_dtype=tl.int32).to(tl.float32)
 
 
 @triton.jit

@@ -14,8 +14,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .quant import int_to_float
-
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -54,7 +52,7 @@ def hide(x, fill, m0, n0, offs_m, offs_n, b, Sq, Skv, kpm_ptr, skpm, BLOCK_M: tl
 @triton.jit
 def scores(a, a_scale, b, b_scale):
     """A^ B^T (INT8 operands, exact int32 product) times the row scales of A and the row scales of B, in fp32."""
-    return int_to_float(tl.dot(a, tl.trans(b), out_dtype=tl.int32)) * a_scale[:, None] * b_scale[None, :]
+    return tl.dot(a, tl.trans(b), out_dtype=tl.int32).to(tl.float32) * a_scale[:, None] * b_scale[None, :]
 
 
 @triton.jit

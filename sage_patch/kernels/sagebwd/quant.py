@@ -8,26 +8,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Conversions between fp32 and integers without the conversion units (I2F / F2I issue at a quarter of the FP32 rate,
-# and the backward converts every INT8 product's int32 result and quantizes two operands per tile: they, not the
-# tensor cores, bounded its speed). Both rest on 1.5 * 2**23, whose fp32 mantissa holds an integer offset of up to
-# 2**22 either way; both are exact, with the conversion units' results.
-MAGIC_F32 = tl.constexpr(12582912.0)       # 1.5 * 2**23
-MAGIC_BITS = tl.constexpr(0x4B400000)      # its bit pattern; its low byte is 0
+# round half to even for |x| <= 127.5, as int8: adding 1.5 * 2**23 leaves no fraction bits (IEEE addition rounds to
+# nearest even) and puts round(x) in the low bits, whose low byte (that of 1.5 * 2**23's bits is 0) is round(x) as
+# int8: one add instead of a conversion (F2I issues at a quarter of the FP32 rate, and the backward quantizes two
+# operands per tile). The int32 -> fp32 conversions of the products stay on the conversion unit: an identity of two
+# instructions measured slower there once the loops had shed their other overheads.
+ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
 def to_int8(x):
-    """Round-half-to-even of fp32 x, |x| <= 127.5, as int8: adding 1.5 * 2**23 leaves no fraction bits (IEEE
-    addition rounds to nearest even) and puts round(x) in the low bits, whose low byte is round(x) as int8."""
-    return (x + MAGIC_F32).to(tl.int32, bitcast=True).to(tl.int8)
-
-
-@triton.jit
-def int_to_float(x):
-    """int32 x, |x| < 2**22, as fp32. An INT8 product of D <= 128 or 64-long reductions stays below 2**21
-    (128 * 127 * 127); wider reductions would need the conversion unit."""
-    return (x + MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC_F32
+    return (x + ROUND_MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
 
 
 @triton.jit
