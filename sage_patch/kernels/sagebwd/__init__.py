@@ -10,10 +10,10 @@ backward's INT8 products quantized per row or column of their tile after the oth
 (SageBwdConfig docstring). The tile sizes that set the numerics are the backward's block_q (dK/dV's query tile)
 and block_k (dQ's key tile); the others are free and chosen for speed (TILES).
 
-Layout (B, H, S, D) with any strides whose channel stride is 1 and whose others are 16-byte aligned (tensor
-descriptors; other inputs are copied); outputs are contiguous. Launches go to the current
-CUDA stream (Triton's default), with no host synchronization: CUDA graphs capture them. Triton is imported when a
-kernel first runs, so importing sage_patch never needs it.
+Layout (B, H, S, D) with any strides whose channel stride is 1 and whose others are 16-byte aligned, as tensor
+descriptors need (other inputs are copied); outputs are contiguous. Launches go to the current CUDA stream (Triton's
+default), with no host synchronization: CUDA graphs capture them. Triton is imported when a kernel first runs, so
+importing sage_patch never needs it.
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ import math
 import torch
 
 # SageBwdConfig's fields (the kernels describe their numerics as data; the reference layer interprets them)
-LOG2E = 1.4426950408889634  # the kernels keep scores in the log2 domain (fwd.LOG2E)
 KERNEL_LAYOUT = {"groups": "token", "block_q": 64, "block_k": 64, "pv": "input", "smooth_k": True, "dp": "input"}
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
+LOG2E = 1.4426950408889634  # the kernels keep scores in the log2 domain (fwd.LOG2E)
 
 # Free tile sizes and launch settings per head dim (measured on the H200, docs/design/tried_and_rejected.md): forward
 # query rows, keys, warps and pipeline stages; dK/dV keys and warps, and whether dK and dV share one launch
@@ -180,6 +180,6 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     dq_kernel[(_cdiv(sq, t["dq_m"]), b * hq)](
         q_int, q_scale, _descriptor(k_int.view(b * hkv, skv, d), (1, bn, d)), _descriptor(k_t, (1, half, bn)),
         _scales_descriptor(k_scale, bn), _descriptor(v, (1, 1, bn, d)), dout, dout.stride(0), dout.stride(1),
-        dout.stride(2), lse_s, delta, dq, kpm, skpm, *sizes, D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
-        num_warps=t["dq_warps"], BLOCK_M=t["dq_m"], BLOCK_N=bn)
+        dout.stride(2), lse_s, delta, dq, kpm, skpm, *sizes, D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm,
+        num_stages=t["bwd_stages"], num_warps=t["dq_warps"], BLOCK_M=t["dq_m"], BLOCK_N=bn)
     return dq, dk, dv

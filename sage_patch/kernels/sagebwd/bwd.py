@@ -141,7 +141,7 @@ def dkdv_kernel(
 @triton.jit
 def dq_kernel(
     q_ptr, qs_ptr,                   # Q^ int8 (B, Hq, Sq, D), scales (B, Hq, Sq)
-    k_desc, kt_desc, ks_desc,        # K^ int8 (B * Hkv, Skv, D), K^T (B * Hkv, D, Skv), scales (B * Hkv, Skv): descriptors
+    k_desc, kt_desc, ks_desc,        # descriptors: K^ int8 (B * Hkv, Skv, D), K^T (B * Hkv, D, Skv), scales
     v_desc,                          # V (B, Hkv, Skv, D) in the input dtype, descriptor
     do_ptr, sdob, sdoh, sdos,        # dO (B, Hq, Sq, D) in the input dtype
     lse_ptr, delta_ptr,
