@@ -100,12 +100,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, *unused_grads):
+    no_grads = (None,) * (1 + len(ctx.args))   # attn_mask and the non-tensor arguments
     if dout is None:  # no gradient reached the output (grads are not materialized)
-        return (None,) * (4 + len(ctx.args))
+        return (None, None, None) + no_grads
     q_int, q_scale, k_int, k_scale, v, out, lse_s, attn_mask = ctx.saved_tensors
     dq, dk, dv = torch.ops.sage_patch.sagebwd_bwd(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, attn_mask,
                                                   *ctx.args)
-    return (dq, dk, dv) + (None,) * (3 + len(ctx.args))
+    return (dq, dk, dv) + no_grads
 
 
 def _no_double_backward(ctx, *grads):

@@ -10,10 +10,10 @@ backward's INT8 products quantized per row or column of their tile after the oth
 (SageBwdConfig docstring). The tile sizes that set the numerics are the backward's block_q (dK/dV's query tile)
 and block_k (dQ's key tile); the others are free and chosen for speed (TILES).
 
-Layout (B, H, S, D) with any strides whose channel stride is 1 and whose others are 16-byte aligned, as tensor
-descriptors need (other inputs are copied); outputs are contiguous. Launches go to the current CUDA stream (Triton's
-default), with no host synchronization: CUDA graphs capture them. Triton is imported when a kernel first runs, so
-importing sage_patch never needs it.
+Layout (B, H, S, D) with any strides whose channel stride is 1 (for V and dO, read through tensor descriptors, also
+every other stride and the base 16-byte aligned); other inputs are copied, outputs are contiguous. Launches go to the
+current CUDA stream (Triton's default), with no host synchronization: CUDA graphs capture them. Triton is imported
+when a kernel first runs, so importing sage_patch never needs it.
 """
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ TILES = {
 
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def _channels_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x, or a contiguous copy where its channel stride is not 1 (what the pointer-indexed kernels need)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _descriptor_ready(x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +119,7 @@ def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, sm
     scores, q_int int8 (B, Hq, Sq, D), q_scale fp32 (B, Hq, Sq), k_int int8 (B, Hkv, Skv, D), k_scale (B, Hkv, Skv))."""
     from .fwd import forward_kernel
 
-    q, k, v = (_descriptor_ready(x) for x in (q, k, v))
+    q, k, v = _channels_contiguous(q), _channels_contiguous(k), _descriptor_ready(v)   # only V is read by descriptor
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     t = TILES[d]
@@ -148,7 +153,7 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     from .bwd import dkdv_kernel, dq_kernel
 
     dout = _descriptor_ready(dout.to(v.dtype))
-    v, out = _descriptor_ready(v), _descriptor_ready(out)
+    v, out = _descriptor_ready(v), _channels_contiguous(out)
     b, hq, sq, d = q_int.shape
     hkv, skv = k_int.shape[1], k_int.shape[2]
     t = TILES[d]
