@@ -164,22 +164,27 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     delta = torch.empty(b, hq, sq, dtype=f32, device=v.device)
     _quantize_tokens(dout, do_t, do_t_strides, do_scale, o=out, delta=delta)
     q_t = _transpose(q_int)   # the K-major operand of dS^T Q^
-    k_t = _transpose(k_int)   # the K-major operand of dS K^
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, v)
     flags = dict(D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
                  num_warps=t["dkdv_warps"], BLOCK_M=bm, BLOCK_N=t["dkdv_n"])
     sizes = (hq, hkv, sq, skv, float(scale))
     dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
     dv = torch.empty_like(dk)
-    dq_acc = torch.zeros(b * hq, sq, d, dtype=f32, device=v.device)
+    # per-query values of the dK/dV loop, one row of four per query (bwd.row_stats): the LSE in the log2 domain
     lse2 = lse_s * LOG2E
     stats = torch.stack((q_scale, torch.where(lse2 == -math.inf, 0.0, lse2), delta, do_scale), dim=-1)
     args = (_descriptor(q_int.view(b * hq, sq, d), (1, bm, d)), _descriptor(q_t, (1, half, bm)), k_int, k_scale, v,
             v.stride(0), v.stride(1), v.stride(2), _descriptor(dout, (1, 1, bm, d)), _descriptor(do_t, (1, half, bm)),
-            _descriptor(stats.view(b * hq, sq, 4), (1, bm, 4)), dk, dv, k_t, k_t.stride(0),
-            _descriptor(dq_acc, (1, bm, half)), kpm, skpm, *sizes)
+            _descriptor(stats.view(b * hq, sq, 4), (1, bm, 4)), dk, dv, kpm, skpm, *sizes)
     grid = (_cdiv(skv, t["dkdv_n"]), b * hkv)
     for parts in ((True, True),) if t["dkdv_fused"] else ((False, True), (True, False)):
-        dkdv_kernel[grid](*args, DK=parts[0], DV=parts[1], DQ=parts[0], **flags)
-    dq = (dq_acc.mul_(scale)).view(b, hq, sq, d).to(v.dtype)
+        dkdv_kernel[grid](*args, DK=parts[0], DV=parts[1], **flags)
+    del args, do_t, q_t, stats  # the transposed INT8 operands are not needed by dQ: freed before K^T is made
+    k_t = _transpose(k_int)   # the K-major operand of dS K^
+    dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)
+    dq_kernel[(_cdiv(sq, t["dq_m"]), b * hq)](
+        q_int, q_scale, _descriptor(k_int.view(b * hkv, skv, d), (1, bn, d)), _descriptor(k_t, (1, half, bn)),
+        _scales_descriptor(k_scale, bn), _descriptor(v, (1, 1, bn, d)), dout, dout.stride(0), dout.stride(1),
+        dout.stride(2), lse_s, delta, dq, kpm, skpm, *sizes, D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm,
+        num_stages=t["bwd_stages"], num_warps=t["dq_warps"], BLOCK_M=t["dq_m"], BLOCK_N=bn)
     return dq, dk, dv

@@ -39,14 +39,6 @@ def quantize_rows_of(x):
 
 
 @triton.jit
-def quantize_cols_of(x):
-    """INT8 with one scale per column of x: (x^, scale)."""
-    amax = tl.max(tl.abs(x), axis=0)
-    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-    return to_int8(x * inv[None, :]), amax / 127.0
-
-
-@triton.jit
 def half_product(a8, bt_desc, bh, h0, c0, HALF: tl.constexpr, C: tl.constexpr):
     """a8 (R, C) INT8 times B (C, D/2), the channels h0.. of the columns c0.. of head bh of the transposed operand
     B^T (B * H, D, S): the int32 product as fp32 (R, D/2)."""
@@ -93,12 +85,10 @@ def dkdv_kernel(
     dot_desc,                        # dO^T int8 (B * Hq, D, Sq) descriptor
     stats_desc,                      # fp32 (B * Hq, Sq, 4) descriptor: row_stats
     dk_ptr, dv_ptr,                  # outputs (B, Hkv, Skv, D) contiguous
-    kt_ptr, skt,                     # K^T int8 (B * Hkv, D, Skv padded), head stride skt (DQ)
-    dq_desc,                         # fp32 (B * Hq, Sq, D) dQ accumulator descriptor (DQ)
     kpm_ptr, skpm,
     Hq, Hkv, Sq, Skv, sm_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DQ: tl.constexpr,
+    CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
 ):
     """dK (DK) and / or dV (DV) of BLOCK_N keys: one launch with both, or one launch for each, which holds half the
     accumulators (TILES in __init__ chooses per head dim)."""
@@ -111,12 +101,7 @@ def dkdv_kernel(
     offs_h = tl.arange(0, HALF)
     cols = offs_n < Skv
     k = tl.load(k_ptr + (bkv * Skv + offs_n[:, None]) * D + offs_d[None, :], mask=cols[:, None], other=0)
-    ks_raw = tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0)
-    ks = ks_raw * (sm_scale * LOG2E)
-    if DQ:
-        kt_row = kt_ptr + bkv * skt + offs_h[:, None] * (skt // D) + offs_n[None, :]
-        kt0 = tl.load(kt_row, mask=cols[None, :], other=0)
-        kt1 = tl.load(kt_row + HALF * (skt // D), mask=cols[None, :], other=0)
+    ks = tl.load(ks_ptr + bkv * Skv + offs_n, mask=cols, other=0.0) * (sm_scale * LOG2E)
     if DK:
         v = tl.load(v_ptr + b * svb + hkv * svh + offs_n[:, None] * svs + offs_d[None, :], mask=cols[:, None],
                     other=0.0)
@@ -141,17 +126,9 @@ def dkdv_kernel(
             if DK:
                 do = do_desc.load([b, h, m0, 0]).reshape(BLOCK_M, D)
                 dpt = tl.dot(v, tl.trans(do))                                        # fp32 accumulation
-                dst = pt * (dpt - delta[None, :])
-                ds8, ds_scale = quantize_rows_of(dst * qs[None, :])
+                ds8, ds_scale = quantize_rows_of(pt * (dpt - delta[None, :]) * qs[None, :])
                 dk0 += half_product(ds8, qt_desc, bh, 0, m0, HALF, BLOCK_M) * ds_scale[:, None]
                 dk1 += half_product(ds8, qt_desc, bh, HALF, m0, HALF, BLOCK_M) * ds_scale[:, None]
-                if DQ:
-                    dsq8, dsq_scale = quantize_cols_of(dst * ks_raw[:, None])
-                    dsq8 = tl.trans(dsq8)
-                    dq0 = tl.dot(dsq8, tl.trans(kt0), out_dtype=tl.int32).to(tl.float32) * dsq_scale[:, None]
-                    dq_desc.atomic_add([bh, m0, 0], dq0.reshape(1, BLOCK_M, HALF))
-                    dq1 = tl.dot(dsq8, tl.trans(kt1), out_dtype=tl.int32).to(tl.float32) * dsq_scale[:, None]
-                    dq_desc.atomic_add([bh, m0, HALF], dq1.reshape(1, BLOCK_M, HALF))
     out = (bkv * Skv + offs_n[:, None]) * D + offs_h[None, :]
     if DV:
         tl.store(dv_ptr + out, dv0.to(dv_ptr.dtype.element_ty), mask=cols[:, None])
