@@ -17,15 +17,12 @@ when a kernel first runs, so importing sage_patch never needs it.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 # SageBwdConfig's fields (the kernels describe their numerics as data; the reference layer interprets them)
 KERNEL_LAYOUT = {"groups": "token", "block_q": 64, "block_k": 64, "pv": "input", "smooth_k": True, "dp": "input"}
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-LOG2E = 1.4426950408889634  # the kernels keep scores in the log2 domain (fwd.LOG2E)
 
 # Free tile sizes and launch settings per head dim (measured on the H200, docs/design/tried_and_rejected.md): forward
 # query rows, keys, warps and pipeline stages; dK/dV keys and warps, and whether dK and dV share one launch
@@ -98,19 +95,22 @@ def _key_padding(mask: torch.Tensor | None, q: torch.Tensor):
     return m, (0 if m.shape[0] == 1 else m.stride(0)), True
 
 
-def _quantize_tokens(x, out, out_strides, scale, *, mean=None, mean_group=1, dot=None, o=None, delta=None):
+def _quantize_tokens(x, out, out_strides, scale, *, mean=None, mean_group=1, dot=None, stats=None):
+    """Per-token INT8 of x into `out` (its strides out_strides) and its scales into `scale`; mean: K's token mean to
+    subtract (or, with dot, to take q . mean(K) against); stats (o, q_scale, lse, rows): x is dO, and the kernel
+    writes the backward's per-query rows instead of the scales."""
     from .quant import quantize_tokens_kernel
 
     b, h, s, d = x.shape
     mode = 0 if mean is None else (2 if dot is not None else 1)
-    dummy = scale
+    dummy = scale if scale is not None else stats[1]
+    o, q_scale, lse, rows = stats if stats is not None else (x, dummy, dummy, dummy)
     block = 64
     quantize_tokens_kernel[(_cdiv(s, block), b * h)](
-        x, x.stride(0), x.stride(1), x.stride(2), out, *out_strides, scale,
+        x, x.stride(0), x.stride(1), x.stride(2), out, *out_strides, dummy,
         dummy if mean is None else mean, dummy if dot is None else dot,
-        x if o is None else o, *((0, 0, 0) if o is None else (o.stride(0), o.stride(1), o.stride(2))),
-        dummy if delta is None else delta, h, s, mean_group,
-        D=d, BLOCK_S=block, MEAN_MODE=mode, DELTA=o is not None)
+        o, o.stride(0), o.stride(1), o.stride(2), q_scale, lse, rows, h, s, mean_group,
+        D=d, BLOCK_S=block, MEAN_MODE=mode, STATS=stats is not None)
 
 
 def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, smooth_k: bool = True):
@@ -160,9 +160,9 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     half, bm, bn = d // 2, KERNEL_LAYOUT["block_q"], KERNEL_LAYOUT["block_k"]
     f32 = torch.float32
     do_t, do_t_strides = _int8_transposed(b, hq, sq, d, v.device)
-    do_scale = torch.empty(b, hq, sq, dtype=f32, device=v.device)
-    delta = torch.empty(b, hq, sq, dtype=f32, device=v.device)
-    _quantize_tokens(dout, do_t, do_t_strides, do_scale, o=out, delta=delta)
+    # per-query values of both backward loops, one row of four per query (bwd.row_stats)
+    stats = torch.empty(b * hq, sq, 4, dtype=f32, device=v.device)
+    _quantize_tokens(dout, do_t, do_t_strides, None, stats=(out, q_scale, lse_s, stats))
     q_t = _transpose(q_int)   # the K-major operand of dS^T Q^
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, v)
     flags = dict(D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
@@ -170,21 +170,18 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     sizes = (hq, hkv, sq, skv, float(scale))
     dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
     dv = torch.empty_like(dk)
-    # per-query values of the dK/dV loop, one row of four per query (bwd.row_stats): the LSE in the log2 domain
-    lse2 = lse_s * LOG2E
-    stats = torch.stack((q_scale, torch.where(lse2 == -math.inf, 0.0, lse2), delta, do_scale), dim=-1)
     args = (_descriptor(q_int.view(b * hq, sq, d), (1, bm, d)), _descriptor(q_t, (1, half, bm)), k_int, k_scale, v,
             v.stride(0), v.stride(1), v.stride(2), _descriptor(dout, (1, 1, bm, d)), _descriptor(do_t, (1, half, bm)),
-            _descriptor(stats.view(b * hq, sq, 4), (1, bm, 4)), dk, dv, kpm, skpm, *sizes)
+            _descriptor(stats, (1, bm, 4)), dk, dv, kpm, skpm, *sizes)
     grid = (_cdiv(skv, t["dkdv_n"]), b * hkv)
     for parts in ((True, True),) if t["dkdv_fused"] else ((False, True), (True, False)):
         dkdv_kernel[grid](*args, DK=parts[0], DV=parts[1], **flags)
-    del args, do_t, q_t, stats  # the transposed INT8 operands are not needed by dQ: freed before K^T is made
+    del args, do_t, q_t  # the transposed INT8 operands are not needed by dQ: freed before K^T is made
     k_t = _transpose(k_int)   # the K-major operand of dS K^
     dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)
     dq_kernel[(_cdiv(sq, t["dq_m"]), b * hq)](
-        q_int, q_scale, _descriptor(k_int.view(b * hkv, skv, d), (1, bn, d)), _descriptor(k_t, (1, half, bn)),
+        q_int, _descriptor(k_int.view(b * hkv, skv, d), (1, bn, d)), _descriptor(k_t, (1, half, bn)),
         _scales_descriptor(k_scale, bn), _descriptor(v, (1, 1, bn, d)), dout, dout.stride(0), dout.stride(1),
-        dout.stride(2), lse_s, delta, dq, kpm, skpm, *sizes, D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm,
+        dout.stride(2), stats, dq, kpm, skpm, *sizes, D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm,
         num_stages=t["bwd_stages"], num_warps=t["dq_warps"], BLOCK_M=t["dq_m"], BLOCK_N=bn)
     return dq, dk, dv

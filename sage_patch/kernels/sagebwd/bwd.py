@@ -140,11 +140,11 @@ def dkdv_kernel(
 
 @triton.jit
 def dq_kernel(
-    q_ptr, qs_ptr,                   # Q^ int8 (B, Hq, Sq, D), scales (B, Hq, Sq)
+    q_ptr,                           # Q^ int8 (B, Hq, Sq, D)
     k_desc, kt_desc, ks_desc,        # descriptors: K^ int8 (B * Hkv, Skv, D), K^T (B * Hkv, D, Skv), scales
     v_desc,                          # V (B, Hkv, Skv, D) in the input dtype, descriptor
     do_ptr, sdob, sdoh, sdos,        # dO (B, Hq, Sq, D) in the input dtype
-    lse_ptr, delta_ptr,
+    stats_ptr,                       # fp32 (B * Hq, Sq, 4): row_stats
     dq_ptr,                          # output (B, Hq, Sq, D) contiguous
     kpm_ptr, skpm,
     Hq, Hkv, Sq, Skv, sm_scale,
@@ -161,12 +161,12 @@ def dq_kernel(
     offs_h = tl.arange(0, HALF)
     rows = offs_m < Sq
     q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=rows[:, None], other=0)
-    qs = tl.load(qs_ptr + bh * Sq + offs_m, mask=rows, other=0.0) * (sm_scale * LOG2E)
-    lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=rows, other=float("inf")) * LOG2E
-    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    row = stats_ptr + (bh * Sq + offs_m) * 4
+    qs = tl.load(row, mask=rows, other=0.0) * (sm_scale * LOG2E)
+    lse = tl.load(row + 1, mask=rows, other=float("inf"))
     do = tl.load(do_ptr + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=rows[:, None],
                  other=0.0)
-    delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=rows, other=0.0)
+    delta = tl.load(row + 2, mask=rows, other=0.0)
     dq0 = tl.zeros((BLOCK_M, HALF), tl.float32)
     dq1 = tl.zeros((BLOCK_M, HALF), tl.float32)
     for n0 in range(0, key_end(pid_m, Sq, Skv, BLOCK_M, CAUSAL), BLOCK_N):

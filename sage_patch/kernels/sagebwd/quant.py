@@ -14,6 +14,7 @@ import triton.language as tl
 # operands per tile). The int32 -> fp32 conversions of the products stay on the conversion unit: an identity of two
 # instructions measured slower there once the loops had shed their other overheads.
 ROUND_MAGIC = tl.constexpr(12582912.0)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -25,13 +26,16 @@ def to_int8(x):
 def quantize_tokens_kernel(
     x_ptr, sxb, sxh, sxs,            # input (B, H, S, D), channel stride 1
     xq_ptr, qsh, qss, qsd,           # INT8 output, one head's offset qsh, token stride qss, channel stride qsd
-    scale_ptr,                       # fp32 (B, H, S) contiguous
+    scale_ptr,                       # fp32 (B, H, S) contiguous (not STATS)
     mean_ptr, dot_ptr,               # fp32 (B, H_mean, D) and (B, H, S) (MEAN_MODE 1: subtract, 2: dot)
-    o_ptr, sob, soh, sos, delta_ptr, # DELTA: O (B, H, S, D) strides and fp32 (B, H, S) output rowsum(x o O)
+    o_ptr, sob, soh, sos,            # STATS: O (B, H, S, D) strides
+    qs_ptr, lse_ptr, stats_ptr,      # STATS: Q's scales and the LSE (B, H, S), the rows out (B * H, S, 4)
     H, S, MEAN_GROUP,                # MEAN_GROUP: heads of x per head of mean (GQA)
-    D: tl.constexpr, BLOCK_S: tl.constexpr, MEAN_MODE: tl.constexpr, DELTA: tl.constexpr,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, MEAN_MODE: tl.constexpr, STATS: tl.constexpr,
 ):
-    """One scale per token: s = max_d |x| / 127, x^ = round(x / s) (0 where s = 0)."""
+    """One scale per token: s = max_d |x| / 127, x^ = round(x / s) (0 where s = 0). STATS (x = dO): instead of the
+    scales, the backward's per-query rows (bwd.row_stats): Q's scale, the LSE in the log2 domain (0 for an empty
+    row), Delta = rowsum(dO o O) and dO's scale."""
     pid_s, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -45,14 +49,20 @@ def quantize_tokens_kernel(
             x = x - mean[None, :]
         else:
             tl.store(dot_ptr + bh * S + offs_s, tl.sum(x * mean[None, :], axis=1), mask=rows)
-    if DELTA:
-        o = tl.load(o_ptr + b * sob + h * soh + offs_s[:, None] * sos + offs_d[None, :], mask=rows[:, None],
-                    other=0.0).to(tl.float32)
-        tl.store(delta_ptr + bh * S + offs_s, tl.sum(x * o, axis=1), mask=rows)
     amax = tl.max(tl.abs(x), axis=1)
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
     xq = to_int8(x * inv[:, None])
-    tl.store(scale_ptr + bh * S + offs_s, amax / 127.0, mask=rows)
+    if STATS:
+        o = tl.load(o_ptr + b * sob + h * soh + offs_s[:, None] * sos + offs_d[None, :], mask=rows[:, None],
+                    other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + bh * S + offs_s, mask=rows, other=0.0) * LOG2E
+        lse = tl.where(lse == float("-inf"), 0.0, lse)
+        row = tl.join(tl.join(tl.load(qs_ptr + bh * S + offs_s, mask=rows, other=0.0), tl.sum(x * o, axis=1)),
+                      tl.join(lse, amax / 127.0))                 # row[s, i, j] is column 2 i + j
+        tl.store(stats_ptr + (bh * S + offs_s[:, None]) * 4 + tl.arange(0, 4)[None, :], row.reshape(BLOCK_S, 4),
+                 mask=rows[:, None])
+    else:
+        tl.store(scale_ptr + bh * S + offs_s, amax / 127.0, mask=rows)
     tl.store(xq_ptr + bh * qsh + offs_s[:, None] * qss + offs_d[None, :] * qsd, xq, mask=rows[:, None])
 
 
