@@ -95,7 +95,7 @@ def _key_padding(mask: torch.Tensor | None, q: torch.Tensor):
     return m, (0 if m.shape[0] == 1 else m.stride(0)), True
 
 
-def _quantize_tokens(x, out, out_strides, scale, *, mean=None, mean_group=1, dot=None, stats=None):
+def _quantize_tokens(x, out, out_strides, scale=None, *, mean=None, mean_group=1, dot=None, stats=None):
     """Per-token INT8 of x into `out` (its strides out_strides) and its scales into `scale`; mean: K's token mean to
     subtract (or, with dot, to take q . mean(K) against); stats (o, q_scale, lse, rows): x is dO, and the kernel
     writes the backward's per-query rows instead of the scales."""
@@ -103,12 +103,12 @@ def _quantize_tokens(x, out, out_strides, scale, *, mean=None, mean_group=1, dot
 
     b, h, s, d = x.shape
     mode = 0 if mean is None else (2 if dot is not None else 1)
-    dummy = scale if scale is not None else stats[1]
-    o, q_scale, lse, rows = stats if stats is not None else (x, dummy, dummy, dummy)
+    spare = scale if stats is None else stats[3]   # passed for the pointers a mode does not read
+    o, q_scale, lse, rows = (x, spare, spare, spare) if stats is None else stats
     block = 64
     quantize_tokens_kernel[(_cdiv(s, block), b * h)](
-        x, x.stride(0), x.stride(1), x.stride(2), out, *out_strides, dummy,
-        dummy if mean is None else mean, dummy if dot is None else dot,
+        x, x.stride(0), x.stride(1), x.stride(2), out, *out_strides, spare,
+        spare if mean is None else mean, spare if dot is None else dot,
         o, o.stride(0), o.stride(1), o.stride(2), q_scale, lse, rows, h, s, mean_group,
         D=d, BLOCK_S=block, MEAN_MODE=mode, STATS=stats is not None)
 
@@ -162,7 +162,7 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     do_t, do_t_strides = _int8_transposed(b, hq, sq, d, v.device)
     # per-query values of both backward loops, one row of four per query (bwd.row_stats)
     stats = torch.empty(b * hq, sq, 4, dtype=f32, device=v.device)
-    _quantize_tokens(dout, do_t, do_t_strides, None, stats=(out, q_scale, lse_s, stats))
+    _quantize_tokens(dout, do_t, do_t_strides, stats=(out, q_scale, lse_s, stats))
     q_t = _transpose(q_int)   # the K-major operand of dS^T Q^
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, v)
     flags = dict(D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],

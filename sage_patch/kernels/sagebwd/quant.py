@@ -8,13 +8,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .fwd import LOG2E
+
 # round half to even for |x| <= 127.5, as int8: adding 1.5 * 2**23 leaves no fraction bits (IEEE addition rounds to
 # nearest even) and puts round(x) in the low bits, whose low byte (that of 1.5 * 2**23's bits is 0) is round(x) as
 # int8: one add instead of a conversion (F2I issues at a quarter of the FP32 rate, and the backward quantizes two
 # operands per tile). The int32 -> fp32 conversions of the products stay on the conversion unit: an identity of two
 # instructions measured slower there once the loops had shed their other overheads.
 ROUND_MAGIC = tl.constexpr(12582912.0)
-LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
