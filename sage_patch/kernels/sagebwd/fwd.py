@@ -84,8 +84,6 @@ def forward_kernel(
     CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr, SMOOTH_K: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
     b, h = bh // Hq, bh % Hq
     hkv = h // (Hq // Hkv)
     bkv = b * Hkv + hkv
