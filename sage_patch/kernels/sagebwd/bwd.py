@@ -169,7 +169,7 @@ def dq_kernel(
     delta = tl.load(row + 2, mask=rows, other=0.0)
     dq0 = tl.zeros((BLOCK_M, HALF), tl.float32)
     dq1 = tl.zeros((BLOCK_M, HALF), tl.float32)
-    for n0 in tl.range(0, key_end(pid_m, Sq, Skv, BLOCK_M, CAUSAL), BLOCK_N, loop_unroll_factor=2):
+    for n0 in range(0, key_end(pid_m, Sq, Skv, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k, ks = key_tile(k_desc, ks_desc, bkv, n0, BLOCK_N, D)
         p = tl.exp2(scores(q, qs, k, ks) - lse[:, None])
