@@ -113,7 +113,7 @@ def dkdv_kernel(
     for g in range(0, group):
         h = hkv * group + g
         bh = b * Hq + h
-        for m0 in tl.range(lo, Sq, BLOCK_M, loop_unroll_factor=2):
+        for m0 in range(lo, Sq, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             q = q_desc.load([bh, m0, 0]).reshape(BLOCK_M, D)
             qs, lse, delta, dos = row_stats(stats_desc, bh, m0, BLOCK_M)
