@@ -289,7 +289,7 @@ class TrainingVariant:
     precisions: tuple[str, ...]
     constraints: tuple[Callable[[TrainingTarget], "str | None"], ...] = ()
     # the shortest sequence (min of Sq, Skv) at which forward + backward beats torch SDPA (cuDNN), per (head dim,
-    # causal); shorter calls without a key-padding mask train with SDPA instead (measured, docs/benchmarks.md)
+    # causal); shorter calls, key-padding ones included, train with SDPA instead (measured, docs/benchmarks.md)
     sdpa_faster_below: Mapping[tuple[int, bool], int] = field(default_factory=dict)
 
     def why_not(self, t: TrainingTarget) -> str | None:
@@ -317,8 +317,8 @@ IMPL_SAGEBWD = "triton-sagebwd"
 TRAINING_VARIANTS: tuple[TrainingVariant, ...] = (
     # SageBwd in Triton (sm_80+: Triton emits wgmma on sm_90, mma.sync below): INT8 Q K^T, P~ V, P^T dO, dS^T Q,
     # dS K; dO V^T in the input dtype.
-    # Speed routing measured on the H200 (B=4 H=32 bf16, forward + backward against cuDNN): 0.17-0.44x at N 1K-32K,
-    # D 64 and 128, causal or not (docs/benchmarks.md), so every length trains with SDPA by default.
+    # Slower than cuDNN forward + backward at every measured length, D 64 and 128, causal or not (docs/benchmarks.md
+    # "Training"), so every length trains with SDPA by default.
     TrainingVariant("sagebwd-triton", IMPL_SAGEBWD, "triton", ("8b",),
                     (_training_cc, _training_triton, _training_head_dim),
                     sdpa_faster_below={(d, c): math.inf for d in NATIVE_HEAD_DIMS for c in (False, True)}),
