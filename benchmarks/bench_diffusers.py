@@ -219,7 +219,7 @@ def attention_time(model, inputs, clock):
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     from sage_patch import layer_scope
-    from sage_patch.routing import LayerBinding
+    from sage_patch.binding import LayerBinding
 
     marks, depth = [], [0]
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import Timer  # noqa: E402
 
 from sage_patch.policy import Policy  # noqa: E402
-from sage_patch.routing import LayerBinding  # noqa: E402
+from sage_patch.binding import LayerBinding  # noqa: E402
 
 
 def time_calls(binding, q, k, v, calls: int) -> float:

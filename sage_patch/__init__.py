@@ -16,8 +16,8 @@ _LAZY = {
     "Policy": "policy", "PolicyError": "policy", "load_policy": "policy",
     "PRECISIONS": "precisions",
     "Report": "report",
-    "report": "router", "inject": "router", "unload": "router", "set_policy": "router",
-    "route_sdpa": "routing",
+    "report": "lifecycle", "inject": "lifecycle", "unload": "lifecycle", "set_policy": "lifecycle",
+    "route_sdpa": "integrations.generic",
     "varlen_attention": "varlen",
 }
 
@@ -45,7 +45,7 @@ def uninstall() -> None:
 
 
 # The submodule sage_patch.report (stats and the Report table) is imported now, so that its import never sets the
-# package attribute `report` again: that name is the function (router.report), resolved on first use.
+# package attribute `report` again: that name is the function (lifecycle.report), resolved on first use.
 importlib.import_module("sage_patch.report")  # not `from . import report`: that would ask __getattr__ first
 globals().pop("report", None)
 from .integrations import install as _install  # noqa: E402

@@ -33,8 +33,8 @@ from .policy import LayerRule, Policy
 from .precisions import check_precision
 from .reference import exact_attention
 from .report import LayerStats
-from .router import bindings_of
-from .routing import route_sdpa
+from .lifecycle import bindings_of
+from .integrations.generic import route_sdpa
 
 SPEED_ORDER = ("fp4", "4b", "8b")  # fastest first; "full" is the fallback when none meets the thresholds
 OBJECTIVES = ("thresholds", "perplexity")

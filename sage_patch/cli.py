@@ -337,7 +337,7 @@ def _calibrate(args) -> int:
     print(f"policy written to {args.out}" + (f"; heatmap {args.heatmap}" if args.heatmap else ""))
     print(f"calibration wall time {t_cal:.0f} s (total with loading {time.perf_counter() - t0:.0f} s)")
     if held_out and args.heldout:
-        from .routing import route_sdpa
+        from .integrations.generic import route_sdpa
 
         with torch.no_grad():
             base = perplexity(obj, held_out, progress=True, desc="held-out sdpa")

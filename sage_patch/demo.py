@@ -15,7 +15,7 @@ import torch
 
 from .accuracy import compare
 from .policy import Policy
-from .router import report
+from .lifecycle import report
 
 
 def _tiny_flux(seed: int):
@@ -56,7 +56,7 @@ def _timed(fn):
 def _sage(model, precision: str):
     """Route the model through its library's integration (or the generic route_sdpa) at one precision."""
     from .integrations import STATUS
-    from .routing import route_sdpa
+    from .integrations.generic import route_sdpa
 
     policy = Policy(default=precision)  # min_seq_len 0: every call of these tiny models is quantized
     if hasattr(model, "enable_sage_attention"):  # diffusers model
@@ -66,7 +66,7 @@ def _sage(model, precision: str):
         finally:
             model.disable_sage_attention()
     elif STATUS.get("transformers") == "installed" and hasattr(model, "set_attn_implementation"):
-        from .router import set_policy
+        from .lifecycle import set_policy
 
         before = model.config._attn_implementation
         model.set_attn_implementation("sage")
@@ -190,7 +190,7 @@ def run_real_demo(precisions=("8b", "4b", "fp4"), windows: int = 2, tokens: int 
     load_smollm2("sage") to reuse."""
     from tqdm.auto import tqdm
 
-    from .router import set_policy
+    from .lifecycle import set_policy
     from .calibrate import calibrate, perplexity
 
     torch.manual_seed(seed)

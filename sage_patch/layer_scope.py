@@ -1,7 +1,7 @@
 """Which routed layer is running now, on this thread: the ambient layer that attention calls made inside a layer's
 forward find without being handed it (torch's SDPA, diffusers' dispatcher, `sage_patch.sdpa`).
 
-Below both `api` and `routing`: routing enters a layer around its module's forward; `api.sdpa` asks for the ambient
+Below both `api` and `binding`: a binding enters a layer around its module's forward; `api.sdpa` asks for the ambient
 layer and calls its `attention(...)` without knowing what a layer is. `None` may be entered too: calls made inside
 it see no layer (a routed call that runs the library's own code, whose nested SDPA call is not a second call).
 

@@ -5,7 +5,7 @@ diffusers' `dispatch_attention_fn`) means in sage_patch's own conventions (bool 
 torch's rules translated here: 3-D inputs are (B, S, D) single-head; a mask of fewer than 4 dims broadcasts from the
 right against (B, H, Sq, Skv) (a 2-D mask is (Sq, Skv)); `is_causal` is aligned top-left (so for Sq != Skv it becomes
 an explicit (Sq, Skv) mask); different head counts need `enable_gqa=True`; attn_mask together with is_causal is an
-error. Used by `api.sdpa`, `routing.route_sdpa` and the diffusers adapter. Depends on torch only.
+error. Used by `api.sdpa`, `integrations.generic.route_sdpa` and the diffusers adapter. Depends on torch only.
 """
 from __future__ import annotations
 

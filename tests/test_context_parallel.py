@@ -142,7 +142,7 @@ def _lse_merge_contract(pc, rank):
 
     from sage_patch.integrations.diffusers_parallel import _backward_op, _forward_op
     from sage_patch.policy import Policy
-    from sage_patch.routing import LayerBinding
+    from sage_patch.binding import LayerBinding
 
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, 24, 3, 16, generator=g) for _ in range(3))            # (B, S, H, D), whole sequence
@@ -318,7 +318,7 @@ def test_refused_models_and_degrees_raise_clearly():
 
 def test_lse_op_traces_under_torch_compile():
     from sage_patch.policy import Policy
-    from sage_patch.routing import LayerBinding
+    from sage_patch.binding import LayerBinding
 
     layer = LayerBinding("compiled", None, Policy.from_any("8b"))
     q, k, v = (torch.randn(1, 32, 2, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))

@@ -8,8 +8,8 @@ pytest.importorskip("diffusers")
 
 import sage_patch  # noqa: E402  (installs enable_sage_attention on diffusers classes)
 from sage_patch.integrations import diffusers as sd  # noqa: E402
-from sage_patch.router import bindings_of  # noqa: E402
-from sage_patch.routing import layer_index  # noqa: E402
+from sage_patch.lifecycle import bindings_of  # noqa: E402
+from sage_patch.binding import layer_index  # noqa: E402
 
 FULL_TOL = 1e-6
 MIN_COS = 0.999

@@ -8,7 +8,7 @@ import torch
 
 import sage_patch
 from sage_patch.policy import Policy
-from sage_patch.routing import LayerBinding
+from sage_patch.binding import LayerBinding
 
 B, HQ, HKV = 2, 4, 2
 # fp32 inputs: the fused kernels round to fp32 (LSE values here reach ~30, so ~4e-6); the 8b simulation is ~1e-1 off

@@ -24,10 +24,10 @@ LAYERS = [
     {"kernels", "full", "trainable"},
     {"resolve"},
     {"api", "guard"},
-    {"routing", "varlen"},
+    {"binding", "varlen"},
     {"integrations.transformers", "integrations.diffusers", "integrations.diffusers_parallel",
-     "integrations.cp_plans"},
-    {"router", "integrations"},
+     "integrations.cp_plans", "integrations.generic"},
+    {"lifecycle", "integrations"},
     {"calibrate", "demo", ""},   # "" is the package itself (sage_patch/__init__.py)
     {"cli"},
 ]
@@ -105,7 +105,7 @@ def test_import_graph_is_a_tower_without_circles():
 
     for u in list(units):
         visit(u)
-    assert "routing" not in {_unit(t) for t in graph["api"]}, "api must know nothing of layers"
+    assert "binding" not in {_unit(t) for t in graph["api"]}, "api must know nothing of layers"
     below = {_unit(t) for src, targets in graph.items() if _unit(src) == "kernels" for t in targets}
     assert "reference" not in below, "kernels (the hardware layer) describes its numerics as data; reference reads it"
 
@@ -327,7 +327,7 @@ class _DirectAttention(torch.nn.Module):
 
 def test_sdpa_called_inside_a_routed_layer_runs_that_layer():
     """precision=None inside a routed layer means that layer's attention (policy, stats), as before issue 31; api
-    finds it through layer_scope without importing routing. Outside any layer it means "8b"."""
+    finds it through layer_scope without importing binding. Outside any layer it means "8b"."""
     net = torch.nn.Sequential(_DirectAttention(), _DirectAttention())
     x = torch.randn(1, 2, 160, 16, generator=torch.Generator().manual_seed(0))
     policy = {"default": "8b", "layers": [{"match": "1", "precision": "full"}]}

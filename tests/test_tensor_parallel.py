@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import sage_patch
 from sage_patch.integrations import transformers as hf
-from sage_patch.router import bindings_of
+from sage_patch.lifecycle import bindings_of
 from tests.multiproc import run_ranks
 
 WORLD = 2
@@ -207,11 +207,11 @@ def test_shard_attention_equals_unsharded_heads(qkv, precision):
     mask[1, ..., :7] = False  # left padding, as transformers' sdpa_mask builds it
     pol = {"default": precision, "fallback": {"min_seq_len": 1}}
     full_mod = _Attn(hq // hkv)
-    sage_patch.routing.attach(full_mod, "full", sage_patch.Policy.from_any(pol))
+    sage_patch.binding.attach(full_mod, "full", sage_patch.Policy.from_any(pol))
     ref, _ = hf.sage_attention_forward(full_mod, q, k, v, mask)
     for r in range(p):
         mod = _Attn(hq // hkv)
-        sage_patch.routing.attach(mod, f"rank{r}", sage_patch.Policy.from_any(pol))
+        sage_patch.binding.attach(mod, f"rank{r}", sage_patch.Policy.from_any(pol))
         qs, ks = slice(r * hq // p, (r + 1) * hq // p), slice(r * hkv // p, (r + 1) * hkv // p)
         out, _ = hf.sage_attention_forward(mod, q[:, qs], k[:, ks], v[:, ks], mask)
         assert torch.equal(out, ref[:, :, qs]), precision

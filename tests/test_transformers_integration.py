@@ -25,7 +25,7 @@ from transformers import (
 import sage_patch
 from sage_patch.integrations import transformers as hf
 from sage_patch.policy import Policy, shipped_policy_path
-from sage_patch.routing import attach
+from sage_patch.binding import attach
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0)

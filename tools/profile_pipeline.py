@@ -37,10 +37,10 @@ def kernel_times(model, inputs, reps=3):
 
 
 def first_call_layout(model, inputs):
-    from sage_patch import routing
+    from sage_patch import binding
 
     seen = []
-    orig = routing.LayerBinding.attention
+    orig = binding.LayerBinding.attention
 
     def spy(self, q, k, v, **kw):
         if not seen:
@@ -48,12 +48,12 @@ def first_call_layout(model, inputs):
                          for n, x in (("q", q), ("k", k), ("v", v))} | {"layout": kw.get("layout")})
         return orig(self, q, k, v, **kw)
 
-    routing.LayerBinding.attention = spy
+    binding.LayerBinding.attention = spy
     try:
         with torch.no_grad():
             model(**inputs)
     finally:
-        routing.LayerBinding.attention = orig
+        binding.LayerBinding.attention = orig
     return seen[0] if seen else None
 
 

@@ -1,16 +1,16 @@
 """diffusers integration: `pipe.enable_sage_attention(policy=None)` / `model.enable_sage_attention(...)`.
 
-How it works (the ambient-layer binding of `routing.route_sdpa`, nothing per processor):
+How it works (the ambient-layer binding of `integrations.generic.route_sdpa`, nothing per processor):
 
 - Every attention module of the denoiser (one with an attention processor, e.g. `transformer_blocks.3.attn`) is
   bound to a `LayerBinding` (name, policy, stats, step) and becomes the ambient layer while its forward runs
-  (`routing.enter_on_forward`). Processors are not touched: whatever processor the layer has, or diffusers sets
+  (`binding.enter_on_forward`). Processors are not touched: whatever processor the layer has, or diffusers sets
   later (IP-Adapter load/unload, `set_attn_processor`), is called as diffusers calls it, and its attention call
   finds the layer.
 - The processor's attention call arrives in one of two places, both process-wide pass-throughs while any model is
-  enabled (reference-counted `routing.Interposer`s, restored by the last disable): torch's
+  enabled (reference-counted `binding.Interposer`s, restored by the last disable): torch's
   `F.scaled_dot_product_attention` (SD3/SD3.5 `JointAttnProcessor2_0`, `CogVideoXAttnProcessor2_0`,
-  `AttnProcessor2_0`), replaced by `routing.routed_sdpa`; and the functions of diffusers' attention backend
+  `AttnProcessor2_0`), replaced by `binding.routed_sdpa`; and the functions of diffusers' attention backend
   registry, which `dispatch_attention_fn` looks up per call (Flux, HunyuanVideo, most new models), each wrapped by
   `_routed_backend`. A call outside an enabled layer goes to the original unchanged.
 - Layers whose precision is "full" (by policy or step rule) call the original function with the original arguments,
@@ -66,7 +66,7 @@ import torch
 from sage_patch import layer_scope
 from sage_patch.integrations import diffusers_parallel
 from sage_patch.policy import Policy, default_policy
-from sage_patch.routing import (BINDING_ATTR, SDPA, Interposer, LayerBinding, Recogniser, StepState, attach,
+from sage_patch.binding import (BINDING_ATTR, SDPA, Interposer, LayerBinding, Recogniser, StepState, attach,
                                 detach, enter_on_forward, register_recogniser, select_modules)
 from sage_patch.sdpa_semantics import from_diffusers_dispatch
 

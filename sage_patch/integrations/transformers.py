@@ -38,7 +38,7 @@ import torch
 from sage_patch.policy import Policy, default_policy
 from sage_patch.reference import exact_attention
 from sage_patch.report import log_fallback_once
-from sage_patch.routing import (BINDING_ATTR, LayerBinding, Recogniser, StepState, attach, detach,
+from sage_patch.binding import (BINDING_ATTR, LayerBinding, Recogniser, StepState, attach, detach,
                                 register_recogniser, select_modules)
 
 logger = logging.getLogger("sage_patch")

@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import sage_patch
 import sage_patch.kernels as K
 from sage_patch.integrations import transformers as hf
-from sage_patch.router import bindings_of
-from sage_patch.routing import attach
+from sage_patch.lifecycle import bindings_of
+from sage_patch.binding import attach
 from tests.multiproc import run_ranks
 
 pytestmark = pytest.mark.gpu

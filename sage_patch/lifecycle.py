@@ -6,9 +6,9 @@ The adapter is chosen by what the object is, one per mechanism:
   forward runs, as in route_sdpa; processors are untouched; see there why);
 - transformers models: `integrations.transformers` (the "sage" AttentionInterface; unload switches back to the
   implementation the model had, "sdpa" for one built with "sage");
-- anything else: the generic SDPA adapter (`routing.route_sdpa`, kept open until unload; unload models in reverse
+- anything else: the generic SDPA adapter (`integrations.generic.route_sdpa`, kept open until unload; unload models in reverse
   order of injection, as nested `with` blocks would).
-Every adapter selects modules with `routing.select_modules`, binds them with `routing.attach` (the policy is the
+Every adapter selects modules with `binding.select_modules`, binds them with `binding.attach` (the policy is the
 given one, or the family default from sage_patch/configs/families.yaml) and records its own fallbacks with
 `LayerBinding.record_fallback`. `report`, `bindings_of` and `set_policy` go through the same adapters.
 """
@@ -20,34 +20,8 @@ import torch
 
 from .report import Report, _modules_of
 from .report import report as _collect
-from .routing import BINDING_ATTR, LayerBinding, detach, route_sdpa
-
-_ROUTE_ATTR = "_sage_patch_route"  # the open route_sdpa context of a model injected with the generic adapter
-
-
-class _GenericSdpa:
-    """The generic adapter: route_sdpa, held open between inject and unload."""
-
-    @staticmethod
-    def inject(model, policy=None):
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"sage_patch.inject takes an nn.Module or a diffusers pipeline; got {type(model).__name__}")
-        _GenericSdpa.unload(model)
-        ctx = route_sdpa(model, policy if policy is not None else "8b")
-        model.__dict__[_ROUTE_ATTR] = (ctx, list(ctx.__enter__()))
-
-    @staticmethod
-    def unload(model):
-        held = model.__dict__.pop(_ROUTE_ATTR, None) if isinstance(model, torch.nn.Module) else None
-        if held is not None:
-            held[0].__exit__(None, None, None)
-            for name in held[1]:
-                detach(model.get_submodule(name))
-
-    @staticmethod
-    def sync(model):
-        pass
-
+from .binding import BINDING_ATTR, LayerBinding
+from .integrations.generic import GenericSdpa
 
 def _library_adapter(obj):
     """The transformers or diffusers adapter for `obj`, or None. Only a library already imported is asked."""
@@ -62,7 +36,7 @@ def _library_adapter(obj):
 
 
 def adapter_for(obj):
-    return _library_adapter(obj) or _GenericSdpa
+    return _library_adapter(obj) or GenericSdpa
 
 
 def inject(model, policy=None):
@@ -76,8 +50,8 @@ def inject(model, policy=None):
 def unload(model):
     """Undo `inject` (or `attn_implementation="sage"`, or `enable_sage_attention()`): the model's attention runs
     exactly as it would without sage_patch. Returns `model`."""
-    if isinstance(model, torch.nn.Module) and _ROUTE_ATTR in model.__dict__:
-        _GenericSdpa.unload(model)
+    if GenericSdpa.holds(model):
+        GenericSdpa.unload(model)
     else:
         adapter_for(model).unload(model)
     return model

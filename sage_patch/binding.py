@@ -1,6 +1,7 @@
-"""Routing of attention calls from model layers through sage_patch, under a policy: the layer half of every adapter.
+"""The layer binding: how one attention module of a model is tied to sage_patch under a policy, the layer half of
+every adapter.
 
-Adapters (the generic SDPA one here, transformers' and diffusers' in sage_patch.integrations) pick their modules with
+Adapters (the generic SDPA one, transformers' and diffusers', all in sage_patch.integrations) pick their modules with
 the one selector `select_modules` (each adapter's way of recognising an attention module is a `Recogniser`,
 registered as data), bind each to a `LayerBinding` with `attach` (name, index, policy, stats, shared step state;
 removed by `detach`), and call `binding.attention(...)` (or `binding.run(...)`, which is one opaque op under
@@ -9,8 +10,9 @@ torch.compile); a call that goes elsewhere is recorded by `binding.record_fallba
 Calls an adapter does not receive itself find their layer through `layer_scope`: `enter_on_forward` makes a binding
 the ambient layer while its module's forward runs, and `SDPA` (an `Interposer`) replaces
 `torch.nn.functional.scaled_dot_product_attention` by `routed_sdpa` while any model needs it, which sends a call
-made inside a routed layer to that layer and every other call to torch unchanged. `route_sdpa(model, policy)` is the
-generic mechanism built from these; the diffusers adapter uses the same pieces.
+made inside a routed layer to that layer and every other call to torch unchanged.
+`integrations.generic.route_sdpa(model, policy)` is the generic mechanism built from these; the diffusers adapter
+uses the same pieces.
 """
 from __future__ import annotations
 
@@ -340,51 +342,3 @@ def _restore_sdpa():
 
 
 SDPA = Interposer(_install_sdpa, _restore_sdpa)
-
-
-# ---- route_sdpa: the generic adapter ----------------------------------------------------------------------------
-
-def _nothing_selected(model: torch.nn.Module, select) -> None:
-    """route_sdpa found no module to route: warn (logger and warnings), naming what it looked for and the
-    modules that look like attention by name, so the caller can pass `select=`. A warning, not an error: the
-    context manager stays a no-op on a model without attention, as it always was."""
-    if select is None:
-        looked_for = RECOGNISERS["sdpa"].describe()
-    elif callable(select):
-        looked_for = f"modules accepted by select={getattr(select, '__qualname__', repr(select))}"
-    else:
-        looked_for = f"attention modules named {select!r}"
-    candidates = sorted({f"{n} ({type(m).__name__})" for n, m in model.named_modules()
-                         if n and re.search(r"attn|attention", f"{n}.{type(m).__name__}", re.I)})
-    hint = (f"; modules that look like attention: {', '.join(candidates[:5])}"
-            f"{' ...' if len(candidates) > 5 else ''}") if candidates else ""
-    msg = (f"sage_patch.route_sdpa: no module of {type(model).__name__} matched ({looked_for}), so no "
-           f"attention call is routed{hint}; pass select=lambda name, module: ... to choose them")
-    logger.warning(msg)
-    warnings.warn(msg, RuntimeWarning, stacklevel=4)
-
-
-@contextlib.contextmanager
-def route_sdpa(model: torch.nn.Module, policy=None, *, select=None):
-    """Send every F.scaled_dot_product_attention call made inside `model`'s attention modules through
-    sage_patch under `policy` (path, dict, Policy, precision name or None). Calls outside those modules are
-    untouched. `select`: which modules (select_modules' `targets`: None, globs, or (name, module) -> bool).
-    Restores everything on exit. Yields the dict of bindings by module name."""
-    pol = Policy.from_any(policy)
-    steps = StepState()
-    bindings, handles = {}, []
-    for name, mod in select_modules(model, "sdpa", select):
-        bindings[name] = attach(mod, name, pol, steps)
-        handles += enter_on_forward(mod, bindings[name])
-    if not bindings:
-        _nothing_selected(model, select)
-    SDPA.acquire()
-    try:
-        yield bindings
-    finally:
-        SDPA.release()
-        for h in handles:
-            h.remove()
-        for name, mod in model.named_modules():
-            if name in bindings and getattr(mod, BINDING_ATTR, None) is bindings[name]:
-                delattr(mod, BINDING_ATTR)  # the stats stay: the report of a routed run outlives the run
