@@ -34,7 +34,6 @@ Precedence: a matching step rule overrides the layer rules and the default, exce
 from __future__ import annotations
 
 import fnmatch
-import functools
 import os
 from dataclasses import dataclass, field
 
@@ -112,7 +111,8 @@ class Policy:
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_any(cls, policy) -> "Policy":
-        """A Policy from a Policy, a dict, a path to a YAML file, a YAML string, a precision name or None (default)."""
+        """A Policy from a Policy, a dict, a path to a YAML file, a YAML string, a precision name, the name of a
+        shipped policy (sage_patch/configs/<name>.yaml: "llama", "flux", ...) or None (default)."""
         if policy is None:
             return cls()
         if isinstance(policy, Policy):
@@ -124,6 +124,8 @@ class Policy:
             return load_policy(policy)
         if isinstance(policy, str) and policy in PRECISIONS:
             return cls(default=policy, source=f"precision {policy!r}")
+        if isinstance(policy, str) and policy in shipped_policies():
+            return shipped_policies()[policy]
         if isinstance(policy, str):
             return cls.from_yaml(policy, source="<string>", argument=policy)
         raise PolicyError(f"policy must be a Policy, dict, YAML path or string, or a precision name; "
@@ -142,9 +144,10 @@ class Policy:
             problem = getattr(e, "problem", None) or str(e)
             raise PolicyError(f"policy {source}: malformed YAML{where}: {problem}") from None
         if argument is not None and not isinstance(data, dict):
-            raise PolicyError(f"policy {argument!r}: not a file (no such path), not a precision name (allowed: "
+            raise PolicyError(f"policy {argument!r}: not a file (no such path), not a shipped policy (allowed: "
+                              f"{', '.join(shipped_policies())}), not a precision name (allowed: "
                               f"{', '.join(PRECISIONS)}) and not a YAML mapping; pass a policy file path, a "
-                              f"precision name, a dict or YAML text such as 'default: 8b'")
+                              f"shipped policy or precision name, a dict or YAML text such as 'default: 8b'")
         _check_duplicate_keys(node, source)
         if data is None:
             data = {}
@@ -178,6 +181,13 @@ class Policy:
         if by_step is None or (rule is not None and rule.precision == "full"):
             return layer
         return by_step
+
+    def unmatched_layer_rules(self, layers) -> list[str]:
+        """The layer rules that match none of `layers` ((name, index) pairs), each described as in the YAML
+        ("layers[1] {'match': 'blocks.*', 'precision': 'full'}")."""
+        layers = list(layers)
+        return [f"layers[{i}] {_layer_rule_dict(r)}" for i, r in enumerate(self.layers)
+                if not any(r.matches(name, index) for name, index in layers)]
 
     def fallback_reason(self, sq: int, skv: int, head_dim: int, dtype) -> str | None:
         """Why this call must use full precision according to the policy's fallback rules, or None."""
@@ -245,16 +255,37 @@ def shipped_policy_path(family: str) -> str:
     return str(resources.files("sage_patch.configs").joinpath(f"{family}.yaml"))
 
 
+# The shipped policies and the family table, parsed once. Filled by `load_shipped()`, which the transformers and
+# diffusers hooks call when they register: torch.compile cannot trace importlib.resources or file reads, and a
+# model built with attn_implementation="sage" may look up its default policy for the first time inside a traced
+# forward; reading these dicts there is traceable.
+_SHIPPED: dict[str, Policy] = {}
 _DEFAULTS: dict = {}
+_FAMILY_TABLE = "families"  # sage_patch/configs/families.yaml: the default policy per family, not a policy
+
+
+def load_shipped() -> None:
+    """Parse every shipped policy and the family table (idempotent)."""
+    if _SHIPPED and _DEFAULTS:
+        return
+    from importlib import resources
+
+    folder = resources.files("sage_patch.configs")
+    names = sorted(f.name[:-len(".yaml")] for f in folder.iterdir() if f.name.endswith(".yaml"))
+    _SHIPPED.update({n: load_policy(str(folder.joinpath(f"{n}.yaml"))) for n in names if n != _FAMILY_TABLE})
+    _DEFAULTS.update(yaml.safe_load(folder.joinpath(f"{_FAMILY_TABLE}.yaml").read_text()))
+
+
+def shipped_policies() -> dict[str, Policy]:
+    """The policies shipped in sage_patch/configs, by name ("cogvideox", "flux", "hunyuanvideo", "llama", "sd35")."""
+    load_shipped()
+    return _SHIPPED
 
 
 def default_policy(library: str, model) -> Policy:
     """The default policy of `model` for an adapter of `library` ("transformers" or "diffusers"), from the family
     table sage_patch/configs/families.yaml (config.model_type for transformers, the class name for diffusers)."""
-    from importlib import resources
-
-    if not _DEFAULTS:
-        _DEFAULTS.update(yaml.safe_load(resources.files("sage_patch.configs").joinpath("families.yaml").read_text()))
+    load_shipped()
     table = _DEFAULTS[library]
     if library == "transformers":
         model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -263,13 +294,8 @@ def default_policy(library: str, model) -> Policy:
         cls = type(model).__name__
         choice = next((fam for key, fam in table["class_contains"].items() if key in cls), table["default"])
     if isinstance(choice, str):
-        return _shipped(choice)
+        return _SHIPPED[choice]
     return Policy.from_dict(choice, source=f"<{library} default>")
-
-
-@functools.lru_cache(maxsize=None)
-def _shipped(family: str) -> Policy:
-    return load_policy(shipped_policy_path(family))
 
 
 # ---- parsing helpers -------------------------------------------------------------------------------------------

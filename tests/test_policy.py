@@ -158,6 +158,21 @@ def test_unknown_string_policy_says_not_a_file_not_a_precision_and_lists_precisi
     assert "8b, 4b, fp4, full" in msg and "key ''" not in msg
 
 
+@pytest.mark.parametrize("family", SHIPPED)
+def test_shipped_policies_by_name_from_any_directory(family, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the checkout: "sage_patch/configs/flux.yaml" is no path here
+    assert Policy.from_any(family) == load_policy(shipped_policy_path(family))
+    assert Policy.from_any(family).name == family
+
+
+def test_unknown_name_lists_the_shipped_policies_and_the_precisions():
+    with pytest.raises(PolicyError) as e:
+        Policy.from_any("fluxx")
+    msg = str(e.value)
+    assert "not a shipped policy (allowed: cogvideox, flux, hunyuanvideo, llama, sd35)" in msg
+    assert "not a precision name (allowed: 8b, 4b, fp4, full)" in msg
+
+
 def test_set_policy_on_a_model_reports_the_bad_name():
     from transformers import LlamaConfig, LlamaForCausalLM
 
