@@ -16,7 +16,8 @@ _LAZY = {
     "Policy": "policy", "PolicyError": "policy", "load_policy": "policy",
     "PRECISIONS": "precisions",
     "Report": "report",
-    "report": "lifecycle", "inject": "lifecycle", "unload": "lifecycle", "set_policy": "lifecycle",
+    "report": "lifecycle", "reset_report": "lifecycle", "inject": "lifecycle", "unload": "lifecycle",
+    "set_policy": "lifecycle",
     "route_sdpa": "integrations.generic",
     "varlen_attention": "varlen",
 }

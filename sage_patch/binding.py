@@ -77,6 +77,14 @@ class LayerBinding:
         """Cache `requested()` for traced code (call when the policy or the step changes)."""
         self._precision = self.requested()
 
+    def clear_demotions(self) -> None:
+        """A policy was set: runtime-guard demotions made under the previous one no longer apply (the report keeps
+        them, and says they were cleared)."""
+        cleared = self.guard.clear()
+        if cleared:
+            self.stats.guard[f"runtime guard demotion(s) {', '.join(cleared)} cleared by a new policy"] += 1
+            self.refresh()
+
     def passes_full(self) -> bool:
         """Whether a call should run the caller's own full-precision function unchanged (the layer is "full" and no
         calibration observer watches it). Eager calls read the policy each time; under torch.compile the value
@@ -135,10 +143,9 @@ class LayerBinding:
 
     def record_passthrough(self, impl: str, reason: str | None = None, context: str | None = None) -> None:
         """`record_fallback` for a call handed back to the caller's own function (routed_sdpa, diffusers'
-        dispatcher). Not counted while torch.compile traces: such calls are traced as the caller wrote them, and
-        Python bookkeeping done at trace time would not repeat per run."""
-        if not torch.compiler.is_compiling():
-            self.record_fallback(impl, reason, context)
+        dispatcher). Under torch.compile such calls are traced as the caller wrote them and counted once, when the
+        graph is traced (the counting rule of `sage_patch.report`)."""
+        self.record_fallback(impl, reason, context)
 
 
 @torch.library.custom_op("sage_patch::routed_attention", mutates_args=())
@@ -180,15 +187,19 @@ def _(q, k, v, attn_mask, layer_id, layout, is_causal, scale, dropout_p, return_
 
 
 def attach(module: torch.nn.Module, name: str, policy: Policy, steps: StepState | None = None,
-           index: int | None = None) -> LayerBinding:
+           index: int | None = None, *, new_policy: bool = True) -> LayerBinding:
     """Bind `module` as layer `name` (a binding already there keeps its stats, guard and observer, and takes the new
-    name and policy; otherwise the module's stats, if any, are kept). index None: from the name (layer_index)."""
+    name and policy; otherwise the module's stats, if any, are kept). index None: from the name (layer_index).
+    `new_policy` False: `policy` is the one the binding already had (a rename), so runtime-guard demotions stay;
+    otherwise they are cleared."""
     index = layer_index(name) if index is None else index
     b = getattr(module, BINDING_ATTR, None)
     if isinstance(b, LayerBinding):
         b.name, b.index, b.policy, b.stats.name = name, index, policy, name
         if steps is not None:
             b.steps = steps
+        if new_policy:
+            b.clear_demotions()
         b.refresh()
     else:
         stats = getattr(module, STATS_ATTR, None)
@@ -197,6 +208,29 @@ def attach(module: torch.nn.Module, name: str, policy: Policy, steps: StepState 
         setattr(module, BINDING_ATTR, b)
     setattr(module, STATS_ATTR, b.stats)
     return b
+
+
+_WARNED_RULES: set = set()
+
+
+def warn_unmatched_rules(policy: Policy, bindings, model_name: str) -> None:
+    """Warn (once per policy and rule) about layer rules of `policy` that match none of `bindings` (LayerBindings
+    of one model or pipeline): a misspelt glob or an index past the last layer would otherwise change nothing,
+    silently. The warning names the rule and a few of the layer names the rules are matched against."""
+    bindings = list(bindings)
+    if not bindings or not policy.layers:
+        return
+    for rule in policy.unmatched_layer_rules((b.name, b.index) for b in bindings):
+        key = (policy.source, policy.layers, rule)
+        if key in _WARNED_RULES:
+            continue
+        _WARNED_RULES.add(key)
+        names = [b.name for b in bindings]
+        indices = sorted({b.index for b in bindings if b.index is not None})
+        span = f", layer indices {indices[0]}-{indices[-1]}" if indices else ""
+        warnings.warn(f"sage_patch: policy {policy.source}: rule {rule} matches none of the {len(names)} attention "
+                      f"layers of {model_name} (names such as {', '.join(names[:3])}"
+                      f"{' ...' if len(names) > 3 else ''}{span}); it has no effect", RuntimeWarning, stacklevel=3)
 
 
 def detach(module: torch.nn.Module) -> None:

@@ -26,6 +26,12 @@ class Guard:
             precision = self.demoted[precision]
         return precision
 
+    def clear(self) -> list[str]:
+        """Forget every demotion (a new policy was set); returns them as "a -> b"."""
+        cleared = [f"{a} -> {b}" for a, b in self.demoted.items()]
+        self.demoted.clear()
+        return cleared
+
     def after_call(self, binding, precision: str, q, k, v, call: dict, out) -> None:
         pol = binding.policy
         if not pol.guard_every or precision == "full" or torch.compiler.is_compiling():

@@ -39,6 +39,11 @@ def adapter_for(obj):
     return _library_adapter(obj) or GenericSdpa
 
 
+def family_policy(obj):
+    """The policy `inject(obj)` uses when none is given (the family default, sage_patch/configs/families.yaml)."""
+    return adapter_for(obj).family_policy(obj)
+
+
 def inject(model, policy=None):
     """Route `model`'s attention (an nn.Module or a diffusers pipeline) through sage_patch under `policy` (a path,
     dict, YAML string, Policy or precision name; None: the family default). Injecting again changes the policy.
@@ -58,7 +63,8 @@ def unload(model):
 
 
 def set_policy(obj, policy) -> None:
-    """Set the attention policy of a transformers model, or of a diffusers model or pipeline."""
+    """Set the attention policy of a transformers model, or of a diffusers model or pipeline. Runtime-guard
+    demotions made under the previous policy are cleared (the report keeps them and notes that they were)."""
     if hasattr(obj, "enable_sage_attention"):
         obj.enable_sage_attention(policy=policy)
         return
@@ -80,10 +86,23 @@ def _sync(obj) -> None:
 
 def report(obj=None) -> Report:
     """Report of a model (nn.Module), a diffusers pipeline (its module components), or, with no argument,
-    of direct calls made outside any routed layer."""
+    of direct calls made outside any routed layer. Counts accumulate until `reset_report(obj)` (or `unload`).
+
+    Counting rule, the same for transformers, diffusers and route_sdpa models: in eager mode every call is counted.
+    Under torch.compile, a call that sage_patch's attention runs (a quantized layer: one opaque op in the graph) is
+    counted each time it runs; a call traced into the graph (a "full" layer handing the call to torch's or the
+    library's own attention, a call that needs a gradient, a fallback such as softcap) is counted once per
+    compilation, when it is traced, since the compiled graph runs it without Python."""
     if obj is not None:
         _sync(obj)
     return _collect(obj)
+
+
+def reset_report(obj=None) -> None:
+    """Zero the counts `report(obj)` shows (every layer of a model or pipeline; with no argument, the direct
+    calls'). Bindings, policies and runtime-guard demotions are unchanged."""
+    for st in report(obj).layers.values():
+        st.reset()
 
 
 def bindings_of(obj) -> dict[str, LayerBinding]:

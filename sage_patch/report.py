@@ -62,7 +62,10 @@ class LayerStats:
 
     def record_context(self, context: str) -> None:
         """Note how one counted call was distributed, e.g. "context parallel (ulysses 2 x ring 1) on rank 0 of 2":
-        under context parallelism each rank counts the calls it ran, on its shard."""
+        under context parallelism each rank counts the calls it ran, on its shard. Traced: noted once, as `record`."""
+        if torch.compiler.is_compiling():
+            _record_context_traced(self._key, context)
+            return
         self.context[context] += 1
 
     def reset(self) -> None:
@@ -90,6 +93,16 @@ def _record_traced(key: int, requested: str, precision: str, impl: str, reason: 
 
 
 _record_traced._dynamo_marked_constant = True  # what torch._dynamo.assume_constant_result sets, without importing dynamo
+
+
+def _record_context_traced(key: int, context: str) -> None:
+    """`_record_traced` for LayerStats.record_context."""
+    st = _BY_KEY.get(key)
+    if st is not None:
+        st.context[context] += 1
+
+
+_record_context_traced._dynamo_marked_constant = True
 
 
 class _NoStats:

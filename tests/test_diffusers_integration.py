@@ -335,8 +335,15 @@ def test_torch_compile_of_the_transformer():
         assert (out - eager).abs().max().item() <= 1e-5
         rep = sage_patch.report(model).to_dict()
         assert all(st["used"] == {"8b": 2} for st in rep.values()), rep   # counted when the op runs
+        sage_patch.reset_report(model)
+        assert all(st["calls"] == 0 for st in sage_patch.report(model).to_dict().values())
         sd.set_step(model, 0, 4)                            # step rule -> full: one recompile, original path
         assert (run(compiled, inputs) - ref).abs().max().item() <= FULL_TOL
+        run(compiled, inputs)
+        # the counting rule of sage_patch.report, as for transformers: a full call is traced with the model,
+        # counted once, when traced
+        rep = sage_patch.report(model).to_dict()
+        assert all(st["used"] == {"full": 1} for st in rep.values()), rep
         sd.set_step(model, 2, 4)
         assert (run(compiled, inputs) - eager).abs().max().item() <= 1e-5
     finally:

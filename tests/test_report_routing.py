@@ -1,4 +1,6 @@
 """Report and the generic routing context manager on a tiny model."""
+import warnings
+
 import pytest
 import torch
 
@@ -101,7 +103,24 @@ def test_route_sdpa_warns_naming_the_patterns_when_nothing_matches(caplog):
     assert "no module of Block matched" in msg
     assert "'Attention' or 'SelfAttention'" in msg          # the patterns it looked for
     assert "attn_proj (Linear)" in msg and "select=" in msg   # candidates by name, and the way out
-    assert any("no module of Block matched" in r.getMessage() for r in caplog.records)
+    assert len(rec) == 1  # one channel: the warning, not also the log
+    assert not any("no module of Block matched" in r.getMessage() for r in caplog.records)
+
+
+def test_layer_rule_matching_no_layer_warns_once_naming_the_rule_and_layers():
+    policy = sage_patch.Policy.from_dict({"default": "8b", "layers": [{"match": "layer.1", "precision": "full"},
+                                                                      {"index": 0, "precision": "4b"}]})
+    with pytest.warns(RuntimeWarning) as rec:
+        with sage_patch.route_sdpa(TinyNet(), policy):
+            pass
+    msgs = [str(w.message) for w in rec if "matches none" in str(w.message)]
+    assert len(msgs) == 1  # the index rule matches layers.0
+    assert "rule layers[0] {'match': 'layer.1', 'precision': 'full'}" in msgs[0]
+    assert "names such as layers.0, layers.1, layers.2" in msgs[0] and "layer indices 0-2" in msgs[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sage_patch.route_sdpa(TinyNet(), policy):  # once
+            pass
 
 
 def test_route_sdpa_custom_select_routes_and_does_not_warn(recwarn):

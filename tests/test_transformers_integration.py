@@ -6,6 +6,7 @@ Every model is built from a config in milliseconds; the reference is the same we
 """
 import importlib
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -433,9 +434,35 @@ def test_compile_fullgraph_8b_with_rules_no_recompile():
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(again, eager)
     rep = layers_of(sage)
-    # one eager call, one recorded when the graph was traced; the compiled calls themselves run without Python
-    assert rep["model.layers.0.self_attn"]["used"] == {"8b": 2}
+    # the counting rule of sage_patch.report: a quantized call is one op, counted each time it runs (eager + 2
+    # compiled); the full layer's call is traced with the model, counted in eager and once when traced
+    assert rep["model.layers.0.self_attn"]["used"] == {"8b": 3}
     assert rep["model.layers.1.self_attn"]["used"] == {"full": 2}
+    sage_patch.reset_report(sage)
+    with torch.no_grad():
+        compiled(ids, attention_mask=am)
+    rep = layers_of(sage)
+    assert rep["model.layers.0.self_attn"]["used"] == {"8b": 1} and rep["model.layers.1.self_attn"]["calls"] == 0
+
+
+def test_compile_fullgraph_first_call_default_policy_without_warnings():
+    """A model built with "sage" and never handed to sage_patch: its first call is the traced one (the layers
+    bind, under the default policy, as plain Python at trace time). The next calls reuse the graph; compiling
+    warns nothing."""
+    sage, ref = pair("llama")
+    ids, am = batch([140, 130], 140)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(sage, fullgraph=True, backend="aot_eager")
+        out = compiled(ids, attention_mask=am).logits
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            compiled(ids, attention_mask=am)
+            compiled(ids, attention_mask=am)
+    assert [str(w.message) for w in caught] == []
+    assert cosine(out, ref(ids, attention_mask=am).logits) >= 0.999
+    rep = layers_of(sage)
+    assert list(rep) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert all(st["used"] == {"8b": 3} for st in rep.values()), rep  # the op: counted each time it runs
 
 
 def test_compile_fullgraph_inductor():
@@ -450,7 +477,10 @@ def test_compile_fullgraph_inductor():
                                             ("llama", 140, 6), ("llama", 140, 0)])
 def test_static_cache_generate_compiled_matches_reference(kind, prompt, pad):
     """generate(cache_implementation="static") with its compiled decode step (fullgraph), as on GPU. Without
-    padding, transformers passes no mask to the prefill although the static cache is longer than the prompt."""
+    padding, transformers passes no mask to the prefill although the static cache is longer than the prompt.
+    Each case starts with dynamo's caches empty: graphs are specialized per layer binding (its op id), so the
+    cases' fresh models would add up to dynamo's recompile limit for the one decode function."""
+    torch._dynamo.reset()
     sage, ref = pair(kind, "full" if prompt < 128 else None)
     ids, am = batch([prompt, prompt - pad], prompt)
     kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=6, do_sample=False, cache_implementation="static",

@@ -67,7 +67,7 @@ from sage_patch import layer_scope
 from sage_patch.integrations import diffusers_parallel
 from sage_patch.policy import Policy, default_policy
 from sage_patch.binding import (BINDING_ATTR, SDPA, Interposer, LayerBinding, Recogniser, StepState, attach,
-                                detach, enter_on_forward, register_recogniser, select_modules)
+                                detach, enter_on_forward, register_recogniser, select_modules, warn_unmatched_rules)
 from sage_patch.sdpa_semantics import from_diffusers_dispatch
 
 logger = logging.getLogger("sage_patch")
@@ -240,9 +240,10 @@ def _unbind(st: _ModelState, name: str, mod) -> None:
     detach(mod)
 
 
-def enable(model, policy=None, *, tracker: StepTracker | None = None) -> dict:
+def enable(model, policy=None, *, tracker: StepTracker | None = None, check_rules: bool = True) -> dict:
     """Route every attention layer of a diffusers model through sage_patch. Returns {layer name: LayerBinding}.
-    Enabling again updates the policy (and re-decides which layers can be routed)."""
+    Enabling again updates the policy (and re-decides which layers can be routed). `check_rules`: warn about
+    layer rules matching no layer (enable_pipeline checks them over all its components instead)."""
     pol = Policy.from_any(policy) if policy is not None else default_policy_for(model)
     # enabling on a model already context-parallel: refuse before binding anything
     diffusers_parallel.check_model(model, [(n, m) for n, m in select_modules(model, LIBRARY)
@@ -266,6 +267,8 @@ def enable(model, policy=None, *, tracker: StepTracker | None = None) -> dict:
         st.tracker.add(b)
         if name not in st.hooks:
             st.hooks[name] = enter_on_forward(mod, b)
+    if check_rules:
+        warn_unmatched_rules(pol, bindings.values(), type(model).__name__)
     if st.skipped:
         logger.info("sage_patch: %d attention layer(s) of %s not routed: %s", len(st.skipped),
                     type(model).__name__, "; ".join(f"{k}: {v}" for k, v in list(st.skipped.items())[:3]))
@@ -333,6 +336,13 @@ def _main_denoiser(comps: dict):
     return next(iter(comps.values()), None)
 
 
+def family_policy(obj) -> Policy:
+    """The policy enabling `obj` (a diffusers model or pipeline) with policy=None uses."""
+    if isinstance(obj, torch.nn.Module):
+        return default_policy_for(obj)
+    return default_policy_for(_main_denoiser(denoiser_components(obj)))
+
+
 def enable_pipeline(pipe, policy=None, *, components=None, include_vae: bool = False):
     """Route the attention of the pipeline's denoiser(s). policy None: the shipped policy for the main
     denoiser's class. components: names to route (default: every non-VAE diffusers model)."""
@@ -355,8 +365,10 @@ def enable_pipeline(pipe, policy=None, *, components=None, include_vae: bool = F
             if key in pipe.components and pipe.components[key] is not None:
                 disable(pipe.components[key])
         ps.components = tuple(comps)
+    bindings = []
     for comp in comps.values():
-        enable(comp, pol, tracker=ps.tracker)
+        bindings += enable(comp, pol, tracker=ps.tracker, check_rules=False).values()
+    warn_unmatched_rules(pol, bindings, type(pipe).__name__)
     _hook_scheduler(pipe, ps)
     _wrap_pipeline_call(type(pipe))
     return pipe

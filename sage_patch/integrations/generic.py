@@ -4,23 +4,20 @@ call made inside the model's attention modules through sage_patch (the ambient-l
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 import warnings
 
 import torch
 
 from sage_patch.binding import (BINDING_ATTR, RECOGNISERS, SDPA, StepState, attach, detach, enter_on_forward,
-                                select_modules)
+                                select_modules, warn_unmatched_rules)
 from sage_patch.policy import Policy
-
-logger = logging.getLogger("sage_patch")
 
 
 def _nothing_selected(model: torch.nn.Module, select) -> None:
-    """route_sdpa found no module to route: warn (logger and warnings), naming what it looked for and the
-    modules that look like attention by name, so the caller can pass `select=`. A warning, not an error: the
-    context manager stays a no-op on a model without attention, as it always was."""
+    """route_sdpa found no module to route: warn (a RuntimeWarning only, so the user sees it once), naming what it
+    looked for and the modules that look like attention by name, so the caller can pass `select=`. A warning, not
+    an error: the context manager stays a no-op on a model without attention, as it always was."""
     if select is None:
         looked_for = RECOGNISERS["sdpa"].describe()
     elif callable(select):
@@ -33,7 +30,6 @@ def _nothing_selected(model: torch.nn.Module, select) -> None:
             f"{' ...' if len(candidates) > 5 else ''}") if candidates else ""
     msg = (f"sage_patch.route_sdpa: no module of {type(model).__name__} matched ({looked_for}), so no "
            f"attention call is routed{hint}; pass select=lambda name, module: ... to choose them")
-    logger.warning(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
@@ -51,6 +47,7 @@ def route_sdpa(model: torch.nn.Module, policy=None, *, select=None):
         handles += enter_on_forward(mod, bindings[name])
     if not bindings:
         _nothing_selected(model, select)
+    warn_unmatched_rules(pol, bindings.values(), type(model).__name__)
     SDPA.acquire()
     try:
         yield bindings
@@ -70,11 +67,16 @@ class GenericSdpa:
     """The generic adapter: route_sdpa, held open between inject and unload."""
 
     @staticmethod
+    def family_policy(model) -> Policy:
+        """The policy `inject(model)` uses when none is given: 8b everywhere, no fallback rules."""
+        return Policy.from_any("8b")
+
+    @staticmethod
     def inject(model, policy=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"sage_patch.inject takes an nn.Module or a diffusers pipeline; got {type(model).__name__}")
         GenericSdpa.unload(model)
-        ctx = route_sdpa(model, policy if policy is not None else "8b")
+        ctx = route_sdpa(model, policy if policy is not None else GenericSdpa.family_policy(model))
         model.__dict__[_ROUTE_ATTR] = (ctx, list(ctx.__enter__()))
 
     @staticmethod

@@ -5,8 +5,10 @@
 attention_mask=None); `sage_patch.integrations` runs it when transformers is imported. Nothing of transformers is
 wrapped: layers are bound (module name, layer index, policy, stats) when sage_patch asks about the model
 (`inject`, `set_policy`, `report`, `calibrate`), and a layer called before that binds itself under a provisional name
-(renamed, stats kept, at the next of those). `unload(model)` removes the bindings and switches a model that uses
-"sage" back to the implementation it had before `inject` ("sdpa" for a model built with "sage").
+(renamed, stats kept, at the next of those). Under torch.compile that first call is traced: the binding is then
+made by a function dynamo runs as plain Python at trace time (`_bind_unbound`), since a traced forward can neither
+create the binding's objects nor read the policy files. `unload(model)` removes the bindings and switches a model
+that uses "sage" back to the implementation it had before `inject` ("sdpa" for a model built with "sage").
 
 Default policy: from `config.model_type` through sage_patch/configs/families.yaml (every transformers model type
 uses the shipped llama.yaml: 8b, full below 128 tokens, so decode steps run full).
@@ -29,7 +31,6 @@ Semantics (each item is tested in tests/test_transformers_integration.py):
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 
@@ -39,7 +40,7 @@ from sage_patch.policy import Policy, default_policy
 from sage_patch.reference import exact_attention
 from sage_patch.report import log_fallback_once
 from sage_patch.binding import (BINDING_ATTR, LayerBinding, Recogniser, StepState, attach, detach,
-                                register_recogniser, select_modules)
+                                register_recogniser, select_modules, warn_unmatched_rules)
 
 logger = logging.getLogger("sage_patch")
 
@@ -65,7 +66,9 @@ _BOOKKEEPING_KWARGS = frozenset({"cache_position", "use_cache", "past_key_values
                                  "labels", "inputs_embeds", "token_type_ids"})
 
 
-@functools.lru_cache(maxsize=None)
+_IGNORED: list[frozenset] = []  # ignored_kwargs(), computed once (a plain memo: every traced forward reads it)
+
+
 def ignored_kwargs() -> frozenset:
     """Keywords that transformers' own sdpa/eager attention functions ignore and that cannot change the
     attention result, derived from the installed transformers:
@@ -77,7 +80,14 @@ def ignored_kwargs() -> frozenset:
       hands the same **kwargs to its loss and to its decoder (e.g. `shift_labels`, `ignore_index`);
     - `_BOOKKEEPING_KWARGS`.
 
-    Minus the keywords handled explicitly (`_HANDLED_KWARGS`) and `_RESULT_CHANGING`."""
+    Minus the keywords handled explicitly (`_HANDLED_KWARGS`) and `_RESULT_CHANGING`. Computed once, when a layer
+    is bound (not functools.lru_cache: torch.compile warns at every trace that it ignores that wrapper)."""
+    if not _IGNORED:
+        _IGNORED.append(_derive_ignored_kwargs())
+    return _IGNORED[0]
+
+
+def _derive_ignored_kwargs() -> frozenset:
     names = set(_BOOKKEEPING_KWARGS)
     try:
         from transformers.utils.generic import TransformersKwargs
@@ -135,9 +145,11 @@ def uses_sage(model: torch.nn.Module) -> bool:
 def bind(model: torch.nn.Module, policy=None, only_sage: bool = False) -> dict[str, LayerBinding]:
     """Bind every attention module of `model` (names relative to `model`); with `only_sage`, only those whose
     config uses "sage" (a composite model may run its vision tower on another implementation). An existing
-    binding keeps its stats, guard, observer and, unless `policy` is given, its policy (so a policy set before
-    the model is switched to "sage" survives the switch). New bindings get the default policy."""
+    binding keeps its stats, observer and, unless `policy` is given, its policy and runtime-guard demotions (so a
+    policy set before the model is switched to "sage" survives the switch; a given policy clears the demotions).
+    New bindings get the default policy."""
     explicit = None if policy is None else Policy.from_any(policy)
+    ignored_kwargs()  # computed here, in plain Python, before any traced forward reads it
     steps, out = StepState(), {}
     for name, mod in select_modules(model, LIBRARY):
         if only_sage and getattr(getattr(mod, "config", None), "_attn_implementation", NAME) != NAME:
@@ -146,7 +158,9 @@ def bind(model: torch.nn.Module, policy=None, only_sage: bool = False) -> dict[s
         pol = explicit or (old.policy if isinstance(old, LayerBinding) else default_policy(LIBRARY, model))
         idx = getattr(mod, "layer_idx", None)
         out[name] = attach(mod, name, pol, None if isinstance(old, LayerBinding) else steps,
-                           idx if isinstance(idx, int) else None)
+                           idx if isinstance(idx, int) else None, new_policy=explicit is not None)
+    if explicit is not None:
+        warn_unmatched_rules(explicit, out.values(), type(model).__name__)
     return out
 
 
@@ -184,10 +198,28 @@ def set_policy(model: torch.nn.Module, policy) -> dict[str, LayerBinding]:
     return bind(model, default_policy(LIBRARY, model) if policy is None else policy)
 
 
+def family_policy(model) -> Policy:
+    """The policy `inject(model)` uses when none is given: by config.model_type (sage_patch/configs/families.yaml)."""
+    return default_policy(LIBRARY, model)
+
+
 def _provisional_binding(module) -> LayerBinding:
     """A layer called before sage_patch bound its model: bind it alone, named by class and layer index."""
     idx = getattr(module, "layer_idx", None)
+    ignored_kwargs()  # computed here, in plain Python, before any traced forward reads it
     return attach(module, f"{type(module).__name__}.{idx}", default_policy(LIBRARY, module), index=idx)
+
+
+def _bind_unbound(module) -> None:
+    """`_provisional_binding` for a layer without a binding, run at trace time as plain Python (marked below:
+    torch.compile calls it with the real module and keeps its result, None, as a constant). The traced forward
+    then reads the new binding as the module's attribute, as for a layer bound before (no recompile at the next
+    call; tests/test_transformers_integration.py)."""
+    if getattr(module, BINDING_ATTR, None) is None:
+        _provisional_binding(module)
+
+
+_bind_unbound._dynamo_marked_constant = True  # what torch._dynamo.assume_constant_result sets, without dynamo
 
 
 # ---- the attention function -----------------------------------------------------------------------------------
@@ -196,7 +228,11 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
     """transformers attention function. query (B, Hq, Sq, D) (often a non-contiguous view), key/value
     (B, Hkv, Skv, D). Returns (attn_output (B, Sq, Hq, D) contiguous, None)."""
     _check_head_grouping(module, query, key)
-    binding = getattr(module, BINDING_ATTR, None) or _provisional_binding(module)
+    binding = getattr(module, BINDING_ATTR, None)
+    if binding is None and torch.compiler.is_compiling():
+        _bind_unbound(module)
+        binding = getattr(module, BINDING_ATTR)
+    binding = binding or _provisional_binding(module)
     is_causal = kwargs.pop("is_causal", None)
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     sliding_window = kwargs.pop("sliding_window", None)
@@ -234,9 +270,12 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
         binding.record_fallback("eager", f"{why} is not supported by quantized precisions: exact eager attention")
         out = exact_attention(query, key, value, is_causal=is_causal, scale=scaling, attn_mask=attention_mask,
                               dtype=torch.float32, softcap=softcap, sinks=s_aux, dropout_p=dropout_p).to(query.dtype)
-    else:
+    elif binding.passes_full():  # traced with the model under torch.compile (counted once per trace)
         out = binding.attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
                                 attn_mask=attention_mask, dropout_p=dropout_p)
+    else:  # one opaque op under torch.compile, counted each time it runs (as in diffusers)
+        out = binding.run(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
+                          attn_mask=attention_mask, dropout_p=dropout_p)
     return out.transpose(1, 2).contiguous(), None
 
 
