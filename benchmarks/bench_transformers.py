@@ -14,7 +14,18 @@ Per sequence length, on ONE model switched with `model.set_attn_implementation(.
 - The attention op alone at the model's shapes (1 x 32 q heads, 8 KV heads, D 128, causal, bf16): sdpa vs
   sage_patch under the policy's precision; its ratio s is the kernel speed-up.
 - Amdahl bound 1 / ((1 - f) + f / s): the integration should reach >= 90% of it (anything less is overhead of its own).
-Writes bench_transformers.json and bench_transformers.md into --out. Refuses to time "sage" on CUDA when the
+Writes bench_transformers.json and bench_transformers.md into --out.
+
+--fallback-cases: the cost of sage_patch's full-precision fallbacks (issue 42: at most 1% over transformers' own
+"sdpa"), two prefills whose masks make the resolver choose full precision: the Llama-3.1-8B architecture with 4
+layers, batch 4 x 8192 left-padded as generate() pads prompts of different lengths, and the Mistral-7B architecture
+(sliding_window 4096) with 4 layers at 16384 tokens. "sdpa" and "sage" on the same model in the same run, in both
+orders, CUDA events, medians; writes fallback_cases.json (report.py renders it; copy it to
+docs/data/<gpu>_fallback.json).
+
+    python benchmarks/bench_transformers.py --fallback-cases --out out/fallback
+
+Refuses to time "sage" on CUDA when the
 compiled kernels are not loaded (it would time the PyTorch reference simulation) unless --allow-reference.
 """
 from __future__ import annotations
@@ -147,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--no-cache", action="store_true", help="prefill without filling a KV cache")
     p.add_argument("--skip-op", action="store_true", help="do not time the attention op alone")
+    p.add_argument("--fallback-cases", action="store_true", help="time the two full-precision fallback cases instead")
     p.add_argument("--allow-reference", action="store_true",
                    help="time 'sage' on CUDA even when the kernels are not loaded (reference simulation: slow)")
     a = p.parse_args(argv)
@@ -166,6 +178,8 @@ def main(argv=None) -> int:
               f"Build them, or pass --allow-reference, or --impls sdpa {STUB}", file=sys.stderr)
         return 3
     os.makedirs(a.out, exist_ok=True)
+    if a.fallback_cases:
+        return fallback_cases(a, device, dtype, kstat)
 
     from transformers import LlamaForCausalLM
 
@@ -227,6 +241,72 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "bench_transformers.md"), "w") as f:
         f.write(md)
     print(md)
+    return 0
+
+
+MISTRAL_7B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=32768,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=4096, rope_theta=10000.0)
+
+
+def _fallback_models(tiny: bool):
+    """(name, model class, config, batch, length, prompt lengths): the two fallback cases (4 layers each)."""
+    from transformers import MistralConfig, MistralForCausalLM, LlamaForCausalLM
+
+    llama = llama_config(tiny)
+    llama.num_hidden_layers = 2 if tiny else 4
+    mistral = MistralConfig(**(dict(TINY, sliding_window=64) if tiny else dict(MISTRAL_7B, num_hidden_layers=4)))
+    n_llama, n_mistral = (256, 512) if tiny else (8192, 16384)
+    # left padding as generate() pads a batch of prompts of different lengths
+    lengths = [n_llama, n_llama * 7 // 8, n_llama * 3 // 4, n_llama * 5 // 8]
+    return [("llama31_8b_4layers_padded_batch", LlamaForCausalLM, llama, n_llama, lengths),
+            ("mistral_7b_4layers_sliding_window", MistralForCausalLM, mistral, n_mistral, [n_mistral])]
+
+
+def fallback_cases(a, device, dtype, kstat) -> int:
+    warmup = a.warmup if a.warmup is not None else 2
+    iters = a.iters if a.iters is not None else (2 if a.tiny else 10)
+    timer = Timer(device)
+    cases = []
+    for name, cls, cfg, total, lengths in _fallback_models(a.tiny):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = cls._from_config(cfg, attn_implementation="sage", dtype=dtype).eval()
+        sage_patch.set_policy(model, a.policy or shipped_policy_path("llama"))
+        gen = torch.Generator(device).manual_seed(total)
+        ids = torch.randint(1, cfg.vocab_size, (len(lengths), total), device=device, generator=gen)
+        mask = torch.zeros_like(ids)
+        for i, n in enumerate(lengths):
+            mask[i, total - n:] = 1
+        ids = ids * mask
+
+        def step():
+            model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+
+        row = {"case": name, "batch": len(lengths), "tokens": total, "prompt_lengths": lengths, "orders": []}
+        with torch.inference_mode():
+            for order in (("sdpa", "sage"), ("sage", "sdpa")):
+                ms = {}
+                for impl in order:
+                    model.set_attn_implementation(impl)
+                    reset_stats(model)
+                    ms[impl] = statistics.median(timer(step, warmup, iters))
+                    if impl == "sage":
+                        row["sage_impl"], row["sage_fallbacks"] = impl_counts(model), fallback_reasons(model)
+                row["orders"].append({"order": list(order), "sdpa_ms": ms["sdpa"], "sage_ms": ms["sage"],
+                                      "sage_over_sdpa": ms["sage"] / ms["sdpa"]})
+                print(f"{name} ({' then '.join(order)}): sdpa {ms['sdpa']:.2f} ms, sage {ms['sage']:.2f} ms "
+                      f"({ms['sage'] / ms['sdpa'] - 1:+.2%})", flush=True)
+        row["max_overhead"] = max(o["sage_over_sdpa"] for o in row["orders"]) - 1
+        cases.append(row)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    meta = run_meta(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+                    transformers=__import__("transformers").__version__, sage_patch=sage_patch.__version__,
+                    kernels=kstat, dtype=str(dtype).replace("torch.", ""), warmup=warmup, iters=iters)
+    with open(os.path.join(a.out, "fallback_cases.json"), "w") as f:
+        json.dump({"kind": "fallback", "meta": meta, "cases": cases}, f, indent=2)
     return 0
 
 

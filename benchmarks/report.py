@@ -19,6 +19,8 @@ Input kinds (recognised by their keys):
   against torch SDPA: attention forward + backward and backward alone, training steps of Llama-3.2-1B and Flux.
 - end_to_end ({"kind": "end_to_end", meta, runs: [{gpu, date, command, rows}]}), and `bench_diffusers.py --json`
   output ({meta, records}) and `bench_transformers.py`'s bench_transformers.json ({meta, results}).
+- fallback ({"kind": "fallback", meta, cases}): `bench_transformers.py --fallback-cases`, the full-precision
+  fallback's cost against transformers' sdpa (docs/data/<gpu>_fallback.json).
 The page is regenerated, never appended to: a new run replaces the file of its GPU and kind.
 """
 from __future__ import annotations
@@ -399,6 +401,21 @@ def render_training(data: dict) -> list:
     return out
 
 
+def render_fallback(data: dict) -> list:
+    """bench_transformers.py --fallback-cases: sage's full-precision fallback vs transformers' sdpa, both orders."""
+    meta = data["meta"]
+    out = run_lines(meta) + [f"- **Method**: prefill forward (KV cache filled, logits_to_keep=1), {meta.get('dtype')}, "
+                             f"random weights, median of {meta.get('iters')} after {meta.get('warmup')} warm-up, "
+                             "CUDA events; sdpa and sage on one model, in both orders; the budget is +1%.", ""]
+    rows = []
+    for c in data["cases"]:
+        for o in c["orders"]:
+            rows.append([c["case"], f"{c['batch']} x {c['tokens']}", " then ".join(o["order"]), f"{o['sdpa_ms']:.2f}",
+                         f"{o['sage_ms']:.2f}", f"{o['sage_over_sdpa'] - 1:+.2%}",
+                         ", ".join(f"{k} x{v}" for k, v in c.get("sage_impl", {}).items())])
+    return out + table(["case", "batch x tokens", "order", "sdpa ms", "sage ms", "sage vs sdpa", "sage ran"], rows)
+
+
 def render(data_dir: str) -> str:
     per_gpu: dict = {}
     for path in sorted(glob.glob(os.path.join(data_dir, "*.json"))):
@@ -436,6 +453,8 @@ def render(data_dir: str) -> str:
             srcs = sorted({s for s, _, _ in sec["e2e"]})
             lines += [f"### End to end (`{'`, `'.join(srcs)}`)", ""]
             lines += render_e2e([r for _, r, _ in sec["e2e"]], next((m for _, _, m in sec["e2e"] if m), None)) + [""]
+        for src, data in sec.get("fallback", []):
+            lines += [f"### Full-precision fallback cost (`{src}`)", ""] + render_fallback(data) + [""]
         for src, data in sec.get("training", []):
             lines += [f"### Training (`{src}`)", ""] + render_training(data) + [""]
         for src, data in sec.get("finetune", []):

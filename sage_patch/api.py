@@ -34,8 +34,12 @@ def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=
 
 
 def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, precision="8b",
-                  return_lse=False, smooth_v=False, dropout_p=0.0, policy=None, stats=None):
-    """`attention` plus what routed layers need: dropout, the policy's fallback rules, per-layer stats."""
+                  return_lse=False, smooth_v=False, dropout_p=0.0, policy=None, stats=None, full=None):
+    """`attention` plus what routed layers need: dropout, the policy's fallback rules, per-layer stats.
+    full: a call that runs full precision (resolver impl "sdpa", no LSE) returns `full()` instead: an adapter's
+    own function called as its library calls it (transformers' sdpa_attention_forward, the model's own torch SDPA
+    call), so that a fallback costs only the decision (same mask object, GQA handling, contiguity and SDPA backend
+    as without sage_patch). It returns the output in `layout`, of the input dtype."""
     check_precision(precision)
     b, hq, sq, skv = _validate(q, k, v, layout, scale, is_causal, dropout_p)
     mask = classify_mask(attn_mask, b, hq, sq, skv)
@@ -54,6 +58,8 @@ def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_m
             out = sagebwd_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, attn_mask=mask.mask,
                                     kernel=decision.variant is not None)
             return out.transpose(1, 2) if layout == "bshd" else out
+        if decision.impl == "sdpa" and full is not None and not return_lse:
+            return full()
         if decision.impl == "sdpa":
             res = full_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, mask=mask,
                                  dropout_p=dropout_p, return_lse=return_lse)

@@ -94,17 +94,17 @@ class LayerBinding:
         return self._precision == "full" and self.observer is None
 
     def attention(self, q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, dropout_p=0.0,
-                  return_lse=False, record=True, context=None):
+                  return_lse=False, record=True, context=None, full=None):
         """This layer's attention under its policy. `record` False: the call is not counted (the later K/V chunks of
         one ring-attention call, counted once). `context`: how the call was distributed (context parallelism),
-        counted in the layer's stats next to the call."""
+        counted in the layer's stats next to the call. `full`: what a full-precision call runs (run_attention)."""
         precision = self.requested()
         call = {"layout": layout, "is_causal": is_causal, "scale": scale, "attn_mask": attn_mask}
         if self.observer is not None:
             self.observer(self, q, k, v, call)
         res = run_attention(q, k, v, **call, precision=precision, return_lse=return_lse,
                             smooth_v=self.policy.smooth_v, dropout_p=dropout_p, policy=self.policy,
-                            stats=self.stats if record else NO_STATS)
+                            stats=self.stats if record else NO_STATS, full=full)
         if record and context:
             self.stats.record_context(context)
         if self.policy.guard_every:
@@ -112,7 +112,7 @@ class LayerBinding:
         return res
 
     def run(self, q, k, v, *, layout, is_causal, scale, attn_mask, dropout_p, return_lse=False, record=True,
-            context=None):
+            context=None, full=None):
         """`attention` for calls that torch.compile may trace: there it is one opaque op (the reference simulation
         and the kernels' launch are not traceable, and a graph break inside a routed forward is not supported);
         its precision decision and stats happen when the op runs, so the report stays exact under compile. Calls
@@ -129,7 +129,7 @@ class LayerBinding:
                                                                  bool(return_lse), bool(record), context or "")
             return (out, lse) if return_lse else out
         return self.attention(q, k, v, layout=layout, is_causal=bool(is_causal), scale=scale, attn_mask=attn_mask,
-                              dropout_p=dropout_p, return_lse=return_lse, record=record, context=context)
+                              dropout_p=dropout_p, return_lse=return_lse, record=record, context=context, full=full)
 
     def record_fallback(self, impl: str, reason: str | None = None, context: str | None = None) -> None:
         """Record a call that this layer sent to `impl` in full precision instead of sage_patch's attention (the one
@@ -361,8 +361,13 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     except (TypeError, ValueError) as e:  # a call torch refuses: torch says so, in its own words
         layer.record_passthrough("sdpa", f"unsupported SDPA call ({e}): torch SDPA")
         return original(query, key, value, **args)
+    # a full-precision decision runs the caller's own call (full): only the decision costs anything
+    def full():
+        out = original(query, key, value, **args)
+        return out.unsqueeze(1) if call.squeeze else out  # call.finish drops the head dim again
+
     return call.finish(layer.run(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal, scale=scale,
-                                 attn_mask=call.attn_mask, dropout_p=dropout_p))
+                                 attn_mask=call.attn_mask, dropout_p=dropout_p, full=full))
 
 
 def _install_sdpa():

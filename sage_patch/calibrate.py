@@ -313,7 +313,7 @@ def _policy_from_choice(choice: dict, base: Policy, description: str) -> Policy:
     rules = tuple(LayerRule(p, match=name) for name, p in choice.items() if p != default)
     return Policy(default=default, layers=rules, steps=base.steps, min_seq_len=base.min_seq_len,
                   full_head_dims=base.full_head_dims, full_dtypes=base.full_dtypes, smooth_v=base.smooth_v,
-                  guard_every=base.guard_every, guard_min_cos=base.guard_min_cos,
+                  exact_4b=base.exact_4b, guard_every=base.guard_every, guard_min_cos=base.guard_min_cos,
                   guard_max_rel_l1=base.guard_max_rel_l1, name="calibrated", description=description)
 
 

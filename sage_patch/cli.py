@@ -104,22 +104,31 @@ def _precision_decisions(on_cuda: bool, needs_grad: bool = False) -> dict:
 
 
 def _speed_routing() -> list[str]:
+    """One line per architecture and crossover table (the variants sharing it named together), marked measured
+    (registry.MEASURED_ARCHS) or assumed, then what the registry assumes where a variant has no crossover."""
     from . import kernels
 
+    registry = kernels.registry
     if not kernels.SPEED_ROUTING:
         return ["speed routing: off (SAGE_PATCH_SPEED_ROUTING=0): the kernels run at every length"]
+    groups: dict = {}
+    for variant in registry.VARIANTS + registry.TRAINING_VARIANTS:
+        calls = "training calls" if isinstance(variant, registry.TrainingVariant) else "calls"
+        for arch, table in variant.sdpa_faster_below.items():
+            groups.setdefault((calls, arch, tuple(sorted(table.items()))), []).append(variant.key)
     lines = []
-    for variant in kernels.registry.VARIANTS + kernels.registry.TRAINING_VARIANTS:
-        table = variant.sdpa_faster_below
-        calls = "training calls" if isinstance(variant, kernels.registry.TrainingVariant) else "calls"
-        if table and all(n == math.inf for n in table.values()):
-            dims = "/".join(str(d) for d in sorted({d for d, _ in table}))
-            lines.append(f"speed routing: {variant.name} {calls} run SDPA at every length (slower than SDPA at every "
-                         f"measured length, D={dims}, causal or not)")
-        elif table:
-            rule = ", ".join(f"D={d}{' causal' if c else ''} < {n}" for (d, c), n in sorted(table.items()))
-            lines.append(f"speed routing: {variant.name} {calls} run SDPA below the measured crossover ({rule} "
-                         f"tokens)")
+    for (calls, arch, table), keys in groups.items():
+        where = "every other GPU" if arch == registry.ANY_ARCH else arch
+        how = "measured" if arch in registry.MEASURED_ARCHS else "assumed, not measured"
+        who = f"{', '.join(keys)} {calls} on {where}"
+        if all(n == math.inf for _, n in table):
+            dims = "/".join(str(d) for d in sorted({d for (d, _), _ in table}))
+            lines.append(f"speed routing: {who} run SDPA at every length ({how}: slower than SDPA at every "
+                         f"length, D={dims}, causal or not)")
+        else:
+            rule = ", ".join(f"D={d}{' causal' if c else ''} < {n}" for (d, c), n in table)
+            lines.append(f"speed routing: {who} run SDPA below the {how} crossover ({rule} tokens)")
+    lines.append(f"speed routing elsewhere: {registry.SPEED_ASSUMPTION}")
     return lines
 
 

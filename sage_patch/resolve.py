@@ -167,7 +167,9 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
                                 "simulation of the numerics instead")
 
     kmask = mask.mask if mask.kind == "key_padding" else None
+    exact_4b = requested == "4b" and bool(getattr(policy, "exact_4b", False))
     first_why = None
+    stand_in = requested == "fp4"  # the request has no kernel of its own here: the fastest one that runs stands in
     precision = requested
     if mask.kind == "dense":
         first_why = "dense (per-query) attn_mask: kernels take key-padding masks only"
@@ -179,19 +181,29 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
         else:
             variant, why = kernels.can_run(precision, q, k, v, layout=layout, is_causal=is_causal, attn_mask=kmask,
                                            return_lse=return_lse, smooth_v=smooth_v)
-        if variant is not None and requested == "fp4" and precision == "4b" and variant.qk != "int4":
-            # 4b carried in INT8 MMA does the 8b work plus Q smoothing: 8b is the faster stand-in there
-            variant, why = None, f"4b runs on INT8 MMA here ({variant.key}): 8b is faster"
+        if variant is not None and precision == "4b" and variant.qk != "int4" and not exact_4b:
+            # Without INT4 tensor cores (sm_90 and newer) 4b carries INT4 values in INT8 MMA: the 8b work plus Q
+            # smoothing, with 4b's larger error (Hopper: 269 TOPS vs 8b's 885, SDPA 587; docs/benchmarks.md).
+            # 8b is the faster and more accurate stand-in; the policy's options.exact_4b keeps the 4b numerics.
+            variant, why = None, (f"no INT4 tensor cores on this GPU: 4b would carry INT4 values in INT8 MMA "
+                                  f"({variant.key}), slower than 8b; policy options.exact_4b: true keeps 4b")
+            stand_in = True
         if variant is not None:
             # Speed routing compares with one SDPA call of the same batch; a packed batch's alternative is a loop of
             # SDPA calls, one per sequence, which the measured crossover does not describe: varlen keeps the kernel.
-            slow = kmask is None and varlen is None and kernels.sdpa_faster_reason(variant, q, k, layout=layout,
-                                                                                   is_causal=is_causal)
+            slow = varlen is None and kernels.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal,
+                                                                 key_padding=kmask is not None)
+            if slow and exact_4b:
+                # options.exact_4b asks for the 4b numerics: SDPA would run other (full-precision) numerics, so the
+                # kernel runs, and the report says what it costs.
+                slow = slow.split(": running full precision")[0]
+                return Decision(requested, precision, variant.name,
+                                f"policy options.exact_4b keeps the 4b kernel ({variant.key}) though {slow}", variant)
             if slow:
                 return _full(requested, slow)
             reason = None if precision == requested else (
                 f"{requested} unavailable ({first_why}); using {precision}"
-                + (", the fastest precision with a kernel here" if requested == "fp4" else ""))
+                + (", the fastest precision with a kernel here" if stand_in else ""))
             return Decision(requested, precision, variant.name, reason, variant)
         first_why = first_why or why
         precision = _next_precision(requested, precision)

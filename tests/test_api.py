@@ -185,23 +185,27 @@ def test_speed_routing_rule(monkeypatch):
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     WGMMA = K.registry.get("wgmma-fp8")
 
+    def reason(variant, q, k, layout, is_causal):
+        return K.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal, cc=(9, 0))
+
     def shapes(sq, skv, d, layout="bhsd"):
         mk = (lambda s: torch.empty(1, 2, s, d)) if layout == "bhsd" else (lambda s: torch.empty(1, s, 2, d))
         return mk(sq), mk(skv)
 
     q, k = shapes(1024, 1024, 128)
-    why = K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=False)
+    why = reason(WGMMA, q, k, "bhsd", False)
     assert why and "2048" in why and "1024" in why
     q, k = shapes(4096, 4096, 128)
-    assert K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=False) is None
-    assert K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=True) is None
+    assert reason(WGMMA, q, k, "bhsd", False) is None
+    assert reason(WGMMA, q, k, "bhsd", True) is None
     q, k = shapes(3584, 3584, 64)
-    assert K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=True)  # D=64 causal: from 4096
-    assert K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=False) is None
+    assert reason(WGMMA, q, k, "bhsd", True)  # D=64 causal: from 4096
+    assert reason(WGMMA, q, k, "bhsd", False) is None
     q, k = shapes(8192, 1024, 128, layout="bshd")  # the shorter side decides; BSHD reads dim 1
-    assert "1024" in K.sdpa_faster_reason(WGMMA, q, k, layout="bshd", is_causal=False)
+    assert "1024" in reason(WGMMA, q, k, "bshd", False)
     q, k = shapes(1024, 1024, 128)
     mma = K.registry.get("mma-fp8f16")
-    assert K.sdpa_faster_reason(mma, q, k, layout="bhsd", is_causal=False) is None  # not measured: kept
+    assert "every measured length on sm_90" in reason(mma, q, k, "bhsd", False)  # portable on Hopper: never faster
+    assert K.sdpa_faster_reason(mma, q, k, layout="bhsd", is_causal=False, cc=(8, 9)) is None  # no crossover: kept
     monkeypatch.setattr(K, "SPEED_ROUTING", False)
     assert K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=False) is None

@@ -119,7 +119,7 @@ def test_info_on_hopper(fake_gpu, capsys):
     assert "cuda-wgmma-fp8pv [wgmma-fp8]" in rows["8b"] and "--" not in rows["8b"]
     assert "as 8b: cuda-wgmma-fp8pv [wgmma-fp8]" in rows["fp4"]
     assert "fp4 has no compiled kernel" in rows["fp4"] and "the fastest precision with a kernel here" in rows["fp4"]
-    assert "[mma-fp8f16]" in rows["4b"]
+    assert "as 8b: cuda-wgmma-fp8pv [wgmma-fp8]" in rows["4b"] and "no INT4 tensor cores" in rows["4b"]
     d = (main(["info", "--json"]), json.loads(capsys.readouterr().out))[1]
     assert d["precisions"]["fp4"]["runs"] == "8b" and d["device"]["arch"] == "sm_90" and not d["device"]["jit"]
 
@@ -180,7 +180,11 @@ def test_info_shows_speed_routing(capsys, monkeypatch):
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert f"speed routing: {K.IMPL_WGMMA}" in out and "D=128 < 2048" in out and "D=128 causal < 2560" in out
+    assert "speed routing: wgmma-fp8 calls on sm_90 run SDPA below the measured crossover" in out
+    assert "D=128 < 2048" in out and "D=128 causal < 2560" in out
+    assert "mma-fp8, mma-fp8f16, mma-fp16 calls on sm_90 run SDPA at every length (measured" in out
+    assert "calls on sm_100 run SDPA at every length (assumed, not measured" in out
+    assert "speed routing elsewhere: sm_80/86/89/120 (not measured)" in out
     monkeypatch.setattr(K, "SPEED_ROUTING", False)
     assert main(["info"]) == 0
     assert "speed routing: off" in capsys.readouterr().out
@@ -287,6 +291,7 @@ def test_info_names_the_training_speed_routing(capsys, monkeypatch):
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "speed routing: triton-sagebwd training calls run SDPA at every length (slower than SDPA at every " \
-           "measured length, D=64/128, causal or not)" in out
-    assert "speed routing: cuda-wgmma-fp8pv calls run SDPA below the measured crossover (D=64 < 2048" in out
+    assert "speed routing: sagebwd-triton training calls on sm_90 run SDPA at every length (measured: slower than " \
+           "SDPA at every length, D=64/128, causal or not)" in out
+    assert "speed routing: sagebwd-triton training calls on every other GPU run SDPA at every length (assumed" in out
+    assert "speed routing: wgmma-fp8 calls on sm_90 run SDPA below the measured crossover (D=64 < 2048" in out

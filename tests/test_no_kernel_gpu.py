@@ -7,6 +7,7 @@ import sage_patch
 import sage_patch.kernels as K
 import sage_patch.resolve as R
 from sage_patch.masks import MaskInfo
+from sage_patch.policy import Policy
 from sage_patch.report import GLOBAL_STATS
 
 ARCHS = ["80", "86", "89", "90a"]
@@ -114,3 +115,91 @@ def test_ptx_only_library_serves_hopper_with_the_portable_kernel(device_cc):
     # compute_80 PTX has no e4m3 instructions: the FP16 P~V kernel
     v, _ = registry.select(registry.Target((9, 0), ("compute_80",), "8b"))
     assert v.key == "mma-fp16"
+
+
+# --- 4b without INT4 tensor cores: 8b stands in (faster and more accurate); options.exact_4b keeps 4b ------------
+
+def _resolve_with(precision, n=64, policy=None, mask=None, d=128):
+    q = torch.randn(1, 2, n, d, dtype=torch.float16)
+    m = MaskInfo("none", None) if mask is None else MaskInfo("key_padding", mask)
+    return R.resolve(precision, q, q, q, layout="bhsd", is_causal=False, mask=m, dropout_p=0.0, return_lse=False,
+                     smooth_v=False, policy=policy)
+
+
+@pytest.mark.parametrize("cc, archs, precision, variant", [
+    ((8, 0), ARCHS, "4b", "mma-fp16-qk4"),      # Ampere: native INT4 MMA, 4b as asked
+    ((8, 9), ARCHS, "4b", "mma-fp8-qk4"),       # Ada: the same
+    ((9, 0), ARCHS, "8b", "wgmma-fp8"),         # Hopper: no INT4 tensor cores: 8b's wgmma kernel
+    ((10, 0), NEW_ARCHS, "8b", "mma-fp8"),      # datacenter Blackwell: none either
+    ((12, 0), NEW_ARCHS, "8b", "mma-fp8"),      # consumer Blackwell: none either
+])
+def test_4b_without_int4_tensor_cores_runs_8b(device_cc, monkeypatch, cc, archs, precision, variant):
+    device_cc["cc"] = cc
+    device_cc["lib"].archs = list(archs)
+    monkeypatch.setattr(K, "SPEED_ROUTING", False)  # the choice of kernel, not the SDPA crossover, is tested here
+    d = _resolve_with("4b")
+    assert (d.precision, d.variant.key) == (precision, variant), d
+    if precision == "8b":
+        assert d.reason.startswith("4b unavailable (no INT4 tensor cores on this GPU: 4b would carry INT4 values in "
+                                   "INT8 MMA") and "options.exact_4b: true keeps 4b" in d.reason
+        assert d.reason.endswith("using 8b, the fastest precision with a kernel here")
+        # exact_4b: the 4b numerics, on the portable kernel (INT4 values in INT8 MMA)
+        e = _resolve_with("4b", policy=Policy(exact_4b=True))
+        assert e.precision == "4b" and e.variant.qk == "int8" and e.reason is None, e
+    else:
+        assert d.reason is None
+
+
+def test_4b_on_hopper_is_reported(device_cc, monkeypatch):
+    """What runs and why reaches report() (the layer's stats) and the fallback log, as fp4's stand-in does."""
+    device_cc["cc"] = (9, 0)
+    monkeypatch.setattr(K, "SPEED_ROUTING", False)
+    monkeypatch.setattr(K, "run", lambda variant, precision, q, *a, **kw: q.new_zeros(q.shape))
+    GLOBAL_STATS.reset()
+    q = torch.randn(1, 2, 64, 128, dtype=torch.float16)
+    sage_patch.attention(q, q, q, precision="4b")
+    st = GLOBAL_STATS.to_dict()
+    assert st["used"] == {"8b": 1} and st["impl"] == {K.IMPL_WGMMA: 1}
+    assert any("no INT4 tensor cores" in r for r in st["fallbacks"])
+
+
+def test_portable_kernels_route_to_sdpa_on_hopper(device_cc, monkeypatch):
+    """The portable mma.sync kernels are slower than SDPA on sm_90 at every length: a call they would serve runs SDPA
+    (key-padding calls too), unless speed routing is off. The wgmma kernel keeps key-padding calls below its
+    crossover (masked SDPA is ~0.6x of the unmasked SDPA it was measured against)."""
+    from sage_patch.kernels import registry
+
+    device_cc["cc"] = (9, 0)
+    monkeypatch.setattr(K, "SPEED_ROUTING", True)
+    monkeypatch.setattr(registry, "FORCE_PV", "fp8-f16")  # 8b on the portable kernel, as a PTX-only build runs it
+    kp = torch.ones(1, 8192, dtype=torch.bool)
+    for mask in (None, kp):
+        d = _resolve_with("8b", n=8192, mask=mask)
+        assert d.impl == "sdpa" and "SDPA is faster than cuda-mma-fp8pv at every measured length on sm_90" in d.reason
+    monkeypatch.setattr(K, "SPEED_ROUTING", False)
+    assert _resolve_with("8b", n=8192).variant.key == "mma-fp8f16"
+    monkeypatch.setattr(K, "SPEED_ROUTING", True)
+    monkeypatch.setattr(registry, "FORCE_PV", None)
+    assert _resolve_with("8b", n=1024, mask=torch.ones(1, 1024, dtype=torch.bool)).variant.key == "wgmma-fp8"
+    assert _resolve_with("8b", n=1024).impl == "sdpa"
+    # sm_100 (not measured): assumed as sm_90, and the reason says it is an assumption
+    device_cc["cc"] = (10, 0)
+    device_cc["lib"].archs = list(NEW_ARCHS)
+    d = _resolve_with("8b", n=8192)
+    assert d.impl == "sdpa" and "at every length (assumed on sm_100: not measured there)" in d.reason
+    device_cc["cc"] = (8, 9)  # no crossover: the kernel at every length
+    device_cc["lib"].archs = list(ARCHS)
+    assert _resolve_with("8b", n=128).variant.key == "mma-fp8"
+
+
+def test_exact_4b_on_hopper_keeps_the_kernel_with_the_reason(device_cc, monkeypatch):
+    """options.exact_4b asks for the 4b numerics: speed routing would run full precision instead, so the portable
+    kernel runs, and the reason says SDPA is faster."""
+    device_cc["cc"] = (9, 0)
+    monkeypatch.setattr(K, "SPEED_ROUTING", True)
+    d = _resolve_with("4b", n=8192, policy=Policy(exact_4b=True))
+    assert d.precision == "4b" and d.variant.key == "mma-fp8f16"
+    assert d.reason.startswith("policy options.exact_4b keeps the 4b kernel (mma-fp8f16) though SDPA is faster "
+                               "than cuda-mma-fp8pv at every measured length on sm_90")
+    d = _resolve_with("4b", n=8192)  # without it: 8b's kernel, past its crossover
+    assert d.precision == "8b" and d.variant.key == "wgmma-fp8"

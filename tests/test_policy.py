@@ -97,7 +97,8 @@ def test_from_any_accepts_every_form(tmp_path):
     ("fallback:\n  min_seq_len: -3\n", "fallback.min_seq_len", 2, "non-negative integer"),
     ("fallback:\n  dtypes: [float64]\n", "fallback.dtypes", 2, "float16, bfloat16, float32"),
     ("options:\n  smooth_v: maybe\n", "options.smooth_v", 2, "true or false"),
-    ("options:\n  smooth_q: true\n", "options.smooth_q", 2, "allowed: smooth_v"),
+    ("options:\n  smooth_q: true\n", "options.smooth_q", 2, "allowed: exact_4b, smooth_v"),
+    ("options:\n  exact_4b: 1\n", "options.exact_4b", 2, "true or false"),
     ("default: 8b\ntraining: 4b\n", "training", 2, "8b, full"),
 ])
 def test_validation_errors_name_file_key_line_and_allowed(tmp_path, text, key, line, allowed):

@@ -111,8 +111,29 @@ def test_reference_interprets_the_kernel_layout():
 
 
 def test_sdpa_crossover_is_data_of_the_variant():
-    assert registry.get("wgmma-fp8").sdpa_faster_below[(128, False)] == 2048
-    assert all(not v.sdpa_faster_below for v in registry.VARIANTS if v.family == "mma")
+    assert registry.get("wgmma-fp8").sdpa_faster_below["sm_90"][(128, False)] == 2048
+    assert registry.get("wgmma-fp8").crossover((9, 0), 128, False) == 2048
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (13, 0)])
+def test_every_variant_that_runs_on_hopper_has_a_crossover_there(cc):
+    """Every variant that can run on a GPU we measure (sm_90) has a crossover for every head dim and causal flag;
+    the portable mma.sync kernels are slower than SDPA there at every length (inf). Elsewhere the table states the
+    assumption: sm_100 as sm_90, the others no entry (the kernel runs)."""
+    for v in registry.VARIANTS:
+        can_run_on_hopper = any(v.why_not(Target((9, 0), ALL, p, d), ignore=("pv", "qk")) is None
+                                for p in v.precisions for d in registry.NATIVE_HEAD_DIMS)
+        if not can_run_on_hopper:
+            continue
+        for d in registry.NATIVE_HEAD_DIMS:
+            for causal in (False, True):
+                n = v.crossover(cc, d, causal)
+                if cc == (9, 0):
+                    assert n is not None and (v.family == "wgmma" or n == float("inf")), (v.key, d, causal)
+                elif v.family == "mma":
+                    assert n == (float("inf") if cc[0] == 10 else None), (v.key, cc)
+    assert registry.arch_key((10, 3)) == "sm_100" and registry.arch_key((8, 7)) == "sm_87"
+    assert "sm_80/86/89/120" in registry.SPEED_ASSUMPTION and "sm_100" in registry.SPEED_ASSUMPTION
 
 
 # ---- resolve hands the descriptor to the launch ---------------------------------------------------------------
@@ -152,8 +173,13 @@ def test_resolve_returns_the_variant(fake_cuda, monkeypatch):
     assert d.variant is registry.get("wgmma-fp8") and d.impl == K.IMPL_WGMMA and d.reason is None
     import sage_patch
 
-    sage_patch.attention(q, q, q, precision="4b")
+    from sage_patch.api import run_attention
+    from sage_patch.policy import Policy
+
+    run_attention(q, q, q, precision="4b", policy=Policy(exact_4b=True))
     assert fake_cuda[-1] == ("padded", registry.get("mma-fp8f16"), "4b")
+    sage_patch.attention(q, q, q, precision="4b")  # no INT4 tensor cores on sm_90: 8b's kernel stands in
+    assert fake_cuda[-1] == ("padded", registry.get("wgmma-fp8"), "8b")
 
 
 def test_varlen_goes_through_resolve_and_is_recorded(fake_cuda, monkeypatch):

@@ -18,6 +18,11 @@ Semantics (each item is tested in tests/test_transformers_integration.py):
   transformers skipped the mask of a prefill into a longer static cache (q_len < kv_len, mask None), the keys
   past q_len are empty cache slots and are cut, as transformers' sdpa does;
 - masks are sdpa_mask's 4-D bool (True = attend); GQA/MQA K/V are passed with their own head count;
+- a call the resolver sends to full precision (a dense mask such as left padding or a sliding window, dropout, a
+  head dim without a kernel, the policy's fallback rules, a "full" layer) runs transformers' own
+  `sdpa_attention_forward` with the arguments it would have had without sage_patch: the same torch SDPA call, so
+  the same backend and result (rows with no visible key included: what torch gives them), at the cost of the
+  decision alone;
 - head counts are read from the tensors, never from the config, so tensor parallelism (`tp_plan="auto"`: each rank
   holds Hq/P query and Hkv/P KV heads) needs nothing else; shapes that disagree with `module.num_key_value_groups`
   (q_proj and k_proj/v_proj sharded by different degrees) raise ValueError instead of pairing the wrong heads;
@@ -255,6 +260,7 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
                         f"for this model, or report it")
 
     dropout_p = float(dropout) if module.training else 0.0
+    key_in, value_in = key, value  # as received: transformers' sdpa does its own static-cache cut
     q_len, kv_len = query.shape[2], key.shape[2]
     causal_module = bool(is_causal)
     is_causal = q_len > 1 and attention_mask is None and causal_module
@@ -270,12 +276,22 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
         binding.record_fallback("eager", f"{why} is not supported by quantized precisions: exact eager attention")
         out = exact_attention(query, key, value, is_causal=is_causal, scale=scaling, attn_mask=attention_mask,
                               dtype=torch.float32, softcap=softcap, sinks=s_aux, dropout_p=dropout_p).to(query.dtype)
-    elif binding.passes_full():  # traced with the model under torch.compile (counted once per trace)
-        out = binding.attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
-                                attn_mask=attention_mask, dropout_p=dropout_p)
-    else:  # one opaque op under torch.compile, counted each time it runs (as in diffusers)
-        out = binding.run(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
-                          attn_mask=attention_mask, dropout_p=dropout_p)
+    else:
+        def full():
+            # A full-precision decision runs transformers' own sdpa function on what it would have received (its
+            # mask object, GQA handling, contiguity, hence its SDPA backend): the fallback costs only the decision.
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            out, _ = sdpa_attention_forward(module, query, key_in, value_in, attention_mask, dropout=dropout_p,
+                                            scaling=scaling, is_causal=causal_module)
+            return out.transpose(1, 2)  # (B, H, Sq, D) view: the transpose(1, 2).contiguous() below is then free
+
+        if binding.passes_full():  # traced with the model under torch.compile (counted once per trace)
+            out = binding.attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
+                                    attn_mask=attention_mask, dropout_p=dropout_p, full=full)
+        else:  # one opaque op under torch.compile, counted each time it runs (as in diffusers)
+            out = binding.run(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
+                              attn_mask=attention_mask, dropout_p=dropout_p, full=full)
     return out.transpose(1, 2).contiguous(), None
 
 

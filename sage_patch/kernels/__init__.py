@@ -47,18 +47,30 @@ QK_BITS = {"8b": 8, "4b": 4}
 SPEED_ROUTING = os.environ.get("SAGE_PATCH_SPEED_ROUTING", "1") != "0"
 
 
-def sdpa_faster_reason(variant: KernelVariant, q, k, *, layout: str, is_causal: bool) -> str | None:
-    """Why SDPA should run this call instead of `variant` (it is faster at min(Sq, Skv) of q, k), or None."""
+def sdpa_faster_reason(variant, q, k, *, layout: str, is_causal: bool, key_padding: bool = False,
+                       cc: tuple[int, int] | None = None) -> str | None:
+    """Why SDPA should run this call instead of `variant` (a KernelVariant or TrainingVariant): it is faster at
+    min(Sq, Skv) of q, k on this GPU (the variant's crossover for the device's architecture), or None.
+    key_padding: the call has a key-padding mask. The crossovers are measured against unmasked SDPA (cuDNN); with a
+    mask SDPA runs its memory-efficient kernel, about 0.6x of cuDNN on Hopper (FlashAttention-2 class: 320-346 vs
+    547-582 TOPS, D=128), so a finite crossover does not apply to it (the wgmma kernel is at 0.8-0.97x of cuDNN
+    below it); a variant slower than SDPA at every length (the portable kernels on sm_90: 160-338 TOPS, slower than
+    even FlashAttention-2 up to 16K) routes masked calls too. cc: the device's compute capability (None: q's)."""
     if not SPEED_ROUTING:
         return None
-    below = variant.sdpa_faster_below.get((q.shape[-1], bool(is_causal)))
-    if below is None:
+    cc = cc or _ops_cc(q)
+    below = variant.crossover(cc, q.shape[-1], bool(is_causal))
+    if below is None or (key_padding and below != math.inf):
         return None
     sdim = 1 if str(layout).lower() == "bshd" else 2
     n = min(q.shape[sdim], k.shape[sdim])  # compared, not int()-ed: a symbolic length under torch.compile stays one
     if n >= below:
         return None
-    where = "at every measured length" if below == math.inf else f"below {below} tokens"
+    arch = registry.arch_key(cc)
+    measured = arch in registry.MEASURED_ARCHS
+    where = f"below {below} tokens" if below != math.inf else "at every measured length" if measured else \
+        "at every length"
+    where += f" on {arch}" if measured else f" (assumed on {arch}: not measured there)"
     return (f"SDPA is faster than {variant.name} {where} (head dim {q.shape[-1]}, "
             f"causal={bool(is_causal)}; this call {n}): running full precision (SAGE_PATCH_SPEED_ROUTING=0 keeps "
             "the kernel)")

@@ -126,9 +126,14 @@ class KernelVariant:
     precisions: tuple[str, ...]       # the precisions it serves ("8b", "4b")
     constraints: tuple[Constraint, ...] = ()   # hard: it cannot run where one fails
     preferences: tuple[tuple[str, Constraint], ...] = ()  # soft, per mode ("pv"/"qk"): not the default where one fails
-    # the shortest sequence (min of Sq, Skv) at which the whole call beats torch SDPA (cuDNN), per (head dim, causal);
-    # shorter calls without a key-padding mask run SDPA instead (measured, docs/benchmarks.md)
-    sdpa_faster_below: Mapping[tuple[int, bool], int] = field(default_factory=dict)
+    # the shortest sequence (min of Sq, Skv) at which the whole call beats torch SDPA (cuDNN), per GPU architecture
+    # (arch_key; ANY_ARCH: every other one) and (head dim, causal); shorter calls without a key-padding mask run SDPA
+    # instead. Measured on MEASURED_ARCHS (docs/benchmarks.md), assumed elsewhere (SPEED_ASSUMPTION)
+    sdpa_faster_below: Mapping[str, Mapping[tuple[int, bool], float]] = field(default_factory=dict)
+
+    def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool) -> float | None:
+        """sdpa_faster_below on a device of capability `cc` (None: no crossover, the kernel runs at every length)."""
+        return _crossover(self.sdpa_faster_below, cc, head_dim, causal)
 
     def why_not(self, t: Target, *, ignore: tuple[str, ...] = ()) -> str | None:
         """The reason this variant does not serve `t` (None: it does); preferences of the modes in `ignore` skipped,
@@ -180,6 +185,39 @@ class KernelLayout:
     stats_sample: int = 0
 
 
+# ---- speed routing: where SDPA is faster than a kernel ---------------------------------------------------------
+ANY_ARCH = "*"               # a crossover table's entry for every architecture it does not name
+MEASURED_ARCHS = ("sm_90",)  # the only architecture we can measure (an H200); every other entry is an assumption
+EVERY_LENGTH = {(d, c): math.inf for d in NATIVE_HEAD_DIMS for c in (False, True)}  # SDPA is faster at any length
+# What the tables assume where nothing was measured (`sage-patch info` shows it):
+SPEED_ASSUMPTION = (
+    "sm_80/86/89/120 (not measured): the mma.sync kernels are assumed faster than SDPA at every length (they are "
+    "SageAttention2's design, published at 2-3x FlashAttention2 on Ampere, Ada and consumer Blackwell, where "
+    "mma.sync is the native tensor-core path); sm_100 (not measured): assumed slower at every length, as on sm_90 "
+    "(datacenter Blackwell's tensor cores, like Hopper's wgmma, are not reached through mma.sync; cuDNN uses them)")
+
+
+def arch_key(cc: tuple[int, int]) -> str:
+    """A device's key in the crossover tables: "sm_80", "sm_86", "sm_89", "sm_90"; every 10.x is "sm_100", every
+    12.x "sm_120" (one family each)."""
+    major, minor = cc
+    return f"sm_{major}{minor}" if major < 10 else f"sm_{major}0"
+
+
+def _crossover(table, cc, head_dim, causal):
+    per_arch = table.get(arch_key(cc), table.get(ANY_ARCH))
+    return None if per_arch is None else per_arch.get((head_dim, bool(causal)))
+
+
+# The portable mma.sync kernels on sm_90 (any P~V mode, "8b" or "4b"): slower than SDPA cuDNN at every measured
+# length, D 64 and 128, causal or not: kernels 0/1 (mma-fp8, mma-fp16) 0.25-0.61x of cuDNN at N=1K-32K
+# (docs/benchmarks.md "Portable kernel vs public SageAttention2"), kernel 2 (mma-fp8f16, "4b" on INT8 MMA) 269 vs
+# 587 TOPS at B4 H32 N8K D128 (docs/benchmarks.md, 2026-11-28); the packed INT4 MMA kernels (*-qk4) run on sm_90
+# only when forced (SAGE_PATCH_QK_MMA=int4), where INT4 mma.sync is emulated at 44 TOPS (INT8: ~1280): slower
+# still. Datacenter Blackwell (sm_100) is assumed the same (SPEED_ASSUMPTION); other archs have no entry: the
+# kernel runs at every length.
+_PORTABLE_CROSSOVER = {"sm_90": EVERY_LENGTH, "sm_100": EVERY_LENGTH}
+
 _COMMON = (_head_dim,)
 _FP8 = (_needs_cc((8, 9), "FP8 P~V"), _needs_fp8_build)
 _INT4 = (_needs_int4_mma,)
@@ -191,23 +229,24 @@ VARIANTS: tuple[KernelVariant, ...] = (
     # 1.06x at 2.5K; D=64 non-causal 0.98x at 1.75K, 1.02x at 2K; causal 0.98x at 3.5K, 1.02x at 4K).
     KernelVariant("wgmma-fp8", IMPL_WGMMA, KERNEL_WGMMA_FP8, "wgmma", "int8", "wgmma", ("8b",),
                   _COMMON + (_needs_hopper,),
-                  sdpa_faster_below={(128, False): 2048, (128, True): 2560, (64, False): 2048, (64, True): 4096}),
+                  sdpa_faster_below={"sm_90": {(128, False): 2048, (128, True): 2560, (64, False): 2048,
+                                               (64, True): 4096}}),
     # portable mma.sync kernels (kernels_cuda/portable): "4b" on packed INT4 MMA where it is native (sm_80-89) ...
     KernelVariant("mma-fp8-qk4", IMPL_FP8PV, KERNEL_MMA_FP8_QK4, "mma", "int4", "fp8-mma", ("4b",),
-                  _COMMON + _FP8 + _INT4, (PREFER_NOT_SM90, PREFER_INT4_NATIVE)),
+                  _COMMON + _FP8 + _INT4, (PREFER_NOT_SM90, PREFER_INT4_NATIVE), _PORTABLE_CROSSOVER),
     KernelVariant("mma-fp8f16-qk4", IMPL_FP8PV, KERNEL_MMA_FP8F16_QK4, "mma", "int4", "fp8-f16", ("4b",),
-                  _COMMON + _FP8 + _INT4, (PREFER_SM90, PREFER_INT4_NATIVE)),
+                  _COMMON + _FP8 + _INT4, (PREFER_SM90, PREFER_INT4_NATIVE), _PORTABLE_CROSSOVER),
     KernelVariant("mma-fp16-qk4", IMPL_FP16PV, KERNEL_MMA_FP16_QK4, "mma", "int4", "fp16", ("4b",),
-                  _COMMON + _INT4, (PREFER_INT4_NATIVE,)),
+                  _COMMON + _INT4, (PREFER_INT4_NATIVE,), _PORTABLE_CROSSOVER),
     # ... and "8b", or "4b" as INT4 values in INT8 MMA (any arch): FP8 P~V with e4m3 mma.sync (sm_89) ...
     KernelVariant("mma-fp8", IMPL_FP8PV, KERNEL_MMA_FP8, "mma", "int8", "fp8-mma", ("8b", "4b"),
-                  _COMMON + _FP8, (PREFER_NOT_SM90,)),
+                  _COMMON + _FP8, (PREFER_NOT_SM90,), _PORTABLE_CROSSOVER),
     # ... the same e4m3 values carried in fp16 MMAs (sm_90: identical numerics, fewer instructions) ...
     KernelVariant("mma-fp8f16", IMPL_FP8PV, KERNEL_MMA_FP8F16, "mma", "int8", "fp8-f16", ("8b", "4b"),
-                  _COMMON + _FP8, (PREFER_SM90,)),
+                  _COMMON + _FP8, (PREFER_SM90,), _PORTABLE_CROSSOVER),
     # ... and FP16 P~V (SageAttention1-style) for sm_80/86
     KernelVariant("mma-fp16", IMPL_FP16PV, KERNEL_MMA_FP16, "mma", "int8", "fp16", ("8b", "4b"),
-                  _COMMON + (_needs_cc((8, 0), "the kernels"),)),
+                  _COMMON + (_needs_cc((8, 0), "the kernels"),), (), _PORTABLE_CROSSOVER),
 )
 
 BY_KEY: dict[str, KernelVariant] = {v.key: v for v in VARIANTS}
@@ -288,9 +327,12 @@ class TrainingVariant:
     family: str                       # "triton"
     precisions: tuple[str, ...]
     constraints: tuple[Callable[[TrainingTarget], "str | None"], ...] = ()
-    # the shortest sequence (min of Sq, Skv) at which forward + backward beats torch SDPA (cuDNN), per (head dim,
-    # causal); shorter calls, key-padding ones included, train with SDPA instead (measured, docs/benchmarks.md)
-    sdpa_faster_below: Mapping[tuple[int, bool], int] = field(default_factory=dict)
+    # the shortest sequence (min of Sq, Skv) at which forward + backward beats torch SDPA (cuDNN), per architecture
+    # and (head dim, causal), as KernelVariant's; shorter calls, key-padding ones included, train with SDPA instead
+    sdpa_faster_below: Mapping[str, Mapping[tuple[int, bool], float]] = field(default_factory=dict)
+
+    def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool) -> float | None:
+        return _crossover(self.sdpa_faster_below, cc, head_dim, causal)
 
     def why_not(self, t: TrainingTarget) -> str | None:
         for c in self.constraints:
@@ -317,11 +359,12 @@ IMPL_SAGEBWD = "triton-sagebwd"
 TRAINING_VARIANTS: tuple[TrainingVariant, ...] = (
     # SageBwd in Triton (sm_80+: Triton emits wgmma on sm_90, mma.sync below): INT8 Q K^T, P~ V, P^T dO, dS^T Q,
     # dS K; dO V^T in the input dtype.
-    # Slower than cuDNN forward + backward at every measured length, D 64 and 128, causal or not (docs/benchmarks.md
-    # "Training"), so every length trains with SDPA by default.
+    # Slower than cuDNN forward + backward at every measured length on sm_90, D 64 and 128, causal or not
+    # (0.13-0.59x, docs/benchmarks.md "Training"), so every length trains with SDPA by default; assumed the same on
+    # every other architecture (not measured).
     TrainingVariant("sagebwd-triton", IMPL_SAGEBWD, "triton", ("8b",),
                     (_training_cc, _training_triton, _training_head_dim),
-                    sdpa_faster_below={(d, c): math.inf for d in NATIVE_HEAD_DIMS for c in (False, True)}),
+                    sdpa_faster_below={"sm_90": EVERY_LENGTH, ANY_ARCH: EVERY_LENGTH}),
 )
 
 
