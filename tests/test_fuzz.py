@@ -186,3 +186,14 @@ def test_nonfinite_training_block_groups(where):
     cfg = SageBwdConfig(groups="block", block_q=32, block_k=32, pv="int8")
     fails = check_nonfinite_training(lambda *a: _train_8b(*a, config=cfg), where, math.nan, dtype=torch.float32)
     assert not fails, fails
+
+
+def test_nonfinite_training_checker_catches_a_swallowed_nan():
+    """The checks can fail: a run that zeroes non-finite inputs (what the old SageBwd kernels' rounding did) is
+    reported for every location."""
+    def swallowing(q, k, v, dout, mask, causal):
+        return _train_8b(*(x.nan_to_num(0.0, 0.0, 0.0) for x in (q, k, v, dout)), mask, causal)
+
+    for where in NONFINITE_WHERE:
+        fails = check_nonfinite_training(swallowing, where, math.nan, dtype=torch.float32)
+        assert {kind for kind, _ in fails} == {"reached"}, (where, fails)
