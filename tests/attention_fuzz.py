@@ -266,3 +266,101 @@ def run_grid(seeds, device="cpu", budget=3e6, expect_kernel=None, seconds=None, 
         if seconds is not None and elapsed > seconds:
             break
     return kinds, failures, infos
+
+
+# ---- non-finite values in training (the trainable 8b, forward and backward) ------------------------------------
+
+NONFINITE_WHERE = ("q", "k", "v", "dout")
+
+
+def nonfinite_training_inputs(b, hq, hkv, sq, skv, d, dtype, device, key_padding, seed=0):
+    """q, k, v, dout (B, H, S, D) of `dtype` on `device`, and the key-padding mask (None, or batch 0's last third
+    masked and, with B > 1, the last batch entry fully masked: rows with no visible key)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=g)
+    k = torch.randn(b, hkv, skv, d, generator=g) + 2.0 * torch.randn(d, generator=g)
+    v = torch.randn(b, hkv, skv, d, generator=g) + 2.0 * torch.randn(d, generator=g)
+    dout = torch.randn(b, hq, sq, d, generator=g)
+    mask = None
+    if key_padding:
+        mask = torch.ones(b, skv, dtype=torch.bool)
+        mask[0, skv - max(1, skv // 3):] = False
+        if b > 1:
+            mask[-1] = False
+        mask = mask.to(device)
+    return [x.to(device, dtype) for x in (q, k, v, dout)], mask
+
+
+def check_nonfinite_training(run, where: str, bad: float, *, b=2, hq=4, hkv=2, sq=80, skv=72, d=64,
+                             dtype=torch.float16, causal=True, key_padding=False, device="cpu", seed=0):
+    """The non-finite rule in training (README "Semantics"), for one NaN or Inf placed in q, k, v or dout of batch
+    entry 0, last query head (and its KV head). run(q, k, v, dout, mask, causal) -> (out, dq, dk, dv). Returns the
+    list of failures (empty: the rule held):
+    - reached: every output row and gradient row the value reaches is non-finite: a query row i (q, dout) reaches
+      its own O (q only) and dQ rows and the dK / dV rows of the keys it sees; a key j (k, v) reaches O and dQ of
+      every row that sees it and dK_j (k also dV_j, through P);
+    - untouched: other batch entries and (KV-)heads are bitwise those of the run without the value (dout: O
+      everywhere);
+    - empty rows (no visible key) give O = 0, and dQ = 0 unless K or V of their group is non-finite (an empty row's
+      dS is 0, times the NaN key scale folded into it, or times dP = dO V^T)."""
+    (q, k, v, dout), mask = nonfinite_training_inputs(b, hq, hkv, sq, skv, d, dtype, device, key_padding, seed)
+    h0 = hq - 1
+    kv0 = h0 // (hq // hkv)
+    group = slice(kv0 * (hq // hkv), (kv0 + 1) * (hq // hkv))
+    row, key = sq - 2, 1
+    clean = [x.detach() for x in run(q, k, v, dout, mask, causal)]
+    poisoned = {"q": q.clone(), "k": k.clone(), "v": v.clone(), "dout": dout.clone()}
+    if where in ("q", "dout"):
+        poisoned[where][0, h0, row, 3] = bad
+    else:
+        poisoned[where][0, kv0, key, 3] = bad
+    out, dq, dk, dv = (x.detach() for x in run(poisoned["q"], poisoned["k"], poisoned["v"], poisoned["dout"], mask,
+                                               causal))
+    vis = torch.ones(b, 1, sq, skv, dtype=torch.bool, device=device)
+    if mask is not None:
+        vis = vis & mask[:, None, None, :]
+    if causal:
+        vis = vis & (torch.arange(skv, device=device) <= torch.arange(sq, device=device)[:, None] + skv - sq)
+    vis = vis.expand(b, hq, sq, skv)
+    empty = ~vis.any(-1)
+    bad_rows = lambda x: (~torch.isfinite(x)).any(-1)  # noqa: E731
+    fails = []
+
+    def need(name, x, sel):
+        if not bad_rows(x)[sel].all():
+            fails.append(("reached", f"{name}: {int((~bad_rows(x)[sel]).sum())} of {int(sel.sum())} rows the "
+                                     f"{where} value reaches are finite"))
+
+    hit_q = torch.zeros(b, hq, sq, dtype=torch.bool, device=device)     # query rows it must reach (O / dQ)
+    hit_k = torch.zeros(b, hkv, skv, dtype=torch.bool, device=device)   # key rows (dK, and dV below)
+    if where in ("q", "dout"):
+        hit_q[0, h0, row] = True
+        hit_k[0, kv0] = vis[0, h0, row]
+    else:
+        hit_q[0, group] = vis[0, group, :, key]
+        hit_k[0, kv0, key] = True
+    if where == "q":
+        need("O", out, hit_q)
+    if where in ("k", "v"):
+        need("O", out, hit_q)
+    need("dQ", dq, hit_q)
+    need("dK", dk, hit_k)
+    if where != "v":  # dV = P^T dO holds no V
+        need("dV", dv, hit_k)
+
+    scope_q = torch.zeros(b, hq, dtype=torch.bool, device=device)       # (batch, head) pairs it may change
+    scope_kv = torch.zeros(b, hkv, dtype=torch.bool, device=device)
+    scope_kv[0, kv0] = True
+    if where in ("q", "dout"):
+        scope_q[0, h0] = True
+    else:
+        scope_q[0, group] = True
+    for name, x, ref, scope in (("O", out, clean[0], scope_q & (where != "dout")), ("dQ", dq, clean[1], scope_q),
+                                ("dK", dk, clean[2], scope_kv), ("dV", dv, clean[3], scope_kv)):
+        if not torch.equal(x[~scope], ref[~scope]):
+            fails.append(("untouched", f"{name} changed outside the (batch, head) the {where} value belongs to"))
+    if (out[empty] != 0).any():
+        fails.append(("empty_row", "O of a row with no visible key is not 0"))
+    if where in ("q", "dout") and (dq[empty] != 0).any():
+        fails.append(("empty_row", "dQ of a row with no visible key is not 0"))
+    return fails

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import sage_patch
-from attention_fuzz import check_case, draw_case, run_grid
+from sage_patch.report import GLOBAL_STATS
+from attention_fuzz import NONFINITE_WHERE, check_case, check_nonfinite_training, draw_case, run_grid
 
 CPU_CASES = 250
 
@@ -146,3 +147,53 @@ def test_varlen_value_head_dim_may_differ():
     out = sage_patch.varlen_attention(q, k, v, cu_q, cu_k, precision="full")
     ref = sage_patch.attention(q[None, 4:], k[None, 5:], v[None, 5:], layout="bshd", precision="full")
     assert out.shape == (10, 4, 48) and torch.allclose(out[4:], ref[0], atol=1e-6)
+
+
+# ---- non-finite values in training: the trainable 8b on CPU (reference-sagebwd, through autograd) ------------
+
+def _train_8b(q, k, v, dout, mask, causal, config=None):
+    from sage_patch.trainable import sagebwd_attention
+
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    GLOBAL_STATS.reset()
+    if config is None:
+        out = sage_patch.attention(qg, kg, vg, is_causal=causal, attn_mask=mask, precision="8b")
+        assert dict(GLOBAL_STATS.impls) == {"reference-sagebwd": 1}, dict(GLOBAL_STATS.impls)
+    else:
+        out = sagebwd_attention(qg, kg, vg, is_causal=causal, scale=None, attn_mask=mask, config=config, kernel=False)
+    out.backward(dout)
+    return out, qg.grad, kg.grad, vg.grad
+
+
+@pytest.mark.parametrize("where", NONFINITE_WHERE)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("causal, key_padding", [(True, False), (False, True)])
+def test_nonfinite_training_poisons_what_it_reaches(where, bad, causal, key_padding):
+    """A NaN/Inf in q, k, v or the upstream gradient poisons every output and gradient row it reaches (fp16
+    GradScaler skips a step on a non-finite gradient: a swallowed NaN would be a silent wrong step), leaves other
+    batch entries and heads bitwise unchanged, and rows with no visible key (causal Sq > Skv; a fully padded batch
+    entry) stay 0."""
+    fails = check_nonfinite_training(_train_8b, where, bad, causal=causal, key_padding=key_padding,
+                                     dtype=torch.bfloat16)
+    assert not fails, fails
+
+
+@pytest.mark.parametrize("where", NONFINITE_WHERE)
+def test_nonfinite_training_block_groups(where):
+    """The same rule for the paper's layout (one scale per block of tokens), which the simulation also runs."""
+    from sage_patch.reference.sagebwd import SageBwdConfig
+
+    cfg = SageBwdConfig(groups="block", block_q=32, block_k=32, pv="int8")
+    fails = check_nonfinite_training(lambda *a: _train_8b(*a, config=cfg), where, math.nan, dtype=torch.float32)
+    assert not fails, fails
+
+
+def test_nonfinite_training_checker_catches_a_swallowed_nan():
+    """The checks can fail: a run that zeroes non-finite inputs (what the old SageBwd kernels' rounding did) is
+    reported for every location."""
+    def swallowing(q, k, v, dout, mask, causal):
+        return _train_8b(*(x.nan_to_num(0.0, 0.0, 0.0) for x in (q, k, v, dout)), mask, causal)
+
+    for where in NONFINITE_WHERE:
+        fails = check_nonfinite_training(swallowing, where, math.nan, dtype=torch.float32)
+        assert {kind for kind, _ in fails} == {"reached"}, (where, fails)

@@ -2,6 +2,8 @@
 numerics (KERNEL_CONFIG), against float64 autograd of exact attention, and the contract of a training call (poisoned
 memory, odd lengths, GQA, masks, layouts, determinism, CUDA graphs, routing)."""
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ from sage_patch.trainable import KERNEL_CONFIG, sagebwd_attention
 from sage_patch.reference.sagebwd import sagebwd_backward, sagebwd_forward
 from sage_patch.report import GLOBAL_STATS
 from tests.conftest import structured_qkv
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from attention_fuzz import NONFINITE_WHERE, check_nonfinite_training  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -222,3 +227,52 @@ def test_llama_trains_through_the_kernel():
             assert impls == [{"triton-sagebwd": 1}] * 2, impls
     assert abs(losses["sage"] - losses["sdpa"]) < 1e-2
     assert cosine(grads["sage"], grads["sdpa"]) > 0.99
+
+
+# ---- non-finite values: NaN in, NaN out (README "Semantics"; attention_fuzz.check_nonfinite_training) -----------
+
+NONFINITE_VARIANTS = {  # b, hq, hkv, sq, skv, causal, key padding
+    "causal_gqa_sq>skv": (2, 6, 2, 300, 200, True, False),     # bottom-right causal: the first 100 rows see no key
+    "causal_padding_gqa": (3, 4, 2, 257, 257, True, True),      # batch 2 fully padded: empty rows
+    "padding_mha": (2, 2, 2, 190, 333, False, True),
+    "plain_mha": (2, 2, 2, 256, 256, False, False),
+}
+
+
+def _autograd_kernels(q, k, v, dout, mask, causal):
+    """The trainable 8b through autograd with the kernels forced (what a training step runs)."""
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = sagebwd_attention(qg, kg, vg, is_causal=causal, scale=None, attn_mask=mask, kernel=True)
+    out.backward(dout)
+    return out, qg.grad, kg.grad, vg.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("variant", list(NONFINITE_VARIANTS))
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", NONFINITE_WHERE)
+def test_nonfinite_poisons_what_it_reaches(where, bad, variant, d, dtype):
+    """A NaN/Inf in q, k, v or dO poisons every output and gradient row it reaches (never a finite value from a
+    swallowed NaN: GradScaler skips a step only on a non-finite gradient), other batch entries and heads are
+    bitwise those of the clean run, rows with no visible key stay 0."""
+    b, hq, hkv, sq, skv, causal, kp = NONFINITE_VARIANTS[variant]
+    fails = check_nonfinite_training(_autograd_kernels, where, bad, b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d,
+                                     dtype=dtype, causal=causal, key_padding=kp, device="cuda")
+    assert not fails, fails
+
+
+def test_nonfinite_through_the_public_call():
+    """The same through sage_patch.attention (the route a model's layer takes), the kernel being what ran."""
+    def public(q, k, v, dout, mask, causal):
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        out = sage_patch.attention(qg, kg, vg, is_causal=causal, attn_mask=mask, precision="8b")
+        out.backward(dout)
+        return out, qg.grad, kg.grad, vg.grad
+
+    GLOBAL_STATS.reset()
+    for where in NONFINITE_WHERE:
+        fails = check_nonfinite_training(public, where, math.nan, b=2, hq=4, hkv=2, sq=300, skv=200, d=128,
+                                         dtype=torch.bfloat16, causal=True, device="cuda")
+        assert not fails, (where, fails)
+    assert GLOBAL_STATS.impls == {"triton-sagebwd": 8}, GLOBAL_STATS.impls

@@ -10,6 +10,10 @@ backward's INT8 products quantized per row or column of their tile after the oth
 (SageBwdConfig docstring). The tile sizes that set the numerics are the backward's block_q (dK/dV's query tile)
 and block_k (dQ's key tile); the others are free and chosen for speed (TILES).
 
+Non-finite inputs follow the simulation's rule (its module docstring): a NaN or Inf in Q, K, V or dO reaches every
+output and gradient row it enters: Q, K and dO, and the P / dS tiles they reach, through the NaN scale of the row
+they are quantized in (quant.row_amax); V, used in the input dtype, by IEEE arithmetic.
+
 Layout (B, H, S, D) with any strides whose channel stride is 1 (for V and dO, read through tensor descriptors, also
 every other stride and the base 16-byte aligned); other inputs are copied, outputs are contiguous. Launches go to the
 current CUDA stream (Triton's default), with no host synchronization: CUDA graphs capture them. Triton is imported

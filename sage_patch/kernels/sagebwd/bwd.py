@@ -27,13 +27,14 @@ import triton
 import triton.language as tl
 
 from .fwd import LOG2E, hide, key_end, key_tile, scores
-from .quant import to_int8
+from .quant import row_amax, to_int8
 
 
 @triton.jit
 def quantize_rows_of(x):
-    """INT8 with one scale per row of x: (x^, scale)."""
-    amax = tl.max(tl.abs(x), axis=1)
+    """INT8 with one scale per row of x: (x^, scale), the scale NaN where the row holds a NaN (quant.row_amax: a
+    NaN from a non-finite input reaches the product through it)."""
+    amax = row_amax(x)
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
     return to_int8(x * inv[:, None]), amax / 127.0
 

@@ -23,6 +23,24 @@ def to_int8(x):
     return (x + ROUND_MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
 
 
+# Non-finite inputs (README "Semantics": NaN in, NaN out) travel through the scales, not through per-element tests:
+# every INT8 operand's integer product is multiplied by its row's scale amax / 127, so a NaN scale makes every
+# product, output and gradient that row enters NaN, whatever INT8 values the NaN row holds (the rounding add turns
+# a NaN into some finite integer). tl.max would lose the NaN (it is a maxnum reduction, which returns the other
+# operand), so the row maxima reduce with a NaN-propagating maximum instead: the same reduction tree, and on sm_80
+# and newer one max.NaN.f32 where tl.max issues one max.f32 at the same rate, so the loops that quantize a tile per
+# step pay nothing. For finite rows the two maxima are the same value, so finite inputs are bitwise unaffected.
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_amax(x):
+    """max_d |x| per row of a 2-D x, NaN where the row holds a NaN."""
+    return tl.reduce(tl.abs(x), 1, _max_nan)
+
+
 @triton.jit
 def quantize_tokens_kernel(
     x_ptr, sxb, sxh, sxs,            # input (B, H, S, D), channel stride 1
@@ -34,7 +52,8 @@ def quantize_tokens_kernel(
     H, S, MEAN_GROUP,                # MEAN_GROUP: heads of x per head of mean (GQA)
     D: tl.constexpr, BLOCK_S: tl.constexpr, MEAN_MODE: tl.constexpr, STATS: tl.constexpr,
 ):
-    """One scale per token: s = max_d |x| / 127, x^ = round(x / s) (0 where s = 0). STATS (x = dO): instead of the
+    """One scale per token: s = max_d |x| / 127, x^ = round(x / s) (0 where s = 0; s NaN where the token holds a
+    NaN or Inf, so that it poisons what it reaches: row_amax). STATS (x = dO): instead of the
     scales, the backward's per-query rows (bwd.row_stats): Q's scale, the LSE in the log2 domain (0 for an empty
     row), Delta = rowsum(dO o O) and dO's scale."""
     pid_s, bh = tl.program_id(0), tl.program_id(1)
@@ -50,8 +69,12 @@ def quantize_tokens_kernel(
             x = x - mean[None, :]
         else:
             tl.store(dot_ptr + bh * S + offs_s, tl.sum(x * mean[None, :], axis=1), mask=rows)
-    amax = tl.max(tl.abs(x), axis=1)
-    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    # an Inf makes the maximum Inf, whose scale would quantize the row to NaN * 0: it becomes a NaN scale as well
+    # (once per token here; inside the backward's loops an Inf can only come from overflow, and an Inf scale is
+    # non-finite as it is)
+    amax = row_amax(x)
+    amax = tl.where(amax < float("inf"), amax, float("nan"))
+    inv = tl.where(amax > 0, 127.0 / amax, 0.0)                   # 0 for a NaN scale: no division by it
     xq = to_int8(x * inv[:, None])
     if STATS:
         o = tl.load(o_ptr + b * sob + h * soh + offs_s[:, None] * sos + offs_d[None, :], mask=rows[:, None],
