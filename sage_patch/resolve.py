@@ -30,14 +30,18 @@ class Decision:
 
 
 # Kernel availability is fixed for the process: constants to torch.compile (no tracing into the loader).
-@torch.compiler.assume_constant_result
 def _kernels_loaded() -> bool:
     return bool(kernels._status()["loaded"])  # no copy: this runs at every eager call
 
 
-@torch.compiler.assume_constant_result
 def _kernels_reason() -> str:
     return str(kernels.status()["reason"])
+
+
+# What torch.compiler.assume_constant_result sets, set without it: the decorator imports torch._dynamo, about 4 s
+# that the first attention call of a process paid (H200, torch 2.11) though eager calls never need Dynamo.
+_kernels_loaded._dynamo_marked_constant = True
+_kernels_reason._dynamo_marked_constant = True
 
 
 def _next_precision(requested: str, precision: str) -> str:

@@ -191,6 +191,20 @@ print([round(dt, 3) < 1.0, heavy])
     assert out == "[True, []]"
 
 
+def test_first_attention_call_imports_no_compiler_or_library():
+    """The first call's fixed cost is ours only where we import what it does not need: torch._dynamo alone took
+    about 4 s of a 4 s first call on the H200 (resolve's constant markers imported it); Triton belongs to calls
+    that need a gradient, transformers and diffusers to their integrations."""
+    out = _run(r'''
+import sys, torch, sage_patch
+q = torch.randn(1, 2, 64, 64)
+sage_patch.attention(q, q, q, layout="bhsd", precision="8b")
+sage_patch.sdpa(q, q, q, is_causal=True)
+print(sorted(m for m in ("torch._dynamo", "triton", "transformers", "diffusers") if m in sys.modules))
+''')
+    assert out == "[]"
+
+
 # ---- inject / unload --------------------------------------------------------------------------------------------
 
 def _llama(impl):
