@@ -21,6 +21,8 @@ Input kinds (recognised by their keys):
   output ({meta, records}) and `bench_transformers.py`'s bench_transformers.json ({meta, results}).
 - fallback ({"kind": "fallback", meta, cases}): `bench_transformers.py --fallback-cases`, the full-precision
   fallback's cost against transformers' sdpa (docs/data/<gpu>_fallback.json).
+- first_call ({"kind": "first_call", meta, rows}): `benchmarks/first_call.py`, a fresh process's phases up to its
+  first attention output, per package version, and torch SDPA's first call (docs/data/<gpu>_first_call.json).
 The page is regenerated, never appended to: a new run replaces the file of its GPU and kind.
 """
 from __future__ import annotations
@@ -416,6 +418,20 @@ def render_fallback(data: dict) -> list:
     return out + table(["case", "batch x tokens", "order", "sdpa ms", "sage ms", "sage vs sdpa", "sage ran"], rows)
 
 
+def render_first_call(data: dict) -> list:
+    """benchmarks/first_call.py: fresh-process phase times per package version, torch SDPA's as the peer."""
+    meta = data["meta"]
+    out = run_lines(meta) + [f"- **Method**: each row the median of {meta.get('reps')} fresh Python processes "
+                             f"(perf_counter, device sync after each phase); the call: B=1 H=8 "
+                             f"N={meta.get('tokens')} D=128, precision 8b; versions: "
+                             + ", ".join(f"{k} = `{v}`" for k, v in meta.get("trees", {}).items()) + ".", ""]
+    rows = [[r["row"], f"{r['torch']:.2f}", f"{r['import']:.3f}" if "import" in r else "-", f"{r['first']:.3f}",
+             f"{r['second'] * 1e3:.1f}", ", ".join(r.get("impl", {})) or "-", ", ".join(r.get("imported", [])) or "-"]
+            for r in data["rows"]]
+    return out + table(["row", "import torch + CUDA s", "import sage_patch s", "first call s", "second call ms",
+                        "ran", "first call imported"], rows)
+
+
 def render(data_dir: str) -> str:
     per_gpu: dict = {}
     for path in sorted(glob.glob(os.path.join(data_dir, "*.json"))):
@@ -453,6 +469,8 @@ def render(data_dir: str) -> str:
             srcs = sorted({s for s, _, _ in sec["e2e"]})
             lines += [f"### End to end (`{'`, `'.join(srcs)}`)", ""]
             lines += render_e2e([r for _, r, _ in sec["e2e"]], next((m for _, _, m in sec["e2e"] if m), None)) + [""]
+        for src, data in sec.get("first_call", []):
+            lines += [f"### First call of a process (`{src}`)", ""] + render_first_call(data) + [""]
         for src, data in sec.get("fallback", []):
             lines += [f"### Full-precision fallback cost (`{src}`)", ""] + render_fallback(data) + [""]
         for src, data in sec.get("training", []):

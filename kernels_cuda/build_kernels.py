@@ -218,9 +218,10 @@ def build(out_dir: str, archs: list[str] | None = None, nvcc: str | None = None)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_out = os.path.join(tmp, LIB_NAME)
         compiles, link = nvcc_commands(nvcc, archs, tmp_out, tmp)
-        _log(f"compiling for {' '.join(archs)} ({len(compiles)} units in parallel):")
-        for cmd in compiles:
-            _log("  " + " ".join(cmd))
+        # One line before and one after: pip shows a backend's output only with -v or on failure, where a line per
+        # nvcc command buried the two a user needs (the failing command is named by _fail).
+        _log(f"compiling the CUDA kernel library for {' '.join(archs)} ({len(compiles)} nvcc units in parallel; "
+             f"a few minutes for every target: SAGE_PATCH_CUDA_ARCHS narrows them, SAGE_PATCH_NO_KERNELS=1 skips)")
         t0 = time.time()
         try:
             results = _run_parallel(compiles)
@@ -236,7 +237,7 @@ def build(out_dir: str, archs: list[str] | None = None, nvcc: str | None = None)
         dst = os.path.join(out_dir, LIB_NAME)
         shutil.copyfile(tmp_out, dst + ".tmp")
         os.replace(dst + ".tmp", dst)  # atomic: a running process keeps its mapping of the old file
-    _log(f"built {dst} in {time.time() - t0:.1f} s ({os.path.getsize(dst) / 1e6:.1f} MB)")
+    _log(f"compiled the CUDA kernel library in {time.time() - t0:.0f} s: {dst} ({os.path.getsize(dst) / 1e6:.1f} MB)")
     return dst
 
 

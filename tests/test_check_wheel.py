@@ -31,7 +31,8 @@ def _wheel(tmp_path, plat, lib=True, meta_plat=None):
     tag = f"py3-none-{plat}"
     path = tmp_path / f"sage_patch-0.1.0-{tag}.whl"
     with zipfile.ZipFile(path, "w") as z:
-        z.writestr("sage_patch/__init__.py", "")
+        for name in cw.package_sources():
+            z.writestr(name, "")
         if lib:
             z.write(LIB, cw.LIB_IN_WHEEL)
         z.writestr("sage_patch-0.1.0.dist-info/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"

@@ -71,7 +71,9 @@ def test_failing_nvcc_fails_the_wheel_build(sources, tmp_path):
         names = z.namelist()
         assert "sage_patch/kernels/_lib.py" in names and not [n for n in names if n.endswith(".so")]
         assert "Root-Is-Purelib: true" in z.read(next(n for n in names if n.endswith("dist-info/WHEEL"))).decode()
-    # and check_wheel refuses it as a release wheel
+    # every module and shipped policy is in it (a hand-written package list once left a subpackage out)
     cw = _load_tool("check_wheel")
+    assert cw.missing_package_files(names) == []
+    # and check_wheel refuses it as a release wheel
     errors = cw.check(whl, cw.build_kernels.parse_archs(None), None)
     assert any("any" in e and "manylinux" in e for e in errors) and any("kernels are missing" in e for e in errors)

@@ -4,6 +4,8 @@ its fatbin, and nothing that ties it to a Python or torch version. Exit 1 with e
     python tools/check_wheel.py dist/sage_patch-0.1.0-py3-none-manylinux_2_34_x86_64.whl [--targets "80 90a ..."]
 
 Checks:
+- every git-tracked `sage_patch/**/*.py` and `*.yaml` is in it (a module missing from the wheel breaks the installed
+  package while the editable install, which maps the source folder, hides it);
 - file name and WHEEL metadata: py3-none-manylinux_X_Y_<arch> (no bare linux_* tag, which indexes reject), the same
   tags in both, Root-Is-Purelib false;
 - sage_patch/kernels/libsage_kernels.so is in it and is the only binary (no CPython extension);
@@ -35,6 +37,24 @@ import build_kernels  # noqa: E402  kernels_cuda/build_kernels.py: the default t
 LIB_IN_WHEEL = "sage_patch/kernels/" + build_kernels.LIB_NAME
 FORBIDDEN_NEEDED = re.compile(r"libtorch|libc10|libcudart|libpython|libcuda\.so")
 PLATFORM_TAG = re.compile(r"^manylinux_(\d+)_(\d+)_(x86_64|aarch64)$")
+PACKAGE_SUFFIXES = (".py", ".yaml")  # the package's modules and shipped policies
+
+
+def package_sources(root: str = ROOT) -> list[str]:
+    """The files every wheel must carry: git-tracked sage_patch/**/*.py and *.yaml (without git, e.g. in an sdist,
+    the source tree's)."""
+    try:
+        files = subprocess.run(["git", "-C", root, "ls-files", "--", "sage_patch"], capture_output=True, text=True,
+                               check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        files = [os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
+                 for d, _, names in os.walk(os.path.join(root, "sage_patch")) for f in names]
+    return sorted(f for f in files if f.endswith(PACKAGE_SUFFIXES))
+
+
+def missing_package_files(names, sources=None) -> list[str]:
+    """The package sources (default: package_sources()) that `names` (a wheel's file list) lacks."""
+    return sorted(set(package_sources() if sources is None else sources) - set(names))
 
 
 def find_cuobjdump() -> str | None:
@@ -100,6 +120,10 @@ def check(wheel: str, targets: list[str], cuobjdump: str | None) -> list[str]:
             errors.append(f"WHEEL metadata tags {meta_tags} differ from the file name's {want}")
         if "Root-Is-Purelib: false" not in meta:
             errors.append("WHEEL metadata: Root-Is-Purelib is not false (a binary wheel is platform code)")
+        missing = missing_package_files(names)
+        if missing:
+            errors.append(f"{len(missing)} package file(s) of the source tree missing from the wheel: "
+                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
         binaries = [n for n in names if n.endswith(".so") or ".so." in n]
         if LIB_IN_WHEEL not in names:
             return errors + [f"{LIB_IN_WHEEL} is not in the wheel (files: {len(names)}): the kernels are missing"]
