@@ -1,6 +1,6 @@
 """Attention masks: validation, classification and the bottom-right causal rule, in one place.
 
-Conventions (documented in the README): bool masks, True = attend. A 2-D bool mask given to `attention` is a
+Conventions (documented in docs/semantics.md): bool masks, True = attend. A 2-D bool mask given to `attention` is a
 key-padding mask (B, Skv); anything else must broadcast to (B, H, Sq, Skv). Causal is aligned bottom-right when
 Sq != Skv: query i sees keys j <= i + Skv - Sq (the rule for KV-cache prefill and decoding).
 """

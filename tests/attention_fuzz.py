@@ -293,7 +293,7 @@ def nonfinite_training_inputs(b, hq, hkv, sq, skv, d, dtype, device, key_padding
 
 def check_nonfinite_training(run, where: str, bad: float, *, b=2, hq=4, hkv=2, sq=80, skv=72, d=64,
                              dtype=torch.float16, causal=True, key_padding=False, device="cpu", seed=0):
-    """The non-finite rule in training (README "Semantics"), for one NaN or Inf placed in q, k, v or dout of batch
+    """The non-finite rule in training (docs/semantics.md), for one NaN or Inf placed in q, k, v or dout of batch
     entry 0, last query head (and its KV head). run(q, k, v, dout, mask, causal) -> (out, dq, dk, dv). Returns the
     list of failures (empty: the rule held):
     - reached: every output row and gradient row the value reaches is non-finite: a query row i (q, dout) reaches

@@ -41,7 +41,7 @@ simulation, returns dK_s.)
 Conventions as the other simulations: layout (B, H, S, D); Hq a multiple of Hkv; bool masks, True = attend, a
 (B, Skv) key-padding mask or one broadcastable to (B, Hq, Sq, Skv); causal aligned bottom-right (query i sees keys
 j <= i + Skv - Sq); a row with no visible key gives O = 0, LSE -inf and zero gradients, never NaN. Inputs are
-never modified. Non-finite values (README "Semantics") are never hidden: a NaN or Inf in Q, K, V or dO makes the
+never modified. Non-finite values (docs/semantics.md) are never hidden: a NaN or Inf in Q, K, V or dO makes the
 scales and sums it enters NaN, so every output and gradient row it reaches is non-finite (and some that share its
 scale groups or meet it as 0 x NaN in a product, e.g. an empty row's dQ when K or V is non-finite); other batch
 entries and heads are untouched, and an empty row's O stays 0. Integer-valued fp32 operands make every INT8

@@ -229,7 +229,7 @@ def test_llama_trains_through_the_kernel():
     assert cosine(grads["sage"], grads["sdpa"]) > 0.99
 
 
-# ---- non-finite values: NaN in, NaN out (README "Semantics"; attention_fuzz.check_nonfinite_training) -----------
+# ---- non-finite values: NaN in, NaN out (docs/semantics.md; attention_fuzz.check_nonfinite_training) -----------
 
 NONFINITE_VARIANTS = {  # b, hq, hkv, sq, skv, causal, key padding
     "causal_gqa_sq>skv": (2, 6, 2, 300, 200, True, False),     # bottom-right causal: the first 100 rows see no key

@@ -23,7 +23,7 @@ def to_int8(x):
     return (x + ROUND_MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
 
 
-# Non-finite inputs (README "Semantics": NaN in, NaN out) travel through the scales, not through per-element tests:
+# Non-finite inputs (docs/semantics.md: NaN in, NaN out) travel through the scales, not through per-element tests:
 # every INT8 operand's integer product is multiplied by its row's scale amax / 127, so a NaN scale makes every
 # product, output and gradient that row enters NaN, whatever INT8 values the NaN row holds (the rounding add turns
 # a NaN into some finite integer). tl.max would lose the NaN (it is a maxnum reduction, which returns the other
