@@ -61,6 +61,42 @@ def _log(msg: str) -> None:
     print(f"[sage-patch kernels] {msg}", file=sys.stderr, flush=True)
 
 
+class _Progress:
+    """The one line a user of `pip install` sees while the library compiles: "compiling ... (targets) ... done in N s".
+    pip shows a build backend's output only with -v or when the build fails (checked with pip 26: `pip install -e .`
+    shows its spinner and nothing else for the minutes nvcc takes), so where stderr is not a terminal (a pip build)
+    the line goes to the controlling terminal, /dev/tty, when there is one (none in CI: the build log has the same
+    facts in _log's lines). Only this line is written there; nothing goes to stderr between start and end, since
+    each line pip reads from the backend moves its spinner into the middle of ours."""
+
+    def __init__(self):
+        self.tty = None
+        if not sys.stderr.isatty():
+            try:
+                self.tty = open("/dev/tty", "w")  # noqa: SIM115  closed in end()
+            except OSError:  # no controlling terminal (CI, a service)
+                self.tty = None
+
+    def _write(self, text: str) -> None:
+        if self.tty is not None:
+            try:
+                self.tty.write(text)
+                self.tty.flush()
+            except OSError:
+                pass
+
+    def start(self, archs: list[str]) -> None:
+        # the leading newline leaves pip's spinner line ("Building editable for sage-patch ... -") intact
+        self._write(f"\n[sage-patch] compiling the CUDA kernel library for {' '.join(archs)} (takes minutes; "
+                    "SAGE_PATCH_CUDA_ARCHS narrows the targets, SAGE_PATCH_NO_KERNELS=1 skips the library) ... ")
+
+    def end(self, what: str) -> None:
+        self._write(what + "\n")
+        if self.tty is not None:
+            self.tty.close()
+            self.tty = None
+
+
 def parse_archs(spec: str | None) -> list[str]:
     """'80;90a' / '8.0,9.0a' / 'sm_89 sm_90a' -> ['80', '90a'] (SASS); 'compute_120' stays 'compute_120' (PTX).
     Empty or None -> the defaults."""
@@ -218,17 +254,22 @@ def build(out_dir: str, archs: list[str] | None = None, nvcc: str | None = None)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_out = os.path.join(tmp, LIB_NAME)
         compiles, link = nvcc_commands(nvcc, archs, tmp_out, tmp)
-        # One line before and one after: pip shows a backend's output only with -v or on failure, where a line per
-        # nvcc command buried the two a user needs (the failing command is named by _fail).
+        # The log has one line before and one after (a line per nvcc command buried them; _fail names a failing
+        # one); pip shows it only with -v or on failure, so _Progress puts the same on the user's terminal.
         _log(f"compiling the CUDA kernel library for {' '.join(archs)} ({len(compiles)} nvcc units in parallel; "
              f"a few minutes for every target: SAGE_PATCH_CUDA_ARCHS narrows them, SAGE_PATCH_NO_KERNELS=1 skips)")
+        progress = _Progress()  # after the log line: a line pip reads between start and end would move its spinner
+        progress.start(archs)
         t0 = time.time()
         try:
             results = _run_parallel(compiles)
             if all(rc == 0 for rc, _ in results):
                 results.append(_run_parallel([link])[0])
         except OSError as e:
+            progress.end(f"failed after {time.time() - t0:.0f} s")
             return _fail(f"could not run nvcc {nvcc}: {e}", mode, hard=True)
+        failed = next((rc for rc, _ in results if rc != 0), 0)
+        progress.end(f"failed after {time.time() - t0:.0f} s" if failed else f"done in {time.time() - t0:.0f} s")
         for (rc, out), cmd in zip(results, compiles + [link]):
             if out.strip():
                 sys.stderr.write(out)

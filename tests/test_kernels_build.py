@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import re
 import shutil
 
 import pytest
@@ -128,6 +129,31 @@ def test_failed_compile_is_an_error_unless_optional(bk, tmp_path, build_env, cap
     assert bk.build(str(tmp_path / "out")) is None
     assert "WITHOUT the CUDA kernels" in capsys.readouterr().err
     assert not (tmp_path / "out" / "libsage_kernels.so").exists()
+
+
+def test_a_pip_build_says_in_one_line_that_it_compiles_and_how_long(bk, tmp_path, build_env, capsys):
+    """pip hides the backend's output (without -v): the build tells the user's terminal itself, one line."""
+    import io
+
+    tty = io.StringIO()
+    tty.close = lambda: None  # read after the build
+    build_env.setattr(bk.sys.stderr, "isatty", lambda: False, raising=False)
+    build_env.setattr(bk, "open", lambda path, mode: tty if path == "/dev/tty" else open(path, mode), raising=False)
+    nvcc = tmp_path / "nvcc"  # makes its -o file
+    nvcc.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    nvcc.chmod(0o755)
+    build_env.setenv("SAGE_PATCH_NVCC", str(nvcc))
+    assert bk.build(str(tmp_path / "out"), archs=["80", "90a"])
+    line = tty.getvalue()
+    assert line.strip().count("\n") == 0 and line.endswith("\n"), line
+    assert "compiling the CUDA kernel library for 80 90a" in line and re.search(r"\.\.\. done in \d+ s$", line.strip())
+    assert "built " in capsys.readouterr().err  # and the build log has its own lines
+
+    tty.seek(0), tty.truncate()
+    build_env.setenv("SAGE_PATCH_NVCC", _fake_nvcc(tmp_path))
+    with pytest.raises(bk.KernelBuildError):
+        bk.build(str(tmp_path / "out"), archs=["90a"])
+    assert re.search(r"compiling the CUDA kernel library for 90a .*\.\.\. failed after \d+ s$", tty.getvalue().strip())
 
 
 def test_kernels_mode_rejects_bad_values(bk, build_env):
