@@ -230,3 +230,25 @@ def test_static_cache_padded_generate_compiled(mask_kinds):
         assert cosine(step, forced[:, i]) >= COS_8B, i
     assert set(mask_kinds) == {"key_padding"}, mask_kinds
     no_dense_fallback(sage)
+
+
+@pytest.mark.parametrize("sq,skv,length", [(12, 12, 12), (5, 12, 12), (1, 12, 12), (10, 32, 16)])
+def test_sdpa_equivalent_mask_is_sdpa_masks(sq, skv, length):
+    """Paths that hand the call to transformers' own sdpa (position_bias) get sdpa_mask's dense mask back."""
+    am = torch.ones(2, length, dtype=torch.bool)
+    am[0, :3] = False
+    expected = sdpa_mask(batch_size=2, q_length=sq, kv_length=skv, q_offset=length - sq, attention_mask=am,
+                         allow_is_causal_skip=False)
+    got = hf.sdpa_equivalent_mask(am, True, sq, skv)
+    assert torch.equal(got, expected.expand_as(got))
+
+
+def test_position_bias_with_key_padding_is_delegated_with_the_dense_mask():
+    q, k, v = qkv()
+    am = torch.ones(2, 12, dtype=torch.bool)
+    am[1, :4] = False
+    bias = torch.randn(1, 4, 12, 12)
+    out, _ = hf.sage_attention_forward(FakeAttention("8b"), q, k, v, am, position_bias=bias)
+    dense = hf.sdpa_equivalent_mask(am, True, 12, 12)
+    expected, _ = sdpa_attention_forward(FakeAttention(), q, k, v, dense, position_bias=bias)
+    torch.testing.assert_close(out, expected)

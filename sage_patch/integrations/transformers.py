@@ -266,8 +266,7 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
     dropout_p = float(dropout) if module.training else 0.0
     q_len, kv_len = query.shape[2], key.shape[2]
     causal_module = bool(is_causal)
-    key_padding = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and \
-        attention_mask.dtype == torch.bool
+    key_padding = _is_key_padding(attention_mask)
     if key_padding:
         # sage_mask's key padding (B, L): causal is the module's, aligned bottom-right (the queries are the last of
         # the L keys); keys past L are a static cache's unused slots, cut as transformers' flash path cuts them.
@@ -321,16 +320,22 @@ def _delegate_sdpa(binding, what, module, query, key, value, attention_mask, sca
         raise TypeError(f"sage_patch attention: {what} together with softcap/s_aux is not supported")
     binding.record_fallback("sdpa", f"{what} is not supported by quantized precisions: transformers sdpa")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "s_aux")}
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.dtype == torch.bool:
-        attention_mask = _dense_from_key_padding(attention_mask, bool(kwargs.get("is_causal")), query.shape[2],
-                                                 key.shape[2])
+    attention_mask = sdpa_equivalent_mask(attention_mask, bool(kwargs.get("is_causal")), query.shape[2], key.shape[2])
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 
 
-def _dense_from_key_padding(mask, causal: bool, q_len: int, kv_len: int) -> torch.Tensor:
-    """sage_mask's key padding (B, L) as the (B, 1, Sq, Skv) bool mask sdpa_mask builds, for transformers' own sdpa:
-    causal bottom-right over the first L keys, the unused static-cache slots past L masked."""
+def _is_key_padding(mask) -> bool:
+    """A mask from `sage_mask`: 2-D bool (B, L). Neither sdpa_mask nor a user's 4-D mask is 2-D."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool
+
+
+def sdpa_equivalent_mask(mask, causal: bool, q_len: int, kv_len: int):
+    """The mask transformers' own sdpa function needs for what `mask` means here (a path that hands the call to it):
+    `sage_mask`'s key padding (B, L) becomes the (B, 1, Sq, Skv) bool mask sdpa_mask builds (causal bottom-right
+    over the first L keys, the unused static-cache slots past L masked); any other mask is returned as is."""
+    if not _is_key_padding(mask):
+        return mask
     from sage_patch.masks import combined_bool_mask
 
     m = combined_bool_mask(mask, causal and q_len > 1, q_len, mask.shape[-1], mask.device)
