@@ -87,10 +87,10 @@ def layers_of(model):
 
 def test_registered_at_import_with_mask_function():
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     assert AttentionInterface._global_mapping["sage"] is hf.sage_attention_forward
-    assert AttentionMaskInterface._global_mapping["sage"] is sdpa_mask
+    assert AttentionMaskInterface._global_mapping["sage"] is hf.sage_mask
     assert sage_patch.integrations.STATUS["transformers"] == "installed"
 
 

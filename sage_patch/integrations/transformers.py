@@ -1,7 +1,7 @@
 """transformers hook: `attn_implementation="sage"` with per-layer policies.
 
-`register()` registers "sage" with `transformers.AttentionInterface` and, with `sdpa_mask`, with
-`transformers.masking_utils.AttentionMaskInterface` (without the mask function a custom name silently receives
+`register()` registers "sage" with `transformers.AttentionInterface` and, with `sage_mask`, with
+`transformers.masking_utils.AttentionMaskInterface` (without a mask function a custom name silently receives
 attention_mask=None); `sage_patch.integrations` runs it when transformers is imported. Nothing of transformers is
 wrapped: layers are bound (module name, layer index, policy, stats) when sage_patch asks about the model
 (`inject`, `set_policy`, `report`, `calibrate`), and a layer called before that binds itself under a provisional name
@@ -17,12 +17,14 @@ Semantics (each item is tested in tests/test_transformers_integration.py):
 - causal: `q_len > 1 and mask is None and module.is_causal` (or the `is_causal` kwarg), aligned bottom-right; when
   transformers skipped the mask of a prefill into a longer static cache (q_len < kv_len, mask None), the keys
   past q_len are empty cache slots and are cut, as transformers' sdpa does;
-- masks are sdpa_mask's 4-D bool (True = attend); GQA/MQA K/V are passed with their own head count;
-- a call the resolver sends to full precision (a dense mask such as left padding or a sliding window, dropout, a
-  head dim without a kernel, the policy's fallback rules, a "full" layer) runs transformers' own
-  `sdpa_attention_forward` with the arguments it would have had without sage_patch: the same torch SDPA call, so
-  the same backend and result (rows with no visible key included: what torch gives them), at the cost of the
-  decision alone;
+- masks: a padded batch of a full-attention layer arrives as `sage_mask`'s key padding (B, L) bool, which the
+  kernels take (causal from the module, aligned bottom-right; keys past L are a static cache's unused slots, cut);
+  every other pattern as sdpa_mask's 4-D bool (True = attend); GQA/MQA K/V are passed with their own head count;
+- a call the resolver sends to full precision (a dense mask such as a sliding window, dropout, a head dim without a
+  kernel, the policy's fallback rules, a "full" layer) runs transformers' own `sdpa_attention_forward` with the
+  arguments it would have had without sage_patch (a key padding turned back into sdpa_mask's mask): the same torch
+  SDPA call, so the same backend and result (rows with no visible key included: what torch gives them), at the cost
+  of the decision alone;
 - head counts are read from the tensors, never from the config, so tensor parallelism (`tp_plan="auto"`: each rank
   holds Hq/P query and Hkv/P KV heads) needs nothing else; shapes that disagree with `module.num_key_value_groups`
   (q_proj and k_proj/v_proj sharded by different degrees) raise ValueError instead of pairing the wrong heads;
@@ -122,10 +124,10 @@ def _derive_ignored_kwargs() -> frozenset:
 def register() -> None:
     """Register "sage" with transformers. Idempotent."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, sage_attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, sage_mask)
 
 
 def unregister() -> None:
@@ -135,6 +137,49 @@ def unregister() -> None:
 
     for iface in (AttentionInterface, AttentionMaskInterface):
         iface._global_mapping.pop(NAME, None)
+
+
+# ---- the mask function ------------------------------------------------------------------------------------------
+
+def sage_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+              allow_is_causal_skip=True, **kwargs):
+    """The mask function of "sage" (transformers' AttentionMaskInterface). The pattern of a padded batch of a
+    full-attention decoder (create_causal_mask with transformers' plain `causal_mask_function`: no overlay, no
+    packed sequences) comes back as what the kernels take, with no (Sq, Skv) tensor built: the 2-D key-padding
+    mask (B, L) bool, True = attend, over the first L <= kv_length keys (L < kv_length: a static cache, whose slots
+    past the tokens seen are unused; the attention cuts them, as transformers' flash path does), or None when nothing
+    is padded. The attention function reads a 2-D mask as key padding under the module's causal rule, aligned
+    bottom-right: the queries are the last Sq of the L keys (prefill, chunked prefill and decoding with a KV cache).
+    Everything else gets transformers' `sdpa_mask`, unchanged: other patterns (sliding windows, chunked attention,
+    overlays, packing, bidirectional), no 2-D mask, a caller that asks for the mask materialized
+    (allow_is_causal_skip=False: models that add to it, and compileable caches at decode, where sdpa_mask's mask is
+    (B, 1, 1, Skv) key padding anyway), and queries that are not the last of the keys (kv_offset != 0, or a known
+    q_offset + q_length != L: MTP and speculative caches).
+
+    Host syncs: the mask's values are read (one `fast_all`, once per forward, eager only) where sdpa_mask reads them
+    (`_ignore_causal_mask_sdpa`: q_length == 1 or q_length == kv_length) to return None for an unpadded batch, which
+    then keeps SDPA's speed routing; transformers' flash path reads `.all()` in flash_attention_mask too, and then
+    a `.item()` per layer to unpad. While tracing (torch.compile) nothing is read: the mask is returned as is."""
+    from transformers.masking_utils import causal_mask_function, fast_all, sdpa_mask
+    from transformers.utils.import_utils import is_tracing
+
+    mask_function = causal_mask_function if mask_function is None else mask_function
+    mask = attention_mask
+    plain = (mask_function is causal_mask_function and allow_is_causal_skip and isinstance(mask, torch.Tensor)
+             and mask.dim() == 2 and isinstance(kv_offset, int) and kv_offset == 0)
+    if plain:
+        length = mask.shape[-1]
+        # a static cache's q_offset is a tensor (its fill level, not read here): the mask's length says it instead
+        plain = length <= kv_length and (not isinstance(q_offset, int) or q_offset + q_length == length)
+    if not plain:
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function,
+                         attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    mask = mask.to(torch.bool)
+    if (q_length == 1 or q_length == kv_length) and length == kv_length and not is_tracing(mask) \
+            and fast_all(mask):
+        return None
+    return mask
 
 
 def handles(model) -> bool:
@@ -260,16 +305,26 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
                         f"for this model, or report it")
 
     dropout_p = float(dropout) if module.training else 0.0
-    key_in, value_in = key, value  # as received: transformers' sdpa does its own static-cache cut
+    key_in, value_in, mask_in = key, value, attention_mask  # as received: transformers' sdpa does its own cuts
     q_len, kv_len = query.shape[2], key.shape[2]
     causal_module = bool(is_causal)
-    is_causal = q_len > 1 and attention_mask is None and causal_module
-    if is_causal and kv_len > q_len:
+    key_padding = _is_key_padding(attention_mask)
+    if key_padding:
+        # sage_mask's key padding (B, L): causal is the module's, aligned bottom-right (the queries are the last of
+        # the L keys); keys past L are a static cache's unused slots, cut as transformers' flash path cuts them.
+        if attention_mask.shape[-1] < kv_len:
+            kv_len = attention_mask.shape[-1]
+            key, value = key[:, :, :kv_len], value[:, :, :kv_len]
+        is_causal = q_len > 1 and causal_module
+    else:
+        is_causal = q_len > 1 and attention_mask is None and causal_module
+    if is_causal and kv_len > q_len and attention_mask is None:
         # transformers skips the mask of a prefill into an empty, longer (static) cache only when the keys past
         # q_len are unused slots; causal is top-left there (as in transformers' sdpa): keep the first q_len keys.
         key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
-    if attention_mask is None and sliding_window is not None and kv_len > sliding_window:
-        attention_mask = _window_mask(q_len, kv_len, sliding_window, causal_module, query.device)
+    if (attention_mask is None or key_padding) and sliding_window is not None and kv_len > sliding_window:
+        window = _window_mask(q_len, kv_len, sliding_window, causal_module, query.device)
+        attention_mask = window if attention_mask is None else window & attention_mask[:, None, None, :]
         is_causal = False
     if softcap is not None or s_aux is not None:
         why = "softcap (logit soft-capping)" if softcap is not None else "s_aux (attention sinks)"
@@ -282,8 +337,12 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
             # mask object, GQA handling, contiguity, hence its SDPA backend): the fallback costs only the decision.
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-            out, _ = sdpa_attention_forward(module, query, key_in, value_in, attention_mask, dropout=dropout_p,
-                                            scaling=scaling, is_causal=causal_module)
+            if attention_mask is mask_in:  # key padding goes back to what sdpa_mask would have given
+                k_, v_, mask = key_in, value_in, sdpa_equivalent_mask(mask_in, causal_module, q_len, key_in.shape[2])
+            else:  # a window mask built here, over the keys it was built for
+                k_, v_, mask = key, value, attention_mask
+            out, _ = sdpa_attention_forward(module, query, k_, v_, mask, dropout=dropout_p, scaling=scaling,
+                                            is_causal=causal_module)
             return out.transpose(1, 2)  # (B, H, Sq, D) view: the transpose(1, 2).contiguous() below is then free
 
         if binding.passes_full():  # traced with the model under torch.compile (counted once per trace)
@@ -320,8 +379,27 @@ def _delegate_sdpa(binding, what, module, query, key, value, attention_mask, sca
         raise TypeError(f"sage_patch attention: {what} together with softcap/s_aux is not supported")
     binding.record_fallback("sdpa", f"{what} is not supported by quantized precisions: transformers sdpa")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "s_aux")}
+    attention_mask = sdpa_equivalent_mask(attention_mask, bool(kwargs.get("is_causal")), query.shape[2], key.shape[2])
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
+
+
+def _is_key_padding(mask) -> bool:
+    """A mask from `sage_mask`: 2-D bool (B, L). Neither sdpa_mask nor a user's 4-D mask is 2-D."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool
+
+
+def sdpa_equivalent_mask(mask, causal: bool, q_len: int, kv_len: int):
+    """The mask transformers' own sdpa function needs for what `mask` means here (a path that hands the call to it):
+    `sage_mask`'s key padding (B, L) becomes the (B, 1, Sq, Skv) bool mask sdpa_mask builds (causal bottom-right
+    over the first L keys, the unused static-cache slots past L masked); any other mask is returned as is."""
+    if not _is_key_padding(mask):
+        return mask
+    from sage_patch.masks import combined_bool_mask
+
+    m = combined_bool_mask(mask, causal and q_len > 1, q_len, mask.shape[-1], mask.device)
+    m = m.expand(mask.shape[0], 1, q_len, mask.shape[-1])
+    return torch.nn.functional.pad(m, (0, kv_len - mask.shape[-1]), value=False)
 
 
 def _window_mask(q_len: int, kv_len: int, window: int, causal: bool, device) -> torch.Tensor:

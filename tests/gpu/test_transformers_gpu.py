@@ -63,6 +63,29 @@ def test_padded_batch_matches_sdpa():
     assert cosine(out[real], expected[real]) >= 0.999
 
 
+@pytest.mark.parametrize("left", [True, False])
+def test_padded_batch_runs_the_kernel_with_key_padding(left):
+    """A padded batch reaches the kernel as key padding (sage_mask), no dense-mask fallback: prefill, then a second
+    chunk into the cache (bottom-right causal with key padding); real rows vs SDPA on the same batch."""
+    sage, ref = pair()
+    seq, lengths = 4096, (4096, 3500, 3000)
+    ids = torch.randint(1, 1024, (len(lengths), seq), device="cuda")
+    am = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        am[i, slice(seq - n, seq) if left else slice(0, n)] = 1
+    real = am.bool()
+    with torch.no_grad():
+        out, expected = sage(ids, attention_mask=am).logits, ref(ids, attention_mask=am).logits
+        assert cosine(out[real], expected[real]) >= 0.999
+        first = sage(ids[:, :2048], attention_mask=am[:, :2048], use_cache=True)
+        second = sage(ids[:, 2048:], attention_mask=am, past_key_values=first.past_key_values, use_cache=True)
+        assert cosine(second.logits[real[:, 2048:]], expected[:, 2048:][real[:, 2048:]]) >= 0.999
+    for name, st in sage_patch.report(sage).to_dict().items():
+        assert st["used"] == {"8b": 3}, (name, st)
+        assert not set(st["impl"]) & {"reference", "sdpa"}, (name, st)
+        assert not any("dense" in r for r in st["fallbacks"]), (name, st)
+
+
 @pytest.mark.parametrize("prompt", [300])
 def test_static_cache_generate_with_cuda_graphs(prompt):
     """Greedy decoding of a random tiny model hits near-ties (its logits are almost flat), so the tokens of sage and
