@@ -81,6 +81,7 @@ def test_mask_function_reads_no_values_under_compile():
     def f(am):
         return create_causal_mask(config=cfg, inputs_embeds=torch.zeros(2, 12, 8), attention_mask=am, cache=None)
 
+    torch._dynamo.reset()
     cfg = build("llama").config
     am = torch.ones(2, 12, dtype=torch.long)
     assert f(am) is None  # eager: one fast_all, as sdpa_mask
@@ -200,6 +201,7 @@ def test_generate_padded_batch_each_step_matches_sdpa(mask_kinds):
 
 
 def test_compile_fullgraph_padded_forward(mask_kinds):
+    torch._dynamo.reset()  # a fresh recompile budget: other tests of the session compiled the same forward
     sage, ref = pair("qwen2", "8b")
     ids, am = batch([150, 131], 150)
     with torch.no_grad():
@@ -216,6 +218,7 @@ def test_compile_fullgraph_padded_forward(mask_kinds):
 def test_static_cache_padded_generate_compiled(mask_kinds):
     """generate(cache_implementation="static"): the eager prefill takes the key padding of the tokens seen (the
     cache is longer), the compiled decode steps sdpa_mask's (B, 1, 1, Skv), which is key padding too."""
+    torch._dynamo.reset()
     sage, ref = pair("llama", "8b")
     ids, am = batch([140, 131], 140)
     kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=4, do_sample=False, cache_implementation="static",
