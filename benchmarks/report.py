@@ -404,11 +404,14 @@ def render_training(data: dict) -> list:
 
 
 def render_fallback(data: dict) -> list:
-    """bench_transformers.py --fallback-cases: sage's full-precision fallback vs transformers' sdpa, both orders."""
+    """bench_transformers.py --fallback-cases: padded and unpadded batches, and the full-precision fallback, vs
+    transformers' sdpa, both orders."""
     meta = data["meta"]
     out = run_lines(meta) + [f"- **Method**: prefill forward (KV cache filled, logits_to_keep=1), {meta.get('dtype')}, "
                              f"random weights, median of {meta.get('iters')} after {meta.get('warmup')} warm-up, "
-                             "CUDA events; sdpa and sage on one model, in both orders; the budget is +1%.", ""]
+                             "CUDA events; sdpa and sage on one model, in both orders. Padded batch: key padding on the 8b kernel, "
+                             "beside the same batch unpadded; sliding window: a dense mask, the full-precision "
+                             "fallback, whose budget is +1%.", ""]
     rows = []
     for c in data["cases"]:
         for o in c["orders"]:
@@ -472,7 +475,7 @@ def render(data_dir: str) -> str:
         for src, data in sec.get("first_call", []):
             lines += [f"### First call of a process (`{src}`)", ""] + render_first_call(data) + [""]
         for src, data in sec.get("fallback", []):
-            lines += [f"### Full-precision fallback cost (`{src}`)", ""] + render_fallback(data) + [""]
+            lines += [f"### Batched prefills and the full-precision fallback (`{src}`)", ""] + render_fallback(data) + [""]
         for src, data in sec.get("training", []):
             lines += [f"### Training (`{src}`)", ""] + render_training(data) + [""]
         for src, data in sec.get("finetune", []):
