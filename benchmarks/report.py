@@ -21,6 +21,8 @@ Input kinds (recognised by their keys):
   output ({meta, records}) and `bench_transformers.py`'s bench_transformers.json ({meta, results}).
 - fallback ({"kind": "fallback", meta, cases}): `bench_transformers.py --fallback-cases`, the full-precision
   fallback's cost against transformers' sdpa (docs/data/<gpu>_fallback.json).
+- generate ({"kind": "generate", meta, times, prompts}): `benchmarks/bench_generate.py`, greedy generate() of a
+  left-padded batch, sage vs sdpa: time to first token, total time, where the tokens first differ and the margin there.
 - first_call ({"kind": "first_call", meta, rows}): `benchmarks/first_call.py`, a fresh process's phases up to its
   first attention output, per package version, and torch SDPA's first call (docs/data/<gpu>_first_call.json).
 The page is regenerated, never appended to: a new run replaces the file of its GPU and kind.
@@ -435,6 +437,29 @@ def render_first_call(data: dict) -> list:
                         "ran", "first call imported"], rows)
 
 
+def render_generate(data: dict) -> list:
+    """bench_generate.py: TTFT and total time per implementation and order, and the token comparison per prompt."""
+    meta = data["meta"]
+    out = run_lines(meta) + [f"- **Method**: {meta.get('model')} ({meta.get('layers')} layers, random {meta.get('dtype')} "
+                             f"weights), greedy generate() of {len(meta.get('prompts', []))} left-padded prompts of "
+                             f"{', '.join(map(str, meta.get('prompts', [])))} tokens, {meta.get('new_tokens')} new tokens; "
+                             f"median of {meta.get('reps')} calls, CUDA events; shipped llama policy (decode steps "
+                             f"full); sage ran: {', '.join(f'{k} x{v}' for k, v in data.get('sage_impl', {}).items())}.",
+                             ""]
+    rows = []
+    for i, (s, d) in enumerate(zip(data["times"]["sage"], data["times"]["sdpa"])):
+        rows.append([" then ".join(s["order"]), f"{d['ttft_ms']:.1f}", f"{s['ttft_ms']:.1f}",
+                     f"{d['ttft_ms'] / s['ttft_ms']:.3f}x", f"{d['total_ms']:.1f}", f"{s['total_ms']:.1f}",
+                     f"{d['total_ms'] / s['total_ms']:.3f}x"])
+    out += table(["order", "sdpa TTFT ms", "sage TTFT ms", "TTFT speed-up", "sdpa total ms", "sage total ms",
+                  "total speed-up"], rows) + [""]
+    out += table(["prompt tokens", "tokens vs sdpa", "sdpa logit margin there"],
+                 [[p["tokens"], "identical" if p["first_divergence"] is None else
+                   f"first differ at step {p['first_divergence']}", "-" if p["margin"] is None else f"{p['margin']:.4f}"]
+                  for p in data["prompts"]])
+    return out
+
+
 def render(data_dir: str) -> str:
     per_gpu: dict = {}
     for path in sorted(glob.glob(os.path.join(data_dir, "*.json"))):
@@ -472,6 +497,8 @@ def render(data_dir: str) -> str:
             srcs = sorted({s for s, _, _ in sec["e2e"]})
             lines += [f"### End to end (`{'`, `'.join(srcs)}`)", ""]
             lines += render_e2e([r for _, r, _ in sec["e2e"]], next((m for _, _, m in sec["e2e"] if m), None)) + [""]
+        for src, data in sec.get("generate", []):
+            lines += [f"### generate() end to end (`{src}`)", ""] + render_generate(data) + [""]
         for src, data in sec.get("first_call", []):
             lines += [f"### First call of a process (`{src}`)", ""] + render_first_call(data) + [""]
         for src, data in sec.get("fallback", []):
