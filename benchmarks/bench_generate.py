@@ -1,6 +1,6 @@
 """generate() end to end: greedy generation of a batch of prompts of different lengths (left-padded, as generate()
 pads them), attn_implementation "sage" (the shipped llama policy: 8b prefill, decode steps in full precision) against
-"sdpa" on the same model in the same run, both orders. Per implementation: time to first token (generate with one
+"sdpa" on the same model in the same run, interleaved call by call, the order alternating. Per implementation: time to first token (generate with one
 new token), total time (all new tokens), and the generated tokens; per prompt, the first step where sage's token
 differs from sdpa's and sdpa's logit margin (top-1 minus top-2) there: with random weights the logits are nearly flat,
 so a small margin explains a divergence.
@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, nargs="+", default=None, help="prompt lengths (default 8192 4096 2048 "
                                                                          "1024; tiny: 96 64 48 32)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens generated (default 128; tiny: 8)")
-    ap.add_argument("--reps", type=int, default=3, help="timed generate() calls per implementation and order")
+    ap.add_argument("--reps", type=int, default=4, help="timed generate() calls per implementation, interleaved with "
+                                                       "the other's, the order alternating (median)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -83,25 +84,30 @@ def main(argv=None) -> int:
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
 
-    times, tokens, scores = {}, {}, {}
+    impls = ("sdpa", "sage")
+    times = {impl: {"ttft_ms": [], "total_ms": []} for impl in impls}
+    tokens, scores = {}, {}
     with torch.inference_mode():
-        for order in (("sdpa", "sage"), ("sage", "sdpa")):
-            for impl in order:
+        for impl in impls:  # warm-up, and the tokens compared below (sage's report: what this one call ran)
+            model.set_attn_implementation(impl)
+            generate(1)
+            sage_patch.reset_report(model)
+            res = generate(new_tokens)
+            tokens[impl], scores[impl] = res.sequences[:, ids.shape[1]:], res.scores
+            if impl == "sage":
+                used = {}
+                for layer in sage_patch.report(model).to_dict().values():
+                    for k, v in layer.get("impl", {}).items():
+                        used[k] = used.get(k, 0) + v
+        for rep in range(a.reps):  # interleaved, the order alternating: drift of clocks or memory hits both alike
+            for impl in impls if rep % 2 == 0 else impls[::-1]:
                 model.set_attn_implementation(impl)
-                ttft = statistics.median(timer(lambda: generate(1), 1, a.reps))
-                total = statistics.median(timer(lambda: generate(new_tokens), 1, a.reps))
-                times.setdefault(impl, []).append({"order": list(order), "ttft_ms": ttft, "total_ms": total})
-                sage_patch.reset_report(model)  # the report of this one call: what ran in it
-                res = generate(new_tokens)
-                tokens[impl], scores[impl] = res.sequences[:, ids.shape[1]:], res.scores
-                if impl == "sage":
-                    used = sage_patch.report(model).to_dict()
-                    impls = {}
-                    for layer in used.values():
-                        for k, v in layer.get("impl", {}).items():
-                            impls[k] = impls.get(k, 0) + v
-                print(f"{impl} ({' then '.join(order)}): TTFT {ttft:.1f} ms, {new_tokens} tokens {total:.1f} ms",
-                      flush=True)
+                times[impl]["ttft_ms"] += timer(lambda: generate(1), 0, 1)
+                times[impl]["total_ms"] += timer(lambda: generate(new_tokens), 0, 1)
+    for impl in impls:
+        t = times[impl]
+        print(f"{impl}: TTFT {statistics.median(t['ttft_ms']):.1f} ms, {new_tokens} tokens "
+              f"{statistics.median(t['total_ms']):.1f} ms (each of {a.reps})", flush=True)
     div = divergence(tokens["sage"], tokens["sdpa"], scores["sdpa"])
     for n, d in zip(lengths, div):
         print(f"prompt {n}: " + ("tokens identical" if d["first_divergence"] is None else
@@ -112,7 +118,7 @@ def main(argv=None) -> int:
                         transformers=__import__("transformers").__version__)
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
-            json.dump({"kind": "generate", "meta": meta, "times": times, "sage_impl": impls,
+            json.dump({"kind": "generate", "meta": meta, "times": times, "sage_impl": used,
                        "prompts": [{"tokens": n, **d} for n, d in zip(lengths, div)]}, f, indent=2)
     return 0
 
