@@ -16,7 +16,6 @@ uses the same pieces.
 """
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import inspect
