@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SAGE_ABI_VERSION 6
+#define SAGE_ABI_VERSION 7
 
 /* The compiled kernel variants (SageAttnParams.kernel): one id per attention kernel family, chosen by the caller
  * (sage_patch.kernels.registry); nothing here re-derives it. QK4 = "4b" with packed INT4 mma.sync m16n8k64 s4
@@ -72,6 +72,9 @@ typedef struct {
                                   default, 4; at most 4); the workspace size depends on it */
     int64_t lse_sh;            /* varlen: lse elements between two heads (total_q); tokens past cu_seqlens_q[B] are
                                   not written */
+    int32_t window_left;       /* ABI 7: sliding window, -1 = none; >= 0: key j is hidden from query i when
+                                  j < i + Skv - Sq - window_left (with causal: FlashAttention's window_size
+                                  (window_left, 0)); key blocks wholly outside the window are skipped */
 } SageAttnParams;
 
 int64_t sage_attn_workspace_bytes(const SageAttnParams* p);

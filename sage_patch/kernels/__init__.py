@@ -48,19 +48,21 @@ SPEED_ROUTING = os.environ.get("SAGE_PATCH_SPEED_ROUTING", "1") != "0"
 
 
 def sdpa_faster_reason(variant, q, k, *, layout: str, is_causal: bool, key_padding: bool = False,
-                       cc: tuple[int, int] | None = None) -> str | None:
+                       window_left: int = -1, cc: tuple[int, int] | None = None) -> str | None:
     """Why SDPA should run this call instead of `variant` (a KernelVariant or TrainingVariant): it is faster at
     min(Sq, Skv) of q, k on this GPU (the variant's crossover for the device's architecture), or None.
     key_padding: the call has a key-padding mask. The crossovers are measured against unmasked SDPA (cuDNN); with a
     mask SDPA runs its memory-efficient kernel, about 0.6x of cuDNN on Hopper (FlashAttention-2 class: 320-346 vs
     547-582 TOPS, D=128), so a finite crossover does not apply to it (the wgmma kernel is at 0.8-0.97x of cuDNN
     below it); a variant slower than SDPA at every length (the portable kernels on sm_90: 160-338 TOPS, slower than
-    even FlashAttention-2 up to 16K) routes masked calls too. cc: the device's compute capability (None: q's)."""
+    even FlashAttention-2 up to 16K) routes masked calls too. window_left >= 0 (a sliding window) counts as a mask:
+    SDPA takes a window only as a dense mask, with the full work; the kernels skip the key blocks outside it.
+    cc: the device's compute capability (None: q's)."""
     if not SPEED_ROUTING:
         return None
     cc = cc or _ops_cc(q)
     below = variant.crossover(cc, q.shape[-1], bool(is_causal))
-    if below is None or (key_padding and below != math.inf):
+    if below is None or ((key_padding or window_left >= 0) and below != math.inf):
         return None
     sdim = 1 if str(layout).lower() == "bshd" else 2
     n = min(q.shape[sdim], k.shape[sdim])  # compared, not int()-ed: a symbolic length under torch.compile stays one
@@ -167,7 +169,7 @@ def _dtype_dim_gqa_reason(q, k, v, hdim, torch):
     return None
 
 
-def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smooth_v):
+def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smooth_v, window_left=-1):
     if precision == "fp4":
         return None, ("fp4 has no compiled kernel in this version, on any GPU (SageAttention3's NVFP4 needs "
                       "Blackwell FP4 tensor cores, sm_100a/sm_120a; not written yet)")
@@ -208,6 +210,8 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
         return None, "sequence too long"
     if qs[0] * qs[hdim] > 65535:
         return None, f"B*H = {qs[0] * qs[hdim]} > 65535 (grid limit of the pre-passes)"
+    if not isinstance(window_left, int) or window_left < -1:
+        return None, f"window_left must be an int >= -1 (-1: no window), got {window_left!r}"
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool or attn_mask.dim() != 2 or attn_mask.device != dev:
             return None, "key-padding mask must be a bool (B, Skv) tensor on q's device"
@@ -288,12 +292,14 @@ def _ops_cc(q):
     return _ops.device_cc(idx if idx is not None else _torch().cuda.current_device())
 
 
-def run(variant: KernelVariant, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v):
-    """Launch exactly `variant` (from can_run / resolve)."""
+def run(variant: KernelVariant, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v,
+        window_left=-1):
+    """Launch exactly `variant` (from can_run / resolve). window_left >= 0: key j is hidden from query i when
+    j < i + Skv - Sq - window_left (FlashAttention's window_size=(window_left, 0) together with is_causal)."""
     if precision not in variant.precisions:
         raise RuntimeError(f"kernel {variant.key!r} does not run precision {precision!r}")
     out, lse = _attention(variant, q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                          precision=precision, smooth_v=smooth_v, return_lse=return_lse)
+                          precision=precision, smooth_v=smooth_v, return_lse=return_lse, window_left=window_left)
     return (out, lse) if return_lse else out
 
 
@@ -344,22 +350,23 @@ def _eager_direct(*tensors) -> bool:
 
 
 def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, pv=None, precision="8b",
-              smooth_v=False, qk=None, return_lse=True, hop_split_max=0):
+              smooth_v=False, qk=None, return_lse=True, hop_split_max=0, window_left=-1):
     """Direct call of a compiled kernel (no resolver): returns (out, lse); lse is None with return_lse=False (the
     kernel then skips the LSE work). precision "8b" or "4b"; pv / qk pick the variant (variant_for);
-    hop_split_max: the wgmma kernel's most parts per split tail tile (0: the default 4; 1: no split)."""
+    hop_split_max: the wgmma kernel's most parts per split tail tile (0: the default 4; 1: no split); window_left
+    as in `run`."""
     return _attention(variant_for(q, pv, precision, qk), q, k, v, layout=layout, is_causal=is_causal, scale=scale,
                       attn_mask=attn_mask, precision=precision, smooth_v=smooth_v, return_lse=return_lse,
-                      hop_split_max=hop_split_max)
+                      hop_split_max=hop_split_max, window_left=window_left)
 
 
 def _attention(variant, q, k, v, *, layout, is_causal, scale, attn_mask, precision, smooth_v, return_lse,
-               hop_split_max=0):
+               hop_split_max=0, window_left=-1):
     torch = _torch()
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     op = _ops._attn_impl if _eager_direct(q, k, v, attn_mask) else torch.ops.sage_patch.attn
     out, lse = op(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale, variant.kernel_id,
-                  QK_BITS[precision], bool(smooth_v), bool(return_lse), int(hop_split_max))
+                  QK_BITS[precision], bool(smooth_v), bool(return_lse), int(hop_split_max), int(window_left))
     return out, (lse if return_lse else None)
 
 

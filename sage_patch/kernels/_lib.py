@@ -7,7 +7,7 @@ import struct
 import threading
 
 LIB_NAME = "libsage_kernels.so"
-ABI_VERSION = 6
+ABI_VERSION = 7
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -31,6 +31,8 @@ class SageAttnParams(ctypes.Structure):
         # ABI 6: qk_packed is the library's (derived from kernel; 0 here), hop_split_max 0 = the default (4)
         ("qk_packed", ctypes.c_int32), ("hop_split_max", ctypes.c_int32),
         ("lse_sh", ctypes.c_int64),
+        # ABI 7: sliding window, -1 = none
+        ("window_left", ctypes.c_int32),
     ]
 
 

@@ -57,7 +57,7 @@ def _stream_ptr(device: torch.device, index: int) -> int:
 
 
 def _launch(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_causal, scale, kernel, qk_bits,
-            smooth_v, hop_split_max=0) -> None:
+            smooth_v, hop_split_max=0, window_left=-1) -> None:
     lib = _lib.get()
     if lib.handle is None:
         raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
@@ -83,7 +83,7 @@ def _launch(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_c
                          lse.data_ptr() if want_lse else 0, kmask_ptr, kmask_sb, 0, *dims,
                          int(bool(is_causal)), _DTYPE_CODE[q.dtype], int(kernel), dev, major * 10 + minor,
                          float(scale), int(qk_bits), int(bool(smooth_v)), cu_q_ptr, cu_k_ptr,
-                         0, int(hop_split_max), lse_sh))
+                         0, int(hop_split_max), lse_sh, int(window_left)))
     ref = ctypes.byref(p)
     h = lib.handle
     nbytes = h.sage_attn_workspace_bytes(ref)
@@ -98,7 +98,8 @@ def _lse_or_empty(q, shape, want_lse):
     return q.new_empty(shape if want_lse else (0,), dtype=torch.float32)
 
 
-def _attn_impl(q, k, v, kmask, bshd, is_causal, scale, kernel, qk_bits, smooth_v, want_lse=True, hop_split_max=0):
+def _attn_impl(q, k, v, kmask, bshd, is_causal, scale, kernel, qk_bits, smooth_v, want_lse=True, hop_split_max=0,
+               window_left=-1):
     (B, Hq, Sq, D), qs = _dims(q, bshd)
     (_, Hkv, Skv, _), ks = _dims(k, bshd)
     _, vs = _dims(v, bshd)
@@ -113,7 +114,7 @@ def _attn_impl(q, k, v, kmask, bshd, is_causal, scale, kernel, qk_bits, smooth_v
     _, os_ = _dims(out, bshd)
     _launch(q, k, v, out, lse, dims=(B, Hq, Hkv, Sq, Skv, D), qs=qs, ks=ks, vs=vs, os_=os_, kmask=kmask, cu_q=None,
             cu_k=None, is_causal=is_causal, scale=scale, kernel=kernel, qk_bits=qk_bits, smooth_v=smooth_v,
-            hop_split_max=hop_split_max)
+            hop_split_max=hop_split_max, window_left=window_left)
     return out, lse
 
 
@@ -137,15 +138,17 @@ def _attn_8b_fake(q, k, v, kmask, bshd, is_causal, scale, pv_mode):
 @torch.library.custom_op("sage_patch::attn", mutates_args=(), device_types="cuda")
 def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[torch.Tensor], bshd: bool,
          is_causal: bool, scale: float, kernel: int, qk_bits: int, smooth_v: bool, want_lse: bool,
-         hop_split_max: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+         hop_split_max: int = 0, window_left: int = -1) -> Tuple[torch.Tensor, torch.Tensor]:
     """kernel: the kernel variant's C id (sage_patch.kernels.registry, SAGE_KERNEL_*); qk_bits 8 ("8b") or 4 ("4b" =
     INT4 values with Q smoothing); smooth_v; want_lse; hop_split_max (wgmma kernel: most parts of a split tail tile,
-    0 = the default 4)."""
-    return _attn_impl(q, k, v, kmask, bshd, is_causal, scale, kernel, qk_bits, smooth_v, want_lse, hop_split_max)
+    0 = the default 4); window_left (sliding window, -1 = none: SageAttnParams.window_left)."""
+    return _attn_impl(q, k, v, kmask, bshd, is_causal, scale, kernel, qk_bits, smooth_v, want_lse, hop_split_max,
+                      window_left)
 
 
 @attn.register_fake
-def _attn_fake(q, k, v, kmask, bshd, is_causal, scale, kernel, qk_bits, smooth_v, want_lse, hop_split_max=0):
+def _attn_fake(q, k, v, kmask, bshd, is_causal, scale, kernel, qk_bits, smooth_v, want_lse, hop_split_max=0,
+               window_left=-1):
     return q.new_empty(q.shape), _lse_or_empty(q, _lse_shape(q, bshd), want_lse)
 
 
