@@ -4,6 +4,7 @@ cuDNN and flash backends, in the same run. Writes bench.md, bench.json and bench
 
     python benchmarks/bench_kernel.py --out out/bench            # B=4 H=32 fp16, D 64/128, causal or not, N 1K..32K + Flux
     python benchmarks/bench_kernel.py --out out/bench --quick    # a few sizes
+    python benchmarks/bench_kernel.py --out out/win --window 4096 --ns 8192,16384,32768   # sliding window, causal
 
 TOPS = 4*B*H*N*N*D / time, halved for causal. Timing: CUDA events via triton.testing.do_bench (median; 25 ms
 warm-up, 100 ms of repeats) when triton is present, else a CUDA-event loop with the same policy.
@@ -62,6 +63,27 @@ def run_one(b, h, n, d, causal, impls):
             row[name + "_error"] = f"{type(e).__name__}: {str(e)[:120]}"
     del q, k, v
     torch.cuda.empty_cache()
+    return row
+
+
+def run_window(b, h, n, d, window):
+    """A causal sliding window of `window` keys (transformers' sliding_window; window_left = window - 1): our kernel
+    with the window, SDPA with the dense bool mask transformers' sdpa path gives it (the memory-efficient backend,
+    the whole N x N work), and, for scale, both at plain causal (cuDNN for SDPA)."""
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    i = torch.arange(n, device="cuda")
+    mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window))[None, None]
+    fns = {"sage8b_window": lambda: K.attention(q, k, v, is_causal=True, return_lse=False, window_left=window - 1),
+           "sdpa_window_mask": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+           "sage8b_causal": ours_fn(q, k, v, True), "cudnn_causal": sdpa_fn("cudnn", q, k, v, True)}
+    row = {"B": b, "H": h, "N": n, "D": d, "window": window}
+    for name, fn in fns.items():
+        row[name + "_ms"] = bench_ms(fn)
+    row["speedup_vs_sdpa_mask"] = row["sdpa_window_mask_ms"] / row["sage8b_window_ms"]
+    out = K.attention(q, k, v, is_causal=True, return_lse=False, window_left=window - 1)[0]
+    row.update({f"vs_float64_{k_}": v_ for k_, v_ in compare(
+        out[:, :2].float(), exact_attention(q[:, :2], k[:, :2], v[:, :2], attn_mask=mask)).items()})
     return row
 
 
@@ -162,6 +184,8 @@ def main():
     ap.add_argument("--profile", default=None, metavar="N",
                     help="also profile one call at B=4 H=32 D=128 N (comma list; torch.profiler): time per kernel of our "
                          "call")
+    ap.add_argument("--window", type=int, default=None, metavar="W",
+                    help="instead: causal sliding window of W keys at each N, B=4 H=32 per --ds (run_window)")
     a = ap.parse_args()
     require_cuda_kernels()
     ns = [int(x) for x in a.ns.split(",")] if a.ns else ([1024, 4096, 16384] if a.quick else
@@ -170,6 +194,16 @@ def main():
     meta = run_meta(impl=K.status()["reason"])
     rows = []
     t0 = time.time()
+    if a.window:
+        for d in [int(x) for x in a.ds.split(",")]:
+            for n in ns:
+                rows.append(run_window(4, 32, n, d, a.window))
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
+                      flush=True)
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "window.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        return
     for d in [int(x) for x in a.ds.split(",")]:
         for causal in (False, True):
             for n in ns:

@@ -53,7 +53,7 @@ int sage_attn_fwd(const SageAttnParams* p, void* stream) {
         return SAGE_E_BADARG;
     if (is_qk4(p->kernel) && p->qk_bits != 4) return SAGE_E_BADARG;  // packed INT4 MMA: "4b" only
     if (p->hop_split_max < 0) return SAGE_E_BADARG;
-    if (p->window_left < -1) return SAGE_E_BADARG;
+    if (p->window_keys < 0) return SAGE_E_BADARG;
     if ((p->cu_seqlens_q == nullptr) != (p->cu_seqlens_k == nullptr)) return SAGE_E_BADARG;
     if (p->cu_seqlens_q && p->kmask) return SAGE_E_BADARG;
     if ((int64_t)p->B * p->Hq > 65535) return SAGE_E_BADARG;  // grid.y of the pre-passes

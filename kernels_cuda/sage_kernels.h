@@ -72,9 +72,10 @@ typedef struct {
                                   default, 4; at most 4); the workspace size depends on it */
     int64_t lse_sh;            /* varlen: lse elements between two heads (total_q); tokens past cu_seqlens_q[B] are
                                   not written */
-    int32_t window_left;       /* ABI 7: sliding window, -1 = none; >= 0: key j is hidden from query i when
-                                  j < i + Skv - Sq - window_left (with causal: FlashAttention's window_size
-                                  (window_left, 0)); key blocks wholly outside the window are skipped */
+    int32_t window_keys;       /* ABI 7: sliding window, 0 = none (a zeroed struct has none); n > 0: query i sees no
+                                  key j <= i + Skv - Sq - n, i.e. with causal the n keys ending at its diagonal
+                                  (FlashAttention's window_size (n - 1, 0), transformers' sliding_window n); key
+                                  blocks wholly outside the window are neither loaded nor computed */
 } SageAttnParams;
 
 int64_t sage_attn_workspace_bytes(const SageAttnParams* p);

@@ -58,8 +58,8 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         const int b = tl.b, h = tl.h;
         const int sq = len_q(p, b), skv = len_k(p, b), q0 = tl.qb * BM;
         const int nkb = hop_num_kv_blocks(p, q0, BM, sq, skv);
-        // this item's blocks (a whole tile: 0 .. nkb - 1)
-        const int kb0 = hop_part_kb0(itm, w), kb1 = hop_part_kb1(itm, nkb, w);
+        // this item's blocks (a whole tile: its first block in the window .. nkb - 1)
+        const int kb0 = hop_part_kb0(itm, w, p, q0, sq, skv), kb1 = hop_part_kb1(itm, nkb, w);
         const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + h / group;
         const int row0 = q0 + cw * 64 + lrow0, row1 = row0 + 8;
 
@@ -96,19 +96,26 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         {
             // (ping-pong turns between the consumers, or S(kb) issued with P~V(kb-1), were equal or slower in every
             // form measured: docs/design/tried_and_rejected.md)
-            float kscale_next = kb1 > kb0 ? ksc[kb0 * 4 + t4] : 0.f;
-            float vfac_next = kb1 > kb0 ? vfc[kb0] : 1.f;
-            int kmask_next = kmf && kb1 > kb0 ? kmf[kb0] : 0;
             // causal: the tile's last blocks may lie wholly past this warpgroup's diagonal (nkb_own <= kb < nkb);
             // a warpgroup whose rows all lie past the sequence's end (the last tile) computes nothing
             const int nkb_own = wrow_min < sq ? hop_num_kv_blocks(p, wrow_min, 64, sq, skv) : 0;
             const int kend = min(nkb_own, kb1);
+            // sliding window: the tile's first blocks may lie wholly before this warpgroup's window
+            const int kbeg = max(kb0, min(hop_first_kv_block(p, wrow_min, sq, skv), kend));
             int kb = kb0;
+            for (; kb < kbeg; ++kb, ++it) hop_release_block(stage_of, it, bar_full, bar_empty, lane);
+            float kscale_next = kb1 > kb ? ksc[kb * 4 + t4] : 0.f;
+            float vfac_next = kb1 > kb ? vfc[kb] : 1.f;
+            int kmask_next = kmf && kb1 > kb ? kmf[kb] : 0;
+            // sliding window: blocks before kb_wfull are cut by the window of some row of the warpgroup (the last,
+            // wrow_min + 63, starts latest): the visible keys are no prefix there, the general per-key test applies
+            const int wlast = wrow_min + 63 + (skv - sq) - p.window_keys;  // the last row's last hidden key
+            const int kb_wfull = p.window_keys > 0 && wlast >= 0 ? wlast / kHopBN + 1 : 0;
             for (; kb < kend; ++kb, ++it) {
                 uint32_t ph;
                 const int s = stage_of(it, ph);
                 const float kscale_cur = kscale_next, vfac_cur = vfac_next;
-                const int kmask_cur = kmask_next;
+                const int kmask_cur = kmask_next | (kb < kb_wfull);
                 if (kb + 1 < kb1) {  // in flight during this block
                     kscale_next = ksc[(kb + 1) * 4 + t4];
                     vfac_next = vfc[kb + 1];
@@ -116,15 +123,8 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 }
                 consume_block(s, ph, kb, kscale_cur, vfac_cur, kmask_cur);
             }
-            // blocks past the diagonal: only released, after they landed (an early arrival would count towards the
-            // stage's previous use). A separate loop keeps the main loop's code as it is without causal masks.
-            for (; kb < kb1; ++kb, ++it) {
-                uint32_t ph;
-                const int s = stage_of(it, ph);
-                mbar_wait(bar_full + 8 * s, ph);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-            }
+            // blocks past the diagonal: only released (a separate loop keeps the main loop's code as it is)
+            for (; kb < kb1; ++kb, ++it) hop_release_block(stage_of, it, bar_full, bar_empty, lane);
         }
 
         bool skip = false;

@@ -84,7 +84,7 @@ __device__ __forceinline__ void hop_producer(const SageAttnParams& p, const HopW
         const int nkb = hop_num_kv_blocks(p, q0, BM, sq, skv);
         const int64_t blk0 = ((int64_t)tl.b * p.Hkv + tl.h / group) * w.nkb;
         const int kb1 = hop_part_kb1(itm, nkb, w);
-        for (int kb = hop_part_kb0(itm, w); kb < kb1; ++kb, ++it) {
+        for (int kb = hop_part_kb0(itm, w, p, q0, sq, skv); kb < kb1; ++kb, ++it) {
             const int s = it % kHopStages;
             const uint32_t ph = (uint32_t)(it / kHopStages) & 1u;
             mbar_wait(c.bar_empty + 8 * s, ph ^ 1u);
@@ -218,6 +218,16 @@ struct HopStageOf {
         return i % kHopStages;
     }
 };
+// a block this warpgroup does not compute (wholly past its causal diagonal or before its sliding window): only
+// released, after it landed (an early arrival would count towards the stage's previous use)
+__device__ __forceinline__ void hop_release_block(const HopStageOf& stage_of, int it, uint32_t bar_full,
+                                                  uint32_t bar_empty, int lane) {
+    uint32_t ph;
+    const int s = stage_of(it, ph);
+    mbar_wait(bar_full + 8 * s, ph);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+}
 // powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
 struct HopPow2Div {
     __device__ __forceinline__ float operator()(float a, float b) const {

@@ -9,7 +9,8 @@
 
 namespace sage {
 
-// masked blocks: key attended by the row (inside the sequence, not padded, not past the causal diagonal)
+// masked blocks: key attended by the row (inside the sequence, not padded, not past the causal diagonal; the
+// sliding window is HopGeneral's)
 struct HopKeyOk {
     const int& skv;
     const uint8_t* const& mrow;
@@ -34,14 +35,21 @@ struct HopPrefix {
     const int& l;
     __device__ __forceinline__ bool operator()(int c) const { return c < l; }
 };
-// ... or the general test (padded keys)
+// ... or the general test (padded keys, a sliding window): c > wlo, the row's last key before its window with the
+// lane's offset folded in (as the prefix limits: one compare with an immediate per score)
 struct HopGeneral {
     const HopKeyOk& key_ok;
     const int& kbase;
     const int& t4;
     const int& row;
-    __device__ __forceinline__ bool operator()(int c) const { return key_ok(kbase + 2 * t4 + c, row); }
+    const int wlo;
+    __device__ __forceinline__ bool operator()(int c) const { return c > wlo && key_ok(kbase + 2 * t4 + c, row); }
 };
+// HopGeneral's wlo for a row: its last hidden key before the window (key <= row + diag - window_keys), relative to
+// the lane's first key of the block; INT_MIN without a window
+__device__ __forceinline__ int hop_window_lo(const SageAttnParams& p, int row, int diag, int kbase, int t4) {
+    return p.window_keys > 0 ? row + diag - p.window_keys - kbase - 2 * t4 : INT_MIN;
+}
 // Visits the thread's scores of a block, key 2 t4 + c of the block for c = 8 j + e (a compile-time constant once
 // unrolled): step(c, i0, i1), with i0 / i1 the score's index in the accumulator layout for row0 / row1
 template <typename Step>
@@ -104,7 +112,8 @@ struct HopSoftmax {
     float& ls0;           // fp32 sums of 448 p over this lane's keys, for the LSE only
     float& ls1;
     // S of block kb (int32 wgmma accumulator) -> 448 p per score (fp32, before the e4m3 conversion of HopPackP)
-    // and the rescale factors alpha. kscale: this thread's K scale of block kb (prefetched one block ahead)
+    // and the rescale factors alpha. kscale: this thread's K scale of block kb (prefetched one block ahead);
+    // kmasked: the block needs the general per-key test (padded keys, or a sliding window cutting it)
     __device__ __forceinline__ void operator()(const int (&acc)[64], int kb, float kscale, int kmasked,
                                                float (&sf)[64], float& al0, float& al1) const {
         const int kbase = kb * kHopBN;
@@ -121,8 +130,7 @@ struct HopSoftmax {
         int im0 = INT_MIN, im1 = INT_MIN;
         // masked blocks: a per-row visibility test of the key 2 t4 + c within the block, c = 8 j + e a compile-time
         // constant (the lane's offset 2 t4 is folded into the prefix limits: one compare with an immediate)
-        HopGeneral general0{key_ok, kbase, t4, row0};
-        HopGeneral general1{key_ok, kbase, t4, row1};
+        // (the window limits as the prefix limits: computed where used)
         if (!need_mask) {
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
@@ -133,6 +141,8 @@ struct HopSoftmax {
             const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
             hop_each_key(HopMaskedMax<HopPrefix, HopPrefix>{im0, im1, acc, HopPrefix{l0}, HopPrefix{l1}});
         } else {
+            const HopGeneral general0{key_ok, kbase, t4, row0, hop_window_lo(p, row0, diag, kbase, t4)};
+            const HopGeneral general1{key_ok, kbase, t4, row1, hop_window_lo(p, row1, diag, kbase, t4)};
             hop_each_key(HopMaskedMax<HopGeneral, HopGeneral>{im0, im1, acc, general0, general1});
         }
         // the 4 lanes of a row hold different K scale groups: compare them as scaled floats
@@ -160,6 +170,8 @@ struct HopSoftmax {
             const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
             hop_each_key(HopZeroHidden<HopPrefix, HopPrefix>{sf, HopPrefix{l0}, HopPrefix{l1}});
         } else if (need_mask) {
+            const HopGeneral general0{key_ok, kbase, t4, row0, hop_window_lo(p, row0, diag, kbase, t4)};
+            const HopGeneral general1{key_ok, kbase, t4, row1, hop_window_lo(p, row1, diag, kbase, t4)};
             hop_each_key(HopZeroHidden<HopGeneral, HopGeneral>{sf, general0, general1});
         }
         // the output is normalised by the tensor cores' row sums (merge); the LSE keeps fp32 sums of p (the FP8

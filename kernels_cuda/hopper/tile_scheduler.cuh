@@ -34,7 +34,7 @@ inline HopPlan hop_plan(const SageAttnParams& p) {
     P.parts = 1;
     const int rem = P.ntiles % nsm;
     const int split_max = p.hop_split_max > 0 ? p.hop_split_max : kHopMaxParts;  // most parts per tile (1: no split)
-    if (!p.causal && !p.cu_seqlens_q && !p.lse && rem > 0) {
+    if (!p.causal && p.window_keys == 0 && !p.cu_seqlens_q && !p.lse && rem > 0) {
         int parts = nsm / rem < split_max ? nsm / rem : split_max;
         parts = parts < kHopMaxParts ? parts : kHopMaxParts;
         parts = nkb / kHopMinPartBlocks < parts ? nkb / kHopMinPartBlocks : parts;
@@ -74,9 +74,17 @@ __device__ __forceinline__ HopItem hop_item(int t, const HopWs& w) {
     const int u = t - w.nfull, sp = (int)__umulhi((uint32_t)u, w.pmul);
     return HopItem{w.nfull + sp, sp, u - sp * w.parts};
 }
-// blocks [kb0, kb1) of an item whose tile has nkb blocks
-__device__ __forceinline__ int hop_part_kb0(const HopItem& it, const HopWs& w) {
-    return it.split < 0 ? 0 : w.pkb[it.part];
+// sliding window: the first key block row r0 (and every later row) sees any key of; blocks before it lie wholly
+// outside the window of rows >= r0 and are neither loaded nor computed (work proportional to the window)
+__device__ __forceinline__ int hop_first_kv_block(const SageAttnParams& p, int r0, int sq, int skv) {
+    if (p.window_keys <= 0) return 0;
+    const int lo = r0 + (skv - sq) - p.window_keys + 1;  // row r0's first visible key
+    return lo > 0 ? lo / kHopBN : 0;
+}
+// blocks [kb0, kb1) of an item whose tile has nkb blocks and starts at row q0 (split tiles have no window)
+__device__ __forceinline__ int hop_part_kb0(const HopItem& it, const HopWs& w, const SageAttnParams& p, int q0,
+                                            int sq, int skv) {
+    return it.split < 0 ? hop_first_kv_block(p, q0, sq, skv) : w.pkb[it.part];
 }
 __device__ __forceinline__ int hop_part_kb1(const HopItem& it, int nkb, const HopWs& w) {
     return it.split < 0 ? nkb : w.pkb[it.part + 1];

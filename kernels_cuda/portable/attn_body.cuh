@@ -122,7 +122,10 @@ __device__ __forceinline__ void attn_softmax(int (&acc)[WQ / 16][8][4], float (&
     constexpr int MT = WQ / 16;
     const float sc = qs * ksc[kb * 4 + t];  // one Q scale and one K scale per thread; log2 domain
     const int kbase = kb * kBK;
-    const bool need_mask = (kbase + kBK > skv) || (mrow != nullptr) || (p.causal && kbase + kBK - 1 > q0 + diag);
+    // a sliding window cuts the block for some row of the warp (its last row has the latest window start)
+    const bool wcut = p.window_keys > 0 && kbase <= wrow + WQ - 1 + diag - p.window_keys;
+    const bool need_mask = (kbase + kBK > skv) || (mrow != nullptr) || wcut ||
+                           (p.causal && kbase + kBK - 1 > q0 + diag);
     bool kok[8][2];
     if (need_mask) {
 #pragma unroll
@@ -163,8 +166,10 @@ __device__ __forceinline__ void attn_softmax(int (&acc)[WQ / 16][8][4], float (&
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = kbase + 8 * j + 2 * t + e;
-                    if (!kok[j][e] || (p.causal && key > r0 + diag)) s[j][e] = -INFINITY;
-                    if (!kok[j][e] || (p.causal && key > r1 + diag)) s[j][2 + e] = -INFINITY;
+                    if (!kok[j][e] || (p.causal && key > r0 + diag) ||
+                        (p.window_keys > 0 && key <= r0 + diag - p.window_keys)) s[j][e] = -INFINITY;
+                    if (!kok[j][e] || (p.causal && key > r1 + diag) ||
+                        (p.window_keys > 0 && key <= r1 + diag - p.window_keys)) s[j][2 + e] = -INFINITY;
                 }
         }
         float mx0 = m[mt][0], mx1 = m[mt][1];
@@ -365,6 +370,9 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs&
     int kv_end = skv;
     if (p.causal) kv_end = min(kv_end, q0 + BQ + diag);
     const int nkb = kv_end > 0 ? (kv_end + kBK - 1) / kBK : 0;
+    // sliding window: blocks before the window of the CTA's first row lie outside every row's window; skipped
+    const int wlo = p.window_keys > 0 ? q0 + diag - p.window_keys + 1 : 0;
+    const int kb_first = wlo > 0 ? wlo / kBK : 0;
     const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
 
     float o[MT][D / 8][4];
@@ -392,15 +400,15 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs&
             const int r = i / (DB / 16), c = i % (DB / 16);
             cp_async16(sQ + r * S::KSTR + c * 16, Qg + (int64_t)r * DB + c * 16);
         }
-        if (nkb == 0) cp_async_commit();
+        if (nkb <= kb_first) cp_async_commit();
     }
-    if (nkb > 0) { load_tile(0, 0); cp_async_commit(); }
+    if (nkb > kb_first) { load_tile(kb_first, kb_first & 1); cp_async_commit(); }
     // ldmatrix addresses of the A (Q) fragments: matrix mi covers rows +8*(mi%2), bytes +16*(mi/2)
     const uint32_t cQ = smem_u32(sQ) + (warp * WQ + ((lane >> 3) & 1) * 8 + (lane & 7)) * S::KSTR + (lane >> 4) * 16;
     // ldmatrix lane address pieces: matrix mi = lane / 8 covers rows +8*(mi/2), bytes +16*(mi%2)
     const int lrow = (lane >> 4) * 8 + (lane & 7), lbyte = ((lane >> 3) & 1) * 16;
 
-    for (int kb = 0; kb < nkb; ++kb) {
+    for (int kb = kb_first; kb < nkb; ++kb) {
         if (kb + 1 < nkb) {
             load_tile(kb + 1, (kb + 1) & 1);
             cp_async_commit();

@@ -31,8 +31,8 @@ class SageAttnParams(ctypes.Structure):
         # ABI 6: qk_packed is the library's (derived from kernel; 0 here), hop_split_max 0 = the default (4)
         ("qk_packed", ctypes.c_int32), ("hop_split_max", ctypes.c_int32),
         ("lse_sh", ctypes.c_int64),
-        # ABI 7: sliding window, -1 = none
-        ("window_left", ctypes.c_int32),
+        # ABI 7: sliding window as a key count, 0 = none (window_left + 1)
+        ("window_keys", ctypes.c_int32),
     ]
 
 

@@ -83,7 +83,7 @@ def _launch(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_c
                          lse.data_ptr() if want_lse else 0, kmask_ptr, kmask_sb, 0, *dims,
                          int(bool(is_causal)), _DTYPE_CODE[q.dtype], int(kernel), dev, major * 10 + minor,
                          float(scale), int(qk_bits), int(bool(smooth_v)), cu_q_ptr, cu_k_ptr,
-                         0, int(hop_split_max), lse_sh, int(window_left)))
+                         0, int(hop_split_max), lse_sh, int(window_left) + 1))
     ref = ctypes.byref(p)
     h = lib.handle
     nbytes = h.sage_attn_workspace_bytes(ref)

@@ -49,16 +49,17 @@ def poison(shape, dtype):
 
 def check_kernel_case(precision, b, hq, hkv, sq, skv, d, *, sim_l1, lse_atol, dtype=torch.float16, layout="bhsd",
                       causal=False, mask=None, pv=None, smooth_v=False, seed=0, q_bias=None, check_exact=True,
-                      name=""):
+                      name="", window_left=-1):
     """One compiled-kernel call checked end to end; returns (out, lse). Fresh inputs (make_qkv), NaN-poisoned output
     memory, inputs unchanged after the call, finite output, then against the simulation of the kernel's own config
     (rel L1 <= sim_l1, LSE within lse_atol, the same empty rows, which must be 0) and, with check_exact, float64:
-    "8b" cos >= 0.9995, rel L1 <= 0.03, LSE within 0.05; "4b" cos >= 0.995."""
+    "8b" cos >= 0.9995, rel L1 <= 0.03, LSE within 0.05; "4b" cos >= 0.995. window_left >= 0: the kernel's sliding
+    window; the simulation and float64 get it as a dense bool mask (window_mask)."""
     q, k, v = make_qkv(b, hq, hkv, sq, skv, d, dtype, layout, seed, q_bias=q_bias)
     keep = [x.clone() for x in (q, k, v)] + ([mask.clone()] if mask is not None else [])
     poison(q.shape, dtype)
     out, lse = K.attention(q, k, v, layout=layout, is_causal=causal, attn_mask=mask, pv=pv, precision=precision,
-                           smooth_v=smooth_v)
+                           smooth_v=smooth_v, window_left=window_left)
     torch.cuda.synchronize()
     for a, b_ in zip((q, k, v) + ((mask,) if mask is not None else ()), keep):
         assert torch.equal(a, b_), "an input was modified"
@@ -67,6 +68,9 @@ def check_kernel_case(precision, b, hq, hkv, sq, skv, d, *, sim_l1, lse_atol, dt
     qb, kb, vb = (to_bhsd(x, layout) for x in (q, k, v))
     ob = to_bhsd(out, layout)
     m4 = mask[:, None, None, :] if mask is not None else None
+    if window_left >= 0:
+        w = window_mask(sq, skv, window_left)
+        m4 = w if m4 is None else m4 & w
     impl = K.variant_for(q, pv, precision)  # the kernel variant this call ran (its reference SimConfig)
     sim, sim_lse = simulate(qb, kb, vb, precision, is_causal=causal, attn_mask=m4, return_lse=True,
                             smooth_v=smooth_v, config=K.reference_config(impl, d))
@@ -89,6 +93,14 @@ def check_kernel_case(precision, b, hq, hkv, sq, skv, d, *, sim_l1, lse_atol, dt
     elif check_exact:
         assert res["exact_cos"] >= 0.9995 and res["exact_l1"] <= 0.03 and res["exact_lse_maxdiff"] <= 0.05, res
     return out, lse
+
+
+def window_mask(sq, skv, window_left):
+    """(1, 1, Sq, Skv) bool: the kernels' sliding window, stated independently of them: key j is visible from query
+    i unless j < i + Skv - Sq - window_left (causal is the caller's is_causal)."""
+    i = torch.arange(sq, device=DEV)[:, None] + (skv - sq)
+    j = torch.arange(skv, device=DEV)[None, :]
+    return (j >= i - window_left)[None, None]
 
 
 # ---- non-finite inputs (test_nonfinite_gpu.py)
