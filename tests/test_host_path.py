@@ -43,7 +43,7 @@ def _packed_bytes(values) -> bytes:
 
 
 def test_params_struct_covers_every_field_at_its_ctypes_offset():
-    assert len(F) == len(_lib.SageAttnParams._fields_) == 39
+    assert len(F) == len(_lib.SageAttnParams._fields_) == 40
     last = getattr(_lib.SageAttnParams, F[-1])
     assert _lib.PARAMS_STRUCT.size == last.offset + last.size <= ctypes.sizeof(_lib.SageAttnParams)
     # each field lands where ctypes reads it: a value only in field i shows up only there
@@ -83,7 +83,7 @@ def test_fill_params_falls_back_to_ctypes_semantics(over):
 
 
 def test_fill_params_errors():
-    with pytest.raises(ValueError, match="39 values"):
+    with pytest.raises(ValueError, match="40 values"):
         _packed_bytes(_values()[:-1])  # a short tuple must not shift fields
     with pytest.raises(TypeError):
         _packed_bytes(_values(B="2"))  # a wrong type raises as ctypes always did

@@ -81,9 +81,9 @@ __device__ __forceinline__ void hop_q_prologue(const SageAttnParams& p, const Ho
 // Two-level accumulation: each block's P~V lands in its own accumulator, then O = O * alpha + block. V~ of block kb
 // is V / (base vfac_kb): O and l are kept divided by the current block's vfac (the softmax's alpha times vfac_prev /
 // vfac_kb, exact powers of two, and the block's row sums times 1 / vfac_kb), so O / l needs no factor at the end.
-template <int D, int NWG, bool LSE>
+template <int D, int NWG, bool LSE, bool WIN>
 struct HopBlockStep {
-    const HopSoftmax<LSE>& softmax_block;
+    const HopSoftmax<LSE, WIN>& softmax_block;
     const HopIssueQK<D, NWG>& issue_qk;
     const HopIssuePV<D, NWG>& issue_pv;
     const HopFold<D>& fold;

@@ -6,8 +6,9 @@
 
 namespace sage {
 
-// LSE: whether p.lse is written (a template parameter: its fp32 row sums cost registers the loop needs otherwise)
-template <int D, typename T, bool LSE, int NWG>
+// LSE: whether p.lse is written (a template parameter: its fp32 row sums cost registers the loop needs otherwise);
+// WIN: a sliding window (p.window_keys > 0; its limits cost registers too: without it D = 64 ran 1-3% slower)
+template <int D, typename T, bool LSE, int NWG, bool WIN>
 __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const __grid_constant__ SageAttnParams p,
                                                                            const HopWs w) {
     using S = HopSmem<D, NWG>;
@@ -83,14 +84,14 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
 
         // masked blocks: key attended by the row (inside the sequence, not padded, not past the causal diagonal)
         HopKeyOk key_ok{skv, mrow, p, diag};
-        HopSoftmax<LSE> softmax_block{skv, p, wrow_min, diag, qs, key_ok, t4, row0, row1, m0, m1, ls0, ls1};
+        HopSoftmax<LSE, WIN> softmax_block{skv, p, wrow_min, diag, qs, key_ok, t4, row0, row1, m0, m1, ls0, ls1};
         HopIssueQK<D, NWG> issue_qk{dk0, dq};
         HopIssuePV<D, NWG> issue_pv{dv0};
         HopFold<D> fold{o};
         HopMerge<D> merge{l0, l1, fold};
         HopStageOf stage_of{};
         float vfac_prev = 1.f;
-        const HopBlockStep<D, NWG, LSE> consume_block{softmax_block, issue_qk, issue_pv, fold, merge, l0, l1,
+        const HopBlockStep<D, NWG, LSE, WIN> consume_block{softmax_block, issue_qk, issue_pv, fold, merge, l0, l1,
                                                       vfac_prev, dv0, bar_full, bar_empty, lane};
         static_assert(NWG >= 3, "serial blocks need >= 3 consumer warpgroups to keep the tensor cores busy");
         {
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             const int nkb_own = wrow_min < sq ? hop_num_kv_blocks(p, wrow_min, 64, sq, skv) : 0;
             const int kend = min(nkb_own, kb1);
             // sliding window: the tile's first blocks may lie wholly before this warpgroup's window
-            const int kbeg = max(kb0, min(hop_first_kv_block(p, wrow_min, sq, skv), kend));
+            const int kbeg = WIN ? max(kb0, min(hop_first_kv_block(p, wrow_min, sq, skv), kend)) : kb0;
             int kb = kb0;
             for (; kb < kbeg; ++kb, ++it) hop_release_block(stage_of, it, bar_full, bar_empty, lane);
             float kscale_next = kb1 > kb ? ksc[kb * 4 + t4] : 0.f;
@@ -110,7 +111,7 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             // sliding window: blocks before kb_wfull are cut by the window of some row of the warpgroup (the last,
             // wrow_min + 63, starts latest): the visible keys are no prefix there, the general per-key test applies
             const int wlast = wrow_min + 63 + (skv - sq) - p.window_keys;  // the last row's last hidden key
-            const int kb_wfull = p.window_keys > 0 && wlast >= 0 ? wlast / kHopBN + 1 : 0;
+            const int kb_wfull = WIN && wlast >= 0 ? wlast / kHopBN + 1 : 0;
             for (; kb < kend; ++kb, ++it) {
                 uint32_t ph;
                 const int s = stage_of(it, ph);

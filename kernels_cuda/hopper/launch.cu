@@ -76,12 +76,13 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
 
     constexpr int NWG = hop_nwg(D);
     using S = HopSmem<D, NWG>;
-    const bool lse = p.lse != nullptr;
-    auto kern = lse ? hopper_attn_kernel<D, T, true, NWG> : hopper_attn_kernel<D, T, false, NWG>;
+    const bool lse = p.lse != nullptr, win = p.window_keys > 0;
+    auto kern = lse ? (win ? hopper_attn_kernel<D, T, true, NWG, true> : hopper_attn_kernel<D, T, true, NWG, false>)
+                    : (win ? hopper_attn_kernel<D, T, false, NWG, true> : hopper_attn_kernel<D, T, false, NWG, false>);
     const int dev = p.device;
     {
-        static bool done[2][64] = {};
-        e = opt_in_dynamic_smem(kern, S::TOTAL, done[lse], dev);
+        static bool done[4][64] = {};
+        e = opt_in_dynamic_smem(kern, S::TOTAL, done[2 * lse + win], dev);
         if (e != cudaSuccess) return (int)e;
     }
     HopWs w;

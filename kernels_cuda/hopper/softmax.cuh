@@ -46,9 +46,11 @@ struct HopGeneral {
     __device__ __forceinline__ bool operator()(int c) const { return c > wlo && key_ok(kbase + 2 * t4 + c, row); }
 };
 // HopGeneral's wlo for a row: its last hidden key before the window (key <= row + diag - window_keys), relative to
-// the lane's first key of the block; INT_MIN without a window
+// the lane's first key of the block; INT_MIN (a compile-time constant: no test) in kernels without a window
+template <bool WIN>
 __device__ __forceinline__ int hop_window_lo(const SageAttnParams& p, int row, int diag, int kbase, int t4) {
-    return p.window_keys > 0 ? row + diag - p.window_keys - kbase - 2 * t4 : INT_MIN;
+    if constexpr (!WIN) return INT_MIN;
+    return row + diag - p.window_keys - kbase - 2 * t4;
 }
 // Visits the thread's scores of a block, key 2 t4 + c of the block for c = 8 j + e (a compile-time constant once
 // unrolled): step(c, i0, i1), with i0 / i1 the score's index in the accumulator layout for row0 / row1
@@ -96,7 +98,7 @@ struct HopArg {
 
 // The online softmax of a consumer thread's two rows (row0, row1 = row0 + 8) over 128-key blocks. Its row state
 // (running maxima m, fp32 LSE sums ls) is explicit: members bound to the consumer's registers.
-template <bool LSE>
+template <bool LSE, bool WIN>
 struct HopSoftmax {
     const int& skv;
     const SageAttnParams& p;
@@ -141,8 +143,8 @@ struct HopSoftmax {
             const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
             hop_each_key(HopMaskedMax<HopPrefix, HopPrefix>{im0, im1, acc, HopPrefix{l0}, HopPrefix{l1}});
         } else {
-            const HopGeneral general0{key_ok, kbase, t4, row0, hop_window_lo(p, row0, diag, kbase, t4)};
-            const HopGeneral general1{key_ok, kbase, t4, row1, hop_window_lo(p, row1, diag, kbase, t4)};
+            const HopGeneral general0{key_ok, kbase, t4, row0, hop_window_lo<WIN>(p, row0, diag, kbase, t4)};
+            const HopGeneral general1{key_ok, kbase, t4, row1, hop_window_lo<WIN>(p, row1, diag, kbase, t4)};
             hop_each_key(HopMaskedMax<HopGeneral, HopGeneral>{im0, im1, acc, general0, general1});
         }
         // the 4 lanes of a row hold different K scale groups: compare them as scaled floats
@@ -170,8 +172,8 @@ struct HopSoftmax {
             const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
             hop_each_key(HopZeroHidden<HopPrefix, HopPrefix>{sf, HopPrefix{l0}, HopPrefix{l1}});
         } else if (need_mask) {
-            const HopGeneral general0{key_ok, kbase, t4, row0, hop_window_lo(p, row0, diag, kbase, t4)};
-            const HopGeneral general1{key_ok, kbase, t4, row1, hop_window_lo(p, row1, diag, kbase, t4)};
+            const HopGeneral general0{key_ok, kbase, t4, row0, hop_window_lo<WIN>(p, row0, diag, kbase, t4)};
+            const HopGeneral general1{key_ok, kbase, t4, row1, hop_window_lo<WIN>(p, row1, diag, kbase, t4)};
             hop_each_key(HopZeroHidden<HopGeneral, HopGeneral>{sf, general0, general1});
         }
         // the output is normalised by the tensor cores' row sums (merge); the LSE keeps fp32 sums of p (the FP8

@@ -161,15 +161,17 @@ __device__ __forceinline__ void attn_softmax(int (&acc)[WQ / 16][8][4], float (&
         }
         if (need_mask) {
             const int r0 = wrow + mt * 16 + g, r1 = r0 + 8;
+            // row r sees the keys (lo_r, hi_r]: the causal diagonal and the sliding window
+            const int hi0 = p.causal ? r0 + diag : INT_MAX, hi1 = p.causal ? r1 + diag : INT_MAX;
+            const int lo0 = p.window_keys > 0 ? r0 + diag - p.window_keys : INT_MIN;
+            const int lo1 = p.window_keys > 0 ? r1 + diag - p.window_keys : INT_MIN;
 #pragma unroll
             for (int j = 0; j < 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = kbase + 8 * j + 2 * t + e;
-                    if (!kok[j][e] || (p.causal && key > r0 + diag) ||
-                        (p.window_keys > 0 && key <= r0 + diag - p.window_keys)) s[j][e] = -INFINITY;
-                    if (!kok[j][e] || (p.causal && key > r1 + diag) ||
-                        (p.window_keys > 0 && key <= r1 + diag - p.window_keys)) s[j][2 + e] = -INFINITY;
+                    if (!kok[j][e] || key > hi0 || key <= lo0) s[j][e] = -INFINITY;
+                    if (!kok[j][e] || key > hi1 || key <= lo1) s[j][2 + e] = -INFINITY;
                 }
         }
         float mx0 = m[mt][0], mx1 = m[mt][1];

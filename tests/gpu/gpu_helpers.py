@@ -95,6 +95,14 @@ def check_kernel_case(precision, b, hq, hkv, sq, skv, d, *, sim_l1, lse_atol, dt
     return out, lse
 
 
+def routed_precision(q, precision):
+    """The precision the public API runs for `precision` on q's GPU: without INT4 tensor cores (sm_90+) the
+    resolver runs "4b" as 8b (resolve.py; policy options.exact_4b not set)."""
+    if precision == "4b" and K.variant_for(q, None, "4b").qk != "int4":
+        return "8b"
+    return precision
+
+
 def window_mask(sq, skv, window_left):
     """(1, 1, Sq, Skv) bool: the kernels' sliding window, stated independently of them: key j is visible from query
     i unless j < i + Skv - Sq - window_left (causal is the caller's is_causal)."""

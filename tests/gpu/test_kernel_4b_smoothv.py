@@ -16,7 +16,7 @@ import torch
 import sage_patch.kernels as K
 from sage_patch.accuracy import compare
 from sage_patch.reference import exact_attention
-from gpu_helpers import DEV, check_kernel_case, poison, record
+from gpu_helpers import DEV, check_kernel_case, poison, record, routed_precision
 from gpu_helpers import make_qkv as _make_qkv
 
 pytestmark = pytest.mark.gpu
@@ -130,7 +130,7 @@ def test_4b_deterministic_and_routed():
                           smooth_v=True)
     assert impl is not None, why
     out = sage_patch.attention(q, k, v, precision="4b", smooth_v=True)
-    ref, _ = K.attention(q, k, v, precision="4b", smooth_v=True)
+    ref, _ = K.attention(q, k, v, precision=routed_precision(q, "4b"), smooth_v=True)
     assert torch.equal(out, ref)
 
 

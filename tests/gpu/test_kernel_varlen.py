@@ -17,6 +17,7 @@ import sage_patch.kernels as K
 from sage_patch.accuracy import compare
 from sage_patch.reference import exact_attention, simulate
 from sage_patch.varlen import _reference_loop
+from gpu_helpers import routed_precision
 
 pytestmark = pytest.mark.gpu
 
@@ -70,9 +71,7 @@ def test_varlen_matches_loop_and_simulation(lens_q, lens_k, hq, hkv, d, dtype, c
     loop, loop_lse = _reference_loop(q, k, v, cu_q, cu_k, is_causal=causal, scale=None, precision=precision,
                                      return_lse=True)
     cq, ck = cu_q.tolist(), cu_k.tolist()
-    # what ran: without INT4 tensor cores (sm_90+) the resolver runs "4b" as 8b (resolve.py; options.exact_4b not set)
-    if precision == "4b" and K.variant_for(q, None, "4b").qk != "int4":
-        precision = "8b"
+    precision = routed_precision(q, precision)  # what ran
     cfg = K.reference_config(K.variant_for(q, None, precision), d)
     worst = {"loop_l1": 0.0, "sim_l1": 0.0, "lse": 0.0, "exact_cos": 1.0}
     for b in range(len(lens_q)):
