@@ -116,7 +116,7 @@ class FakeHandle:
 
 
 def _old_block(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, is_causal, scale, kernel,
-               qk_bits, smooth_v, dev, cc, hop_split_max=0):
+               qk_bits, smooth_v, dev, cc, hop_split_max=0, window_left=-1):
     """The block as _ops._launch filled it field by field before the packing change (verbatim, minus the launch)."""
     B, Hq, Hkv, Sq, Skv, D = dims
     p = _lib.SageAttnParams()
@@ -140,6 +140,7 @@ def _old_block(q, k, v, out, lse, *, dims, qs, ks, vs, os_, kmask, cu_q, cu_k, i
     p.qk_bits = int(qk_bits)
     p.smooth_v = int(bool(smooth_v))
     p.hop_split_max = int(hop_split_max)  # (qk_packed stays 0: the library derives it from kernel)
+    p.window_keys = int(window_left) + 1  # ABI 7
     p.device, p.device_cc = dev, cc
     p.sm_scale = float(scale)
     return p
@@ -291,7 +292,7 @@ def test_fast_path_taken_in_plain_eager(op_spies):
     with torch.device("cpu"):  # a torch-function mode: the op path
         assert _path(op_spies, lambda: K.attention(q, k, v)) == "op"
     assert op_spies[0][1] == direct_args
-    assert direct_args == (k, v, None, False, False, 0.125, 3, 8, False, True, 0)
+    assert direct_args == (k, v, None, False, False, 0.125, 3, 8, False, True, 0, -1)
 
 
 def test_fast_path_respects_autograd(op_spies):
