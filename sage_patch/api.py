@@ -7,7 +7,7 @@ import torch
 
 from . import kernels, layer_scope
 from .full import full_attention
-from .masks import classify_mask
+from .masks import classify_mask, window_left_of, window_mask
 from .precisions import check_precision
 from .reference import simulate
 from .report import GLOBAL_STATS, log_fallback_once
@@ -20,33 +20,46 @@ MAX_HEAD_DIM = 256
 
 
 def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, precision="8b",
-              return_lse=False, smooth_v=False):
+              return_lse=False, smooth_v=False, window_size=None):
     """Attention with a SageAttention-family precision.
 
     q (B, Hq, Sq, D) and k, v (B, Hkv, Skv, D) for layout "bhsd"; (B, S, H, D) for "bshd". Hq must be a multiple
     of Hkv (GQA/MQA). Causal is aligned bottom-right when Sq != Skv: query i sees keys j <= i + Skv - Sq.
     attn_mask: bool, True = attend: (B, Skv) key padding, or broadcastable to (B, Hq, Sq, Skv); a float additive
     mask runs in full precision (reported). Rows with no visible key give 0.
+    window_size: FlashAttention's sliding window. None or (-1, -1): none. (left, 0), int left >= 0: query i sees
+    keys i + Skv - Sq - left <= j <= i + Skv - Sq (bottom-right, as causal here); as in FlashAttention this window is
+    causal by itself, so is_causal=False gives the same result as is_causal=True. Combines with attn_mask. Any other
+    value raises ValueError.
     Returns the output in the input layout and dtype; with return_lse also the natural-log LSE, fp32 (B, Hq, Sq).
     """
+    left = window_left_of(window_size)
+    if left >= 0 and isinstance(is_causal, bool):  # (left, 0) is causal by itself (a non-bool is refused below)
+        is_causal = True
     return run_attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                         precision=precision, return_lse=return_lse, smooth_v=smooth_v)
+                         precision=precision, return_lse=return_lse, smooth_v=smooth_v, window_left=left)
 
 
 def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, precision="8b",
-                  return_lse=False, smooth_v=False, dropout_p=0.0, policy=None, stats=None, full=None):
+                  return_lse=False, smooth_v=False, dropout_p=0.0, policy=None, stats=None, full=None,
+                  window_left=-1):
     """`attention` plus what routed layers need: dropout, the policy's fallback rules, per-layer stats.
     full: a call that runs full precision (resolver impl "sdpa", no LSE) returns `full()` instead: an adapter's
     own function called as its library calls it (transformers' sdpa_attention_forward, the model's own torch SDPA
     call), so that a fallback costs only the decision (same mask object, GQA handling, contiguity and SDPA backend
-    as without sage_patch). It returns the output in `layout`, of the input dtype."""
+    as without sage_patch); with a window, `full` must apply it too. It returns the output in `layout`, of the input
+    dtype. window_left: the kernels' sliding window (sage_patch.masks; -1 none): key j is hidden from query i when
+    j < i + Skv - Sq - window_left, whatever is_causal says (`attention`'s window_size adds causal)."""
     check_precision(precision)
     b, hq, sq, skv = _validate(q, k, v, layout, scale, is_causal, dropout_p)
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
     mask = classify_mask(attn_mask, b, hq, sq, skv)
     if mask.mask is not None and mask.mask.device != q.device:
         raise ValueError(f"attn_mask is on {mask.mask.device} but q is on {q.device}")
     decision = resolve(precision, q, k, v, layout=layout, is_causal=bool(is_causal), mask=mask,
-                       dropout_p=dropout_p, return_lse=return_lse, smooth_v=smooth_v, policy=policy)
+                       dropout_p=dropout_p, return_lse=return_lse, smooth_v=smooth_v, policy=policy,
+                       window_left=window_left)
     (stats or GLOBAL_STATS).record(decision)
     if decision.reason and not torch.compiler.is_compiling():
         log_fallback_once(decision.reason)
@@ -62,17 +75,17 @@ def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_m
             return full()
         if decision.impl == "sdpa":
             res = full_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, mask=mask,
-                                 dropout_p=dropout_p, return_lse=return_lse)
+                                 dropout_p=dropout_p, return_lse=return_lse, window_left=window_left)
         else:
             res = simulate(qb, kb, vb, decision.precision, is_causal=bool(is_causal), scale=scale,
-                           attn_mask=mask.mask, return_lse=return_lse, smooth_v=smooth_v)
+                           attn_mask=mask.mask, return_lse=return_lse, smooth_v=smooth_v, window_left=window_left)
         out, lse = res if return_lse else (res, None)
         out = out.to(q.dtype)
         out = out.transpose(1, 2) if layout == "bshd" else out
         return (out, lse) if return_lse else out
     kmask = mask.mask if mask.kind == "key_padding" else None
     return kernels.run(decision.variant, decision.precision, q, k, v, layout=layout, is_causal=bool(is_causal),
-                       scale=scale, attn_mask=kmask, return_lse=return_lse, smooth_v=smooth_v)
+                       scale=scale, attn_mask=kmask, return_lse=return_lse, smooth_v=smooth_v, window_left=window_left)
 
 
 def _validate(q, k, v, layout, scale, is_causal, dropout_p):
@@ -121,30 +134,56 @@ def _validate(q, k, v, layout, scale, is_causal, dropout_p):
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-         precision=None):
+         precision=None, window_size=None):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, with torch's semantics (sdpa_semantics): (..., H,
     S, D) layout, 2-D masks broadcast as (Sq, Skv), is_causal aligned top-left as torch does. dropout_p > 0 runs in
     full precision. precision None means: inside a routed layer's forward (route_sdpa, inject, a diffusers or
     transformers adapter), that layer's attention (its policy, stats, guard), found through `layer_scope`; else "8b".
+    window_size (keyword only; torch has none): None or (-1, -1), no window; (left, 0), int left >= 0, a causal
+    sliding window aligned top-left like this function's is_causal: query i sees keys i - left <= j <= i. It is
+    causal by itself (is_causal=False gives the same result) and may be combined with attn_mask (both apply). With
+    Sq == Skv it runs on the kernels' window; with Sq != Skv top-left has no kernel rule and it becomes an explicit
+    mask, as torch's own is_causal does here (full precision, reported). Any other value raises ValueError.
     """
+    left = window_left_of(window_size)
     call = from_torch_sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+    window_left = _sdpa_window(call, left)
     layer = layer_scope.current() if precision is None else None
     if layer is not None:
         out = layer.attention(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal, scale=scale,
-                              attn_mask=call.attn_mask, dropout_p=dropout_p)
+                              attn_mask=call.attn_mask, dropout_p=dropout_p, window_left=window_left)
     else:
         out = run_attention(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal, scale=scale,
-                            attn_mask=call.attn_mask, precision=precision or "8b", dropout_p=dropout_p)
+                            attn_mask=call.attn_mask, precision=precision or "8b", dropout_p=dropout_p,
+                            window_left=window_left)
     return call.finish(out)
 
 
+def _sdpa_window(call, left: int) -> int:
+    """Apply `sdpa`'s top-left window of `left` keys to `call` (a sdpa_semantics.Call, modified); returns the
+    kernels' window_left for it (-1 where it became part of the mask, or there is none)."""
+    if left < 0:
+        return -1
+    sq, skv = call.q.shape[-2], call.k.shape[-2]
+    if sq == skv:  # top-left and bottom-right coincide: the kernels' window, causal
+        call.is_causal = True
+        return left
+    w = window_mask(sq, skv, left, 0, call.q.device, shift=0)[None, None]
+    m = call.attn_mask  # None, bool, or float additive (torch's is_causal was already made a mask for Sq != Skv)
+    call.attn_mask = w if m is None else (m & w) if m.dtype == torch.bool else torch.where(w, m, -math.inf)
+    call.is_causal = False
+    return -1
+
+
 def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *, attn_mask=None,
-             precision="8b", smooth_v=False):
+             precision="8b", smooth_v=False, window_size=None):
     """The signature users of the public `sageattention` package know. tensor_layout "HND" = (B, H, S, D),
     "NHD" = (B, S, H, D). Unlike the public package, causal is bottom-right aligned, LSE is natural-log, and
-    no argument is silently dropped (unknown keywords raise TypeError)."""
+    no argument is silently dropped (unknown keywords raise TypeError). window_size: as in `attention`
+    (FlashAttention's (left, 0), bottom-right, causal by itself)."""
     layouts = {"HND": "bhsd", "NHD": "bshd"}
     if tensor_layout not in layouts:
         raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {tensor_layout!r}")
     return attention(q, k, v, layout=layouts[tensor_layout], is_causal=is_causal, scale=sm_scale,
-                     attn_mask=attn_mask, precision=precision, return_lse=return_lse, smooth_v=smooth_v)
+                     attn_mask=attn_mask, precision=precision, return_lse=return_lse, smooth_v=smooth_v,
+                     window_size=window_size)

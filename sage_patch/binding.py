@@ -93,12 +93,14 @@ class LayerBinding:
         return self._precision == "full" and self.observer is None
 
     def attention(self, q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, dropout_p=0.0,
-                  return_lse=False, record=True, context=None, full=None):
+                  return_lse=False, record=True, context=None, full=None, window_left=-1):
         """This layer's attention under its policy. `record` False: the call is not counted (the later K/V chunks of
         one ring-attention call, counted once). `context`: how the call was distributed (context parallelism),
-        counted in the layer's stats next to the call. `full`: what a full-precision call runs (run_attention)."""
+        counted in the layer's stats next to the call. `full`: what a full-precision call runs (run_attention).
+        `window_left`: the kernels' sliding window (run_attention; -1 none)."""
         precision = self.requested()
-        call = {"layout": layout, "is_causal": is_causal, "scale": scale, "attn_mask": attn_mask}
+        call = {"layout": layout, "is_causal": is_causal, "scale": scale, "attn_mask": attn_mask,
+                "window_left": window_left}
         if self.observer is not None:
             self.observer(self, q, k, v, call)
         res = run_attention(q, k, v, **call, precision=precision, return_lse=return_lse,
@@ -111,7 +113,7 @@ class LayerBinding:
         return res
 
     def run(self, q, k, v, *, layout, is_causal, scale, attn_mask, dropout_p, return_lse=False, record=True,
-            context=None, full=None):
+            context=None, full=None, window_left=-1):
         """`attention` for calls that torch.compile may trace: there it is one opaque op (the reference simulation
         and the kernels' launch are not traceable, and a graph break inside a routed forward is not supported);
         its precision decision and stats happen when the op runs, so the report stays exact under compile. Calls
@@ -122,13 +124,15 @@ class LayerBinding:
         if torch.compiler.is_compiling() and not needs_grad:
             if not return_lse and record and context is None:
                 return torch.ops.sage_patch.routed_attention(q, k, v, attn_mask, self.id, layout, bool(is_causal),
-                                                             scale, float(dropout_p))
+                                                             scale, float(dropout_p), int(window_left))
             out, lse = torch.ops.sage_patch.routed_attention_lse(q, k, v, attn_mask, self.id, layout,
                                                                  bool(is_causal), scale, float(dropout_p),
-                                                                 bool(return_lse), bool(record), context or "")
+                                                                 bool(return_lse), bool(record), context or "",
+                                                                 int(window_left))
             return (out, lse) if return_lse else out
         return self.attention(q, k, v, layout=layout, is_causal=bool(is_causal), scale=scale, attn_mask=attn_mask,
-                              dropout_p=dropout_p, return_lse=return_lse, record=record, context=context, full=full)
+                              dropout_p=dropout_p, return_lse=return_lse, record=record, context=context, full=full,
+                              window_left=window_left)
 
     def record_fallback(self, impl: str, reason: str | None = None, context: str | None = None) -> None:
         """Record a call that this layer sent to `impl` in full precision instead of sage_patch's attention (the one
@@ -150,36 +154,38 @@ class LayerBinding:
 @torch.library.custom_op("sage_patch::routed_attention", mutates_args=())
 def _routed_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                          layer_id: int, layout: str, is_causal: bool, scale: float | None,
-                         dropout_p: float) -> torch.Tensor:
+                         dropout_p: float, window_left: int = -1) -> torch.Tensor:
     layer = _LAYERS.get(layer_id)
     if layer is None:
         raise RuntimeError(f"sage_patch: routed layer {layer_id} no longer exists (model freed or unloaded)")
     return layer.attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                           dropout_p=dropout_p).contiguous()
+                           dropout_p=dropout_p, window_left=window_left).contiguous()
 
 
 @_routed_attention_op.register_fake
-def _(q, k, v, attn_mask, layer_id, layout, is_causal, scale, dropout_p):
+def _(q, k, v, attn_mask, layer_id, layout, is_causal, scale, dropout_p, window_left=-1):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))  # q's layout, v's head dim
 
 
 @torch.library.custom_op("sage_patch::routed_attention_lse", mutates_args=())
 def _routed_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                              layer_id: int, layout: str, is_causal: bool, scale: float | None, dropout_p: float,
-                             return_lse: bool, record: bool, context: str) -> tuple[torch.Tensor, torch.Tensor]:
+                             return_lse: bool, record: bool, context: str,
+                             window_left: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """`routed_attention` with the LSE (fp32 (B, H, Sq); an empty tensor unless return_lse), the `record` flag and
     the `context` note of `LayerBinding.attention` (context parallelism's per-rank calls)."""
     layer = _LAYERS.get(layer_id)
     if layer is None:
         raise RuntimeError(f"sage_patch: routed layer {layer_id} no longer exists (model freed or unloaded)")
     res = layer.attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                          dropout_p=dropout_p, return_lse=return_lse, record=record, context=context or None)
+                          dropout_p=dropout_p, return_lse=return_lse, record=record, context=context or None,
+                          window_left=window_left)
     out, lse = res if return_lse else (res, q.new_empty((0,), dtype=torch.float32))
     return out.contiguous(), lse.contiguous()
 
 
 @_routed_attention_lse_op.register_fake
-def _(q, k, v, attn_mask, layer_id, layout, is_causal, scale, dropout_p, return_lse, record, context):
+def _(q, k, v, attn_mask, layer_id, layout, is_causal, scale, dropout_p, return_lse, record, context, window_left=-1):
     b, h, s = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
     lse = q.new_empty((b, h, s), dtype=torch.float32) if return_lse else q.new_empty((0,), dtype=torch.float32)
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3])), lse

@@ -169,11 +169,12 @@ class _Observer:
         n_heads = q.shape[2] if call["layout"] == "bshd" else q.shape[1]
         qs, ks, vs, mask = head_slices(q, k, v, call, _sample_heads(n_heads, self.max_heads))
         with torch.no_grad():
+            window = call.get("window_left", -1)
             ref = exact_attention(qs, ks, vs, is_causal=call["is_causal"], scale=call["scale"], attn_mask=mask,
-                                  dtype=torch.float32)
+                                  dtype=torch.float32, window_left=window)
             for p in self.precisions:
                 out = run_attention(qs, ks, vs, layout="bhsd", is_causal=call["is_causal"], scale=call["scale"],
-                                    attn_mask=mask, precision=p, stats=self.scratch)
+                                    attn_mask=mask, precision=p, stats=self.scratch, window_left=window)
                 e.add(p, compare(out, ref))
 
 

@@ -2,10 +2,13 @@
 
 Conventions (documented in docs/semantics.md): bool masks, True = attend. A 2-D bool mask given to `attention` is a
 key-padding mask (B, Skv); anything else must broadcast to (B, H, Sq, Skv). Causal is aligned bottom-right when
-Sq != Skv: query i sees keys j <= i + Skv - Sq (the rule for KV-cache prefill and decoding).
+Sq != Skv: query i sees keys j <= i + Skv - Sq (the rule for KV-cache prefill and decoding). A sliding window
+(`window_left` >= 0, FlashAttention's window_size=(window_left, 0)) hides key j from query i when
+j < i + Skv - Sq - window_left, aligned bottom-right as causal is; -1 means no window.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +60,45 @@ def causal_mask(sq: int, skv: int, device=None) -> torch.Tensor:
     return j <= i + (skv - sq)
 
 
-def combined_bool_mask(attn_mask, is_causal: bool, sq: int, skv: int, device=None):
-    """One bool mask broadcastable to (B, H, Sq, Skv) from a key-padding/dense bool mask and the causal flag."""
+WINDOW_SIZES = "None, (-1, -1) (no window) or (left, 0) with an int left >= 0"
+
+
+def window_left_of(window_size) -> int:
+    """The kernels' window_left (-1: no window) of a public `window_size` (FlashAttention's semantics): None or
+    (-1, -1), no window; (left, 0), int left >= 0, causal plus the `left` keys before the query's diagonal. Raises
+    ValueError naming window_size, the value and the allowed values for anything else."""
+    if window_size is None:
+        return -1
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+        isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in window_size)
+    if ok:
+        left, right = int(window_size[0]), int(window_size[1])
+        if (left, right) == (-1, -1):
+            return -1
+        if left >= 0 and right == 0:
+            return left
+    raise ValueError(f"window_size must be {WINDOW_SIZES}, got {window_size!r} (for causal attention without a "
+                     f"window pass is_causal=True)")
+
+
+def window_mask(sq: int, skv: int, left: int, right: int = -1, device=None, *, shift: int | None = None):
+    """(Sq, Skv) bool, True = visible: FlashAttention's window_size=(left, right) (-1 = unbounded on that side),
+    around the diagonal j = i + shift, by default bottom-right (shift = Skv - Sq): key j is visible from query i
+    when i + shift - left <= j <= i + shift + right. (left, 0) is causal with a window; `shift=0` aligns top-left."""
+    shift = skv - sq if shift is None else shift
+    i = torch.arange(sq, device=device).unsqueeze(-1) + shift
+    j = torch.arange(skv, device=device)
+    m = torch.ones(sq, skv, dtype=torch.bool, device=device)
+    if left >= 0:
+        m &= j >= i - left
+    if right >= 0:
+        m &= j <= i + right
+    return m
+
+
+def combined_bool_mask(attn_mask, is_causal: bool, sq: int, skv: int, device=None, window_left: int = -1):
+    """One bool mask broadcastable to (B, H, Sq, Skv) from a key-padding/dense bool mask, the causal flag and the
+    sliding window (window_left >= 0: the kernels' rule, independent of is_causal)."""
     m = None
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool:
@@ -68,4 +108,7 @@ def combined_bool_mask(attn_mask, is_causal: bool, sq: int, skv: int, device=Non
     if is_causal:
         c = causal_mask(sq, skv, device)
         m = c if m is None else (m & c)
+    if window_left >= 0:
+        w = window_mask(sq, skv, window_left, device=device)
+        m = w if m is None else (m & w)
     return m

@@ -73,7 +73,7 @@ TRAINABLE_IMPL = "reference-sagebwd"
 
 
 def _resolve_training(requested: str, q, k, v, *, layout, is_causal, mask, dropout_p, return_lse, smooth_v, policy,
-                      varlen) -> Decision:
+                      varlen, window_left=-1) -> Decision:
     """A call that needs a gradient. The policy's `training` key decides the precision ("8b" or "full"); without
     it, the layer's: full stays full, every quantized precision trains as the trainable 8b (4b and fp4 have no
     backward pass). The trainable 8b runs its kernels on a GPU where they serve the call and are faster than SDPA
@@ -91,6 +91,8 @@ def _resolve_training(requested: str, q, k, v, *, layout, is_causal, mask, dropo
                                 "output only")
     if mask.kind == "float":
         return _full(requested, "float additive attn_mask: the trainable 8b (SageBwd) takes bool masks only")
+    if window_left >= 0:
+        return _full(requested, "sliding window: the trainable 8b (SageBwd) has no window")
     why = _policy_fallback(policy, q, k, layout, varlen)
     if why:
         return _full(requested, why)
@@ -131,9 +133,11 @@ class Varlen(NamedTuple):
 
 
 def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, dropout_p: float,
-            return_lse: bool, smooth_v: bool, policy=None, varlen: Varlen | None = None) -> Decision:
+            return_lse: bool, smooth_v: bool, policy=None, varlen: Varlen | None = None,
+            window_left: int = -1) -> Decision:
     """Decide precision and implementation. `mask` is a masks.MaskInfo; `policy` a Policy or None; `varlen` the
-    offsets and longest lengths of a packed call (then "sdpa" means: each sequence through run_attention).
+    offsets and longest lengths of a packed call (then "sdpa" means: each sequence through run_attention);
+    `window_left` the sliding window (-1: none), which the kernels take (can_run) and speed routing counts as a mask.
 
     Order: explicit full; what no quantized path honours (dropout, autograd, float masks); the policy's
     fallback rules; then the compiled kernel if it can run this call (else the next safer precision it can
@@ -146,7 +150,7 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _resolve_training(requested, q, k, v, layout=layout, is_causal=is_causal, mask=mask,
                                  dropout_p=dropout_p, return_lse=return_lse, smooth_v=smooth_v, policy=policy,
-                                 varlen=varlen)
+                                 varlen=varlen, window_left=window_left)
     if requested == "full":
         return _full(requested, None)
     if dropout_p > 0:
@@ -184,7 +188,7 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
                                                   smooth_v=smooth_v)
         else:
             variant, why = kernels.can_run(precision, q, k, v, layout=layout, is_causal=is_causal, attn_mask=kmask,
-                                           return_lse=return_lse, smooth_v=smooth_v)
+                                           return_lse=return_lse, smooth_v=smooth_v, window_left=window_left)
         if variant is not None and precision == "4b" and variant.qk != "int4" and not exact_4b:
             # Without INT4 tensor cores (sm_90 and newer) 4b carries INT4 values in INT8 MMA: the 8b work plus Q
             # smoothing, with 4b's larger error (Hopper: 269 TOPS vs 8b's 885, SDPA 587; docs/benchmarks.md).
@@ -196,7 +200,8 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
             # Speed routing compares with one SDPA call of the same batch; a packed batch's alternative is a loop of
             # SDPA calls, one per sequence, which the measured crossover does not describe: varlen keeps the kernel.
             slow = varlen is None and kernels.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal,
-                                                                 key_padding=kmask is not None)
+                                                                 key_padding=kmask is not None,
+                                                                 window_left=window_left)
             if slow and exact_4b:
                 # options.exact_4b asks for the 4b numerics: SDPA would run other (full-precision) numerics, so the
                 # kernel runs, and the report says what it costs.

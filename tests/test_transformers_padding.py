@@ -1,8 +1,8 @@
 """Padded batches under attn_implementation="sage" reach the kernels as key padding, never as a dense mask.
 
 transformers builds a padded batch's mask with "sage"'s mask function (`sage_mask`): for a full-attention layer
-it is the 2-D key-padding mask (B, L), which the kernels take with the bottom-right causal rule; sliding windows and
-every other pattern keep sdpa_mask's dense mask. On CPU the precision runs as the reference simulation, so what
+it is the 2-D key-padding mask (B, L), which the kernels take with the bottom-right causal rule; every other pattern
+but sliding windows (tests/test_transformers_sliding.py) keeps sdpa_mask's dense mask. On CPU the precision runs as the reference simulation, so what
 shows that a GPU would run the kernel is the kind of mask each call reaches the resolver with ("key_padding" or
 "none", never "dense"). References: transformers' own sdpa on the same weights, in the same process.
 """
@@ -10,8 +10,7 @@ import pytest
 import torch
 from transformers import CompileConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import (causal_mask_function, create_causal_mask, sdpa_mask,
-                                        sliding_window_causal_mask_function)
+from transformers.masking_utils import causal_mask_function, create_causal_mask, sdpa_mask
 
 import sage_patch
 import sage_patch.api
@@ -58,14 +57,13 @@ def test_mask_function_gives_key_padding_for_plain_causal():
     assert hf.sage_mask(**static, attention_mask=am) is am
 
 
-@pytest.mark.parametrize("case", ["sliding", "no_skip", "kv_offset", "misaligned", "no_mask"])
+@pytest.mark.parametrize("case", ["no_skip", "kv_offset", "misaligned", "no_mask"])
 def test_mask_function_gives_sdpa_mask_otherwise(case):
     am = torch.ones(2, 12, dtype=torch.bool)
     am[0, :4] = False
     kw = dict(batch_size=2, q_length=12, kv_length=12, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
               attention_mask=am)
-    kw.update({"sliding": dict(mask_function=sliding_window_causal_mask_function(4), local_size=4),
-               "no_skip": dict(allow_is_causal_skip=False),  # a model that adds to the materialized mask
+    kw.update({"no_skip": dict(allow_is_causal_skip=False),  # a model that adds to the materialized mask
                "kv_offset": dict(q_offset=2, kv_offset=2, kv_length=10),  # queries not the last of the keys
                "misaligned": dict(q_length=4, q_offset=3),  # q_offset + q_length != the mask's length
                "no_mask": dict(attention_mask=None, q_length=4, kv_length=12, q_offset=0)}[case])
@@ -156,16 +154,6 @@ def test_full_policy_padded_batch_is_sdpa_exactly(mask_kinds):
         torch.testing.assert_close(sage(ids, attention_mask=am).logits, ref(ids, attention_mask=am).logits,
                                    atol=0, rtol=0)
     assert set(mask_kinds) == {"key_padding"}
-
-
-def test_sliding_window_model_keeps_the_dense_mask(mask_kinds):
-    """Mistral's layers are all sliding: its mask is sdpa_mask's, dense (kernels have no window yet), and right."""
-    sage, ref = pair("mistral", "8b")
-    ids, am = batch([40, 33], 40)
-    with torch.no_grad():
-        out, expected = sage(ids, attention_mask=am).logits, ref(ids, attention_mask=am).logits
-    assert cosine(out[am.bool()], expected[am.bool()]) >= COS_8B
-    assert set(mask_kinds) == {"dense"}
 
 
 def test_chunked_continuation_into_a_padded_cache(mask_kinds):

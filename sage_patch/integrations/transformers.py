@@ -17,10 +17,11 @@ Semantics (each item is tested in tests/test_transformers_integration.py):
 - causal: `q_len > 1 and mask is None and module.is_causal` (or the `is_causal` kwarg), aligned bottom-right; when
   transformers skipped the mask of a prefill into a longer static cache (q_len < kv_len, mask None), the keys
   past q_len are empty cache slots and are cut, as transformers' sdpa does;
-- masks: a padded batch of a full-attention layer arrives as `sage_mask`'s key padding (B, L) bool, which the
-  kernels take (causal from the module, aligned bottom-right; keys past L are a static cache's unused slots, cut);
-  every other pattern as sdpa_mask's 4-D bool (True = attend); GQA/MQA K/V are passed with their own head count;
-- a call the resolver sends to full precision (a dense mask such as a sliding window, dropout, a head dim without a
+- masks: a padded batch of a full-attention or sliding-window layer arrives as `sage_mask`'s key padding (B, L)
+  bool, which the kernels take (causal from the module, aligned bottom-right; keys past L are a static cache's unused
+  slots, cut); every other pattern as sdpa_mask's 4-D bool (True = attend); GQA/MQA K/V are passed with their own
+  head count;
+- a call the resolver sends to full precision (a dense mask, dropout, a head dim without a
   kernel, the policy's fallback rules, a "full" layer) runs transformers' own `sdpa_attention_forward` with the
   arguments it would have had without sage_patch (a key padding turned back into sdpa_mask's mask): the same torch
   SDPA call, so the same backend and result (rows with no visible key included: what torch gives them), at the cost
@@ -28,7 +29,11 @@ Semantics (each item is tested in tests/test_transformers_integration.py):
 - head counts are read from the tensors, never from the config, so tensor parallelism (`tp_plan="auto"`: each rank
   holds Hq/P query and Hkv/P KV heads) needs nothing else; shapes that disagree with `module.num_key_value_groups`
   (q_proj and k_proj/v_proj sharded by different degrees) raise ValueError instead of pairing the wrong heads;
-- `sliding_window`: carried by the mask; if the mask is None while the window would cut keys, it is built here;
+- `sliding_window` (W) with key padding or no mask, on a causal module: the kernels' window, window_left = W - 1
+  (transformers' rule: key visible iff q_pos - W < kv_pos <= q_pos; bottom-right as causal, which is how sdpa_mask
+  aligns it when a sliding cache holds fewer keys than the position: the keys start at kv_offset), passed only
+  when it cuts (Skv > W); a bidirectional module's window (|q_pos - kv_pos| <= W) becomes a dense mask; a 4-D mask
+  from sdpa_mask carries its window itself;
 - `scaling` is the module's; `dropout` applies only while `module.training` (then full, reported);
 - `softcap` (Gemma 2) and `s_aux` (attention sinks) run the exact attention in fp32 ("full", impl "eager");
   `position_bias` and a paged `cache` are delegated to transformers' own sdpa function ("full", impl "sdpa");
@@ -43,6 +48,7 @@ import logging
 
 import torch
 
+from sage_patch.masks import combined_bool_mask, window_mask
 from sage_patch.policy import Policy, default_policy
 from sage_patch.reference import exact_attention
 from sage_patch.report import log_fallback_once
@@ -143,18 +149,25 @@ def unregister() -> None:
 
 def sage_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
               allow_is_causal_skip=True, **kwargs):
-    """The mask function of "sage" (transformers' AttentionMaskInterface). The pattern of a padded batch of a
-    full-attention decoder (create_causal_mask with transformers' plain `causal_mask_function`: no overlay, no
-    packed sequences) comes back as what the kernels take, with no (Sq, Skv) tensor built: the 2-D key-padding
-    mask (B, L) bool, True = attend, over the first L <= kv_length keys (L < kv_length: a static cache, whose slots
-    past the tokens seen are unused; the attention cuts them, as transformers' flash path does), or None when nothing
-    is padded. The attention function reads a 2-D mask as key padding under the module's causal rule, aligned
+    """The mask function of "sage" (transformers' AttentionMaskInterface). Two patterns of a causal decoder come back
+    as what the kernels take, with no (Sq, Skv) tensor built: a padded batch of a full-attention layer
+    (create_causal_mask with transformers' plain `causal_mask_function`: no overlay, no packed sequences) and of a
+    sliding-window layer (create_sliding_window_causal_mask's plain pattern, `_is_sliding_pattern`; the window itself
+    reaches the attention as its `sliding_window` keyword, as in transformers' flash path). What comes back is the
+    2-D key-padding mask (B, L) bool, True = attend, over the L <= kv_length keys the layer attends (L < kv_length: a
+    static cache, whose slots past the tokens seen are unused; the attention cuts them, as transformers' flash path
+    does), or None when nothing is padded. A sliding layer's keys start at kv_offset (a sliding cache holds the last
+    sliding_window - 1 tokens): its key padding is the 2-D mask's columns kv_offset.. kv_offset + L, as sdpa_mask
+    indexes them. The attention function reads a 2-D mask as key padding under the module's causal rule, aligned
     bottom-right: the queries are the last Sq of the L keys (prefill, chunked prefill and decoding with a KV cache).
-    Everything else gets transformers' `sdpa_mask`, unchanged: other patterns (sliding windows, chunked attention,
-    overlays, packing, bidirectional), no 2-D mask, a caller that asks for the mask materialized
-    (allow_is_causal_skip=False: models that add to it, and compileable caches at decode, where sdpa_mask's mask is
-    (B, 1, 1, Skv) key padding anyway), and queries that are not the last of the keys (kv_offset != 0, or a known
-    q_offset + q_length != L: MTP and speculative caches).
+    Everything else gets transformers' `sdpa_mask`, unchanged: other patterns (chunked attention, overlays, packing,
+    bidirectional), a full-attention layer without a 2-D mask, a caller that asks for the mask materialized
+    (allow_is_causal_skip=False: models that add to it, bidirectional windows, and compileable caches at decode,
+    where sdpa_mask's mask is (B, 1, 1, Skv) key padding anyway), and queries that are not the last of the keys
+    (kv_offset != 0 on a full-attention layer, or a known q_offset + q_length != kv_offset + L: MTP and speculative
+    caches). A sliding layer without a 2-D mask gets None (q_length == 1 or q_length == kv_length) or an all-True
+    key padding, in eager mode; under torch.compile it keeps sdpa_mask (packed sequences are told apart only by the
+    mask function's closure, which a traced call cannot read for them).
 
     Host syncs: the mask's values are read (one `fast_all`, once per forward, eager only) where sdpa_mask reads them
     (`_ignore_causal_mask_sdpa`: q_length == 1 or q_length == kv_length) to return None for an unpadded batch, which
@@ -165,21 +178,87 @@ def sage_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
 
     mask_function = causal_mask_function if mask_function is None else mask_function
     mask = attention_mask
-    plain = (mask_function is causal_mask_function and allow_is_causal_skip and isinstance(mask, torch.Tensor)
-             and mask.dim() == 2 and isinstance(kv_offset, int) and kv_offset == 0)
+    two_d = isinstance(mask, torch.Tensor) and mask.dim() == 2
+    sliding = (allow_is_causal_skip and (two_d or (mask is None and not torch.compiler.is_compiling()))
+               and isinstance(kv_offset, int) and kv_offset >= 0 and _is_sliding_pattern(mask_function, kwargs))
+    plain = sliding or (mask_function is causal_mask_function and allow_is_causal_skip and two_d
+                        and isinstance(kv_offset, int) and kv_offset == 0)
+    length = 0
     if plain:
-        length = mask.shape[-1]
+        if mask is None:  # no padding: the keys up to the last query (a tensor q_offset, a static cache, is not read)
+            length = q_offset + q_length - kv_offset if isinstance(q_offset, int) else 0
+        else:
+            if sliding and (kv_offset > 0 or mask.shape[-1] > kv_length):
+                mask = mask[:, kv_offset:kv_offset + kv_length]
+            length = mask.shape[-1]
         # a static cache's q_offset is a tensor (its fill level, not read here): the mask's length says it instead
-        plain = length <= kv_length and (not isinstance(q_offset, int) or q_offset + q_length == length)
+        plain = 1 <= length <= kv_length and (not isinstance(q_offset, int)
+                                              or q_offset + q_length == kv_offset + length)
     if not plain:
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function,
                          attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    skippable = (q_length == 1 or q_length == kv_length) and length == kv_length
+    if mask is None:
+        return None if skippable else torch.ones(batch_size, length, dtype=torch.bool, device=kwargs.get("device"))
     mask = mask.to(torch.bool)
-    if (q_length == 1 or q_length == kv_length) and length == kv_length and not is_tracing(mask) \
-            and fast_all(mask):
+    if skippable and not is_tracing(mask) and fast_all(mask):
         return None
     return mask
+
+
+_AND_MASK_CODE: list = []  # the code object of transformers' and_masks closure (read once)
+
+
+def _is_sliding_pattern(mask_function, kwargs) -> bool:
+    """Whether a mask request is create_sliding_window_causal_mask's plain pattern (causal, a window of `local_size`
+    keys, nothing overlaid): the mask function is equivalent to transformers' own
+    `sliding_window_causal_mask_function(local_size)`, rebuilt here and compared by code and closure values
+    (`_same_function`), so an overlay, packed sequences or another window never pass. First the facts a traced call
+    can read (a traced call hands `_same_mask_function` the function as a constant, which only works when its
+    closure holds no tensor): local_size is the config's sliding_window and not its attention chunk, no overlay
+    (use_vmap), and the function is an `and_masks` (an or_masks overlay, e.g. block_sequence_ids, is not)."""
+    from transformers.masking_utils import and_masks, causal_mask_function
+
+    local_size, config = kwargs.get("local_size"), kwargs.get("config")
+    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 or kwargs.get("use_vmap"):
+        return False
+    if config is not None and (getattr(config, "sliding_window", None) != local_size
+                               or getattr(config, "attention_chunk_size", None) == local_size):
+        return False
+    if not _AND_MASK_CODE:
+        _AND_MASK_CODE.append(and_masks(causal_mask_function).__code__)
+    if getattr(mask_function, "__code__", None) is not _AND_MASK_CODE[0]:
+        return False
+    return _same_mask_function(mask_function, local_size)
+
+
+def _same_mask_function(mask_function, local_size: int) -> bool:
+    """`mask_function` is transformers' sliding_window_causal_mask_function(local_size), up to identity. Plain
+    Python at trace time under torch.compile (marked below: dynamo passes the function rebuilt from its closure's
+    constants, and keeps the answer as a constant)."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    return _same_function(mask_function, sliding_window_causal_mask_function(local_size))
+
+
+_same_mask_function._dynamo_marked_constant = True  # what torch._dynamo.assume_constant_result sets
+
+
+def _same_function(a, b, depth: int = 0) -> bool:
+    """Structural equality of two closures: the same code, defaults and closure values (functions compared the same
+    way, tuples element-wise, ints/strings/None by value; anything else, a tensor included, only by identity)."""
+    if a is b:
+        return True
+    if depth > 8:
+        return False
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_function(x, y, depth + 1) for x, y in zip(a, b))
+    if inspect.isfunction(a) and inspect.isfunction(b):
+        ca, cb = a.__closure__ or (), b.__closure__ or ()
+        return (a.__code__ is b.__code__ and a.__defaults__ == b.__defaults__ and len(ca) == len(cb)
+                and all(_same_function(x.cell_contents, y.cell_contents, depth + 1) for x, y in zip(ca, cb)))
+    return type(a) is type(b) and isinstance(a, (int, float, str, type(None))) and a == b
 
 
 def handles(model) -> bool:
@@ -322,23 +401,30 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
         # transformers skips the mask of a prefill into an empty, longer (static) cache only when the keys past
         # q_len are unused slots; causal is top-left there (as in transformers' sdpa): keep the first q_len keys.
         key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
+    window_left = -1
     if (attention_mask is None or key_padding) and sliding_window is not None and kv_len > sliding_window:
-        window = _window_mask(q_len, kv_len, sliding_window, causal_module, query.device)
-        attention_mask = window if attention_mask is None else window & attention_mask[:, None, None, :]
-        is_causal = False
+        if causal_module:  # transformers: q_pos - sliding_window < kv_pos <= q_pos; the kernels: FA's (left, 0)
+            window_left = sliding_window - 1
+        else:  # bidirectional, |q_pos - kv_pos| <= sliding_window: no one-sided kernel rule, a dense mask
+            window = window_mask(q_len, kv_len, sliding_window, sliding_window, query.device)[None, None]
+            attention_mask = window if attention_mask is None else window & attention_mask[:, None, None, :]
+            is_causal = False
     if softcap is not None or s_aux is not None:
         why = "softcap (logit soft-capping)" if softcap is not None else "s_aux (attention sinks)"
         binding.record_fallback("eager", f"{why} is not supported by quantized precisions: exact eager attention")
         out = exact_attention(query, key, value, is_causal=is_causal, scale=scaling, attn_mask=attention_mask,
-                              dtype=torch.float32, softcap=softcap, sinks=s_aux, dropout_p=dropout_p).to(query.dtype)
+                              dtype=torch.float32, softcap=softcap, sinks=s_aux, dropout_p=dropout_p,
+                              window_left=window_left).to(query.dtype)
     else:
         def full():
             # A full-precision decision runs transformers' own sdpa function on what it would have received (its
             # mask object, GQA handling, contiguity, hence its SDPA backend): the fallback costs only the decision.
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-            if attention_mask is mask_in:  # key padding goes back to what sdpa_mask would have given
-                k_, v_, mask = key_in, value_in, sdpa_equivalent_mask(mask_in, causal_module, q_len, key_in.shape[2])
+            if attention_mask is mask_in:  # key padding (and the window) back to what sdpa_mask would have given
+                k_, v_ = (key, value) if mask_in is None and window_left >= 0 else (key_in, value_in)
+                mask = sdpa_equivalent_mask(mask_in, causal_module, q_len, k_.shape[2], sliding_window,
+                                            device=query.device)
             else:  # a window mask built here, over the keys it was built for
                 k_, v_, mask = key, value, attention_mask
             out, _ = sdpa_attention_forward(module, query, k_, v_, mask, dropout=dropout_p, scaling=scaling,
@@ -347,10 +433,11 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
 
         if binding.passes_full():  # traced with the model under torch.compile (counted once per trace)
             out = binding.attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
-                                    attn_mask=attention_mask, dropout_p=dropout_p, full=full)
+                                    attn_mask=attention_mask, dropout_p=dropout_p, full=full,
+                                    window_left=window_left)
         else:  # one opaque op under torch.compile, counted each time it runs (as in diffusers)
             out = binding.run(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
-                              attn_mask=attention_mask, dropout_p=dropout_p, full=full)
+                              attn_mask=attention_mask, dropout_p=dropout_p, full=full, window_left=window_left)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -379,7 +466,8 @@ def _delegate_sdpa(binding, what, module, query, key, value, attention_mask, sca
         raise TypeError(f"sage_patch attention: {what} together with softcap/s_aux is not supported")
     binding.record_fallback("sdpa", f"{what} is not supported by quantized precisions: transformers sdpa")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "s_aux")}
-    attention_mask = sdpa_equivalent_mask(attention_mask, bool(kwargs.get("is_causal")), query.shape[2], key.shape[2])
+    attention_mask = sdpa_equivalent_mask(attention_mask, bool(kwargs.get("is_causal")), query.shape[2], key.shape[2],
+                                          kwargs.get("sliding_window"), device=query.device)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 
@@ -389,24 +477,19 @@ def _is_key_padding(mask) -> bool:
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool
 
 
-def sdpa_equivalent_mask(mask, causal: bool, q_len: int, kv_len: int):
+def sdpa_equivalent_mask(mask, causal: bool, q_len: int, kv_len: int, sliding_window: int | None = None, *,
+                         device=None):
     """The mask transformers' own sdpa function needs for what `mask` means here (a path that hands the call to it):
     `sage_mask`'s key padding (B, L) becomes the (B, 1, Sq, Skv) bool mask sdpa_mask builds (causal bottom-right
-    over the first L keys, the unused static-cache slots past L masked); any other mask is returned as is."""
+    over the first L keys, the unused static-cache slots past L masked), with a causal layer's `sliding_window`
+    (transformers' rule q_pos - sliding_window < kv_pos <= q_pos, the queries the last of the L keys); None with a
+    causal window that cuts (kv_len > sliding_window) becomes that window's (1, 1, Sq, Skv) mask on `device`; any
+    other mask is returned as is (sdpa_mask's own masks carry their window)."""
+    window_left = sliding_window - 1 if causal and sliding_window is not None else -1
+    if mask is None and window_left >= 0 and kv_len > sliding_window:
+        return combined_bool_mask(None, q_len > 1, q_len, kv_len, device, window_left)[None, None]
     if not _is_key_padding(mask):
         return mask
-    from sage_patch.masks import combined_bool_mask
-
-    m = combined_bool_mask(mask, causal and q_len > 1, q_len, mask.shape[-1], mask.device)
+    m = combined_bool_mask(mask, causal and q_len > 1, q_len, mask.shape[-1], mask.device, window_left)
     m = m.expand(mask.shape[0], 1, q_len, mask.shape[-1])
     return torch.nn.functional.pad(m, (0, kv_len - mask.shape[-1]), value=False)
-
-
-def _window_mask(q_len: int, kv_len: int, window: int, causal: bool, device) -> torch.Tensor:
-    """(1, 1, Sq, Skv) bool, as transformers' overlays: causal, key j is visible from query i when
-    q_pos - window < j <= q_pos; bidirectional, when |q_pos - j| <= window. q_pos = i + Skv - Sq (the queries
-    are the last Sq positions)."""
-    q_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
-    kv = torch.arange(kv_len, device=device)[None, :]
-    m = (kv > q_pos - window) & (kv <= q_pos) if causal else (kv - q_pos).abs() <= window
-    return m[None, None]

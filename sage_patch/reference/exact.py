@@ -8,13 +8,15 @@ import torch
 
 
 def exact_attention(q, k, v, *, is_causal=False, scale=None, attn_mask=None, return_lse=False,
-                    dtype=torch.float64, block_q: int | None = None, softcap=None, sinks=None, dropout_p=0.0):
+                    dtype=torch.float64, block_q: int | None = None, softcap=None, sinks=None, dropout_p=0.0,
+                    window_left: int = -1):
     """Attention computed in `dtype` (float64 by default). Layout (B, H, S, D); GQA; bool or float additive mask.
 
     Causal is bottom-right aligned; rows with no visible key give 0 (and LSE -inf). `softcap`: logits become
     softcap * tanh(logits / softcap) (Gemma 2) before the mask; `sinks` (Hq,): one extra logit per head that takes
     part in the softmax's denominator only (attention sinks, transformers' s_aux; the LSE includes it);
-    `dropout_p`: dropout on the probabilities (training). Processes queries in blocks to bound memory. Inputs are
+    `dropout_p`: dropout on the probabilities (training); `window_left` >= 0: the kernels' sliding window (key j hidden
+    from query i when j < i + Skv - Sq - window_left; sage_patch.masks). Processes queries in blocks to bound memory. Inputs are
     never modified.
     """
     from ..masks import combined_bool_mask
@@ -29,7 +31,8 @@ def exact_attention(q, k, v, *, is_causal=False, scale=None, attn_mask=None, ret
     kd = k.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else k.to(dtype)
     vd = v.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else v.to(dtype)
     float_mask = attn_mask if attn_mask is not None and attn_mask.dtype != torch.bool else None
-    visible = combined_bool_mask(None if float_mask is not None else attn_mask, is_causal, sq, skv, q.device)
+    visible = combined_bool_mask(None if float_mask is not None else attn_mask, is_causal, sq, skv, q.device,
+                                 window_left)
     fm = None
     if float_mask is not None:
         fm = float_mask.to(dtype)

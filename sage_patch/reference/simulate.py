@@ -196,13 +196,15 @@ def _chunked_matmul(p, v, cfg: SimConfig):
 
 
 def simulate(q, k, v, precision, *, is_causal=False, scale=None, attn_mask=None, return_lse=False,
-             smooth_v=False, config=None):
+             smooth_v=False, config=None, window_left=-1):
     """Simulate a quantized precision. q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D|Dv), Hq % Hkv == 0.
 
     config: a SimConfig, a kernel's numerics layout (sage_patch.kernels.reference_config: SimConfig.of), or None
     (the SageAttention2 mma.sync defaults).
 
     attn_mask: None or bool broadcastable to (B, Hq, Sq, Skv), True = attend. Causal is bottom-right aligned.
+    window_left >= 0: key j is hidden from query i when j < i + Skv - Sq - window_left, as the kernels mask it (their
+    skipped key blocks are the fully masked ones here, which change nothing: p = 0 and the running max stays).
     Returns out (fp32, (B, Hq, Sq, Dv)) and, with return_lse, the natural-log LSE (fp32, (B, Hq, Sq); -inf on empty rows).
     """
     from ..masks import combined_bool_mask
@@ -211,7 +213,7 @@ def simulate(q, k, v, precision, *, is_causal=False, scale=None, attn_mask=None,
     sq, skv = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     qt = _Quantized(precision, q, k, v, cfg, smooth_v)
-    mask = combined_bool_mask(attn_mask, is_causal, sq, skv, q.device)
+    mask = combined_bool_mask(attn_mask, is_causal, sq, skv, q.device, window_left)
 
     shape = (*q.shape[:-2], sq)
     m = torch.full(shape, -math.inf, device=q.device)
