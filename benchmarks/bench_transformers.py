@@ -16,12 +16,13 @@ Per sequence length, on ONE model switched with `model.set_attn_implementation(.
 - Amdahl bound 1 / ((1 - f) + f / s): the integration should reach >= 90% of it (anything less is overhead of its own).
 Writes bench_transformers.json and bench_transformers.md into --out.
 
---fallback-cases: batched and masked prefills against transformers' own "sdpa": the Llama-3.1-8B architecture with 4
-layers, batch 4 x 8192 left-padded as generate() pads prompts of different lengths (key padding: the 8b kernel), the
-same batch unpadded (the speed-up the padded one is held to), and the Mistral-7B architecture (sliding_window 4096)
-with 4 layers at 16384 tokens, whose dense mask makes the resolver choose full precision (the fallback's cost: at
-most 1%). "sdpa" and "sage" on the same model in the same run, in both orders, CUDA events, medians; writes
-fallback_cases.json (report.py renders it; copy it to docs/data/<gpu>_fallback.json).
+--fallback-cases: batched, windowed and fallback prefills against transformers' own "sdpa": the Llama-3.1-8B
+architecture with 4 layers, batch 4 x 8192 left-padded as generate() pads prompts of different lengths (key padding:
+the 8b kernel), the same batch unpadded (the speed-up the padded one is held to), the Mistral-7B architecture
+(sliding_window 4096: the kernels' window) with 4 layers at 16384 and 32768 tokens, and the Gemma-3-4B text
+architecture (6 layers: 5 sliding (1024) + 1 full, head dim 256: full precision until the kernels take 256, so
+the fallback's cost) at 8192. "sdpa" and "sage" on the same model in the same run, in both orders, CUDA events,
+medians; writes fallback_cases.json (report.py renders it; copy it to docs/data/<gpu>_fallback.json).
 
     python benchmarks/bench_transformers.py --fallback-cases --out out/fallback
 
@@ -247,22 +248,29 @@ def main(argv=None) -> int:
 MISTRAL_7B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=32768,
                   rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=4096, rope_theta=10000.0)
+# google/gemma-3-4b-it's text_config (its first 6 layers: 5 sliding, 1 full)
+GEMMA3_4B = dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=6, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=256, vocab_size=262208, max_position_embeddings=131072,
+                 sliding_window=1024, query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=1000000.0)
 
 
 def _fallback_models(tiny: bool):
     """(name, model class, config, batch, length, prompt lengths): the batch and fallback cases (4 layers each)."""
-    from transformers import MistralConfig, MistralForCausalLM, LlamaForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     llama = llama_config(tiny)
     llama.num_hidden_layers = 2 if tiny else 4
     mistral = MistralConfig(**(dict(TINY, sliding_window=64) if tiny else dict(MISTRAL_7B, num_hidden_layers=4)))
-    n_llama, n_mistral = (256, 512) if tiny else (8192, 16384)
+    gemma = Gemma3TextConfig(**(dict(TINY, sliding_window=64, num_hidden_layers=6) if tiny else GEMMA3_4B))
+    n_llama, n_mistral, n_gemma = (256, 512, 256) if tiny else (8192, 16384, 8192)
     # left padding as generate() pads a batch of prompts of different lengths
     lengths = [n_llama, n_llama * 7 // 8, n_llama * 3 // 4, n_llama * 5 // 8]
     # the same batch unpadded: the speed-up a padded batch is measured against (issue 43: >= 0.9x of it)
     return [("llama31_8b_4layers_padded_batch", LlamaForCausalLM, llama, n_llama, lengths),
             ("llama31_8b_4layers_unpadded_batch", LlamaForCausalLM, llama, n_llama, [n_llama] * len(lengths)),
-            ("mistral_7b_4layers_sliding_window", MistralForCausalLM, mistral, n_mistral, [n_mistral])]
+            ("mistral_7b_4layers_sliding_window", MistralForCausalLM, mistral, n_mistral, [n_mistral]),
+            ("mistral_7b_4layers_sliding_window", MistralForCausalLM, mistral, 2 * n_mistral, [2 * n_mistral]),
+            ("gemma3_4b_6layers_sliding_d256", Gemma3ForCausalLM, gemma, n_gemma, [n_gemma])]
 
 
 def fallback_cases(a, device, dtype, kstat) -> int:

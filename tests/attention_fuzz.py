@@ -55,11 +55,12 @@ class Case:
     scale: float | None
     precision: str
     device: str
+    window: int = -1    # window_size=(window, 0) when >= 0 (attention and sdpa)
 
     def __str__(self):
         return (f"seed={self.seed} {self.api} {self.precision} B{self.b} H{self.hq}/{self.hkv} S{self.sq}x{self.skv} "
                 f"D{self.d}/{self.dv} causal={self.causal} mask={self.mask} {str(self.dtype)[6:]} {self.layout} "
-                f"noncontig={self.noncontig} lse={self.lse} scale={self.scale}")
+                f"noncontig={self.noncontig} lse={self.lse} scale={self.scale} window={self.window}")
 
 
 def _length(rng: random.Random) -> int:
@@ -93,10 +94,14 @@ def draw_case(seed: int, device: str = "cpu", budget: float = 3e6) -> Case:
     if api == "sdpa" and mask in ("key_padding",):  # sdpa follows torch: a (B, Skv) mask is not its rule
         mask = "key_padding_4d"
     causal = rng.random() < 0.4 and (api != "sdpa" or mask == "none")  # torch's sdpa: mask or causal, not both
+    # a sliding window on a quarter of the calls, from a generator of its own (the other draws stay as they were)
+    wrng = random.Random(seed * 7919 + 1)
+    window = wrng.randint(0, 2 * max(sq, skv)) if api != "varlen" and wrng.random() < 0.25 else -1
     return Case(seed=seed, api=api, b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, dv=dv, causal=causal, mask=mask,
                 dtype=rng.choice(DTYPES), layout=rng.choice(("bhsd", "bshd")) if api == "attention" else "bhsd",
                 noncontig=rng.random() < 0.3, lse=api != "sdpa" and rng.random() < 0.4,
-                scale=rng.choice((None, None, 0.05, 0.3)), precision=rng.choice(PRECISIONS), device=device)
+                scale=rng.choice((None, None, 0.05, 0.3)), precision=rng.choice(PRECISIONS), device=device,
+                window=window)
 
 
 def _structured(g: torch.Generator, shape, dim_bias: float, outliers: bool):
@@ -152,11 +157,14 @@ def _visible(c: Case, attn_mask):
         vis = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask
     else:
         vis = attn_mask > -math.inf
-    if c.causal:
+    if c.causal or c.window >= 0:  # window_size=(w, 0) is causal by itself
         i = torch.arange(c.sq, device=c.device)[:, None]
         j = torch.arange(c.skv, device=c.device)
         # sdpa keeps torch's top-left rule; attention and varlen align bottom-right
-        vis = vis & (j <= i if c.api == "sdpa" else j <= i + c.skv - c.sq)
+        diag = i if c.api == "sdpa" else i + c.skv - c.sq
+        vis = vis & (j <= diag)
+        if c.window >= 0:
+            vis = vis & (j >= diag - c.window)
     return vis
 
 
@@ -177,14 +185,19 @@ def _call(c: Case, q, k, v, attn_mask):
         return out, lse
     if c.api == "sdpa":
         out = sage_patch.sdpa(_view(q, c.noncontig), k, v, attn_mask=attn_mask, is_causal=c.causal, scale=c.scale,
-                              enable_gqa=c.hq != c.hkv, precision=c.precision)
+                              enable_gqa=c.hq != c.hkv, precision=c.precision, window_size=_window_size(c))
         return out, None
     if c.layout == "bshd":
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     res = sage_patch.attention(_view(q, c.noncontig), k, v, layout=c.layout, is_causal=c.causal, scale=c.scale,
-                               attn_mask=attn_mask, precision=c.precision, return_lse=c.lse)
+                               attn_mask=attn_mask, precision=c.precision, return_lse=c.lse,
+                               window_size=_window_size(c))
     out, lse = res if c.lse else (res, None)
     return (out.transpose(1, 2) if c.layout == "bshd" else out), lse
+
+
+def _window_size(c: Case):
+    return (c.window, 0) if c.window >= 0 else None
 
 
 def check_case(c: Case, *, expect_kernel: bool = False) -> tuple[list[tuple[str, str]], dict]:
@@ -209,14 +222,15 @@ def check_case(c: Case, *, expect_kernel: bool = False) -> tuple[list[tuple[str,
         fails.append(("impl", f"expected a compiled kernel, ran {impls} ({dict(GLOBAL_STATS.fallbacks)})"))
     precision = max(used, key=lambda p: PRECISIONS.index(p)) if used else c.precision  # the coarsest that ran
 
-    ref_mask = attn_mask
-    if c.api == "sdpa" and c.causal:  # torch's top-left rule, as a dense mask for the bottom-right reference
-        ref_mask = torch.ones(c.sq, c.skv, dtype=torch.bool, device=c.device).tril()[None, None]
-    # float64 of the very values the call saw (rounded to its dtype), on its device
-    ref, ref_lse = exact_attention(*(x.double() for x in (qd, kd, vd)), is_causal=c.causal and c.api != "sdpa",
-                                   scale=c.scale, return_lse=True, attn_mask=ref_mask)
-    outd = out.detach().double()
+    # the reference sees what each row may see (the entry point's own causal and window rules) as one dense mask
     vis = _visible(c, attn_mask).expand(c.b, c.hq, c.sq, c.skv)
+    ref_mask = vis
+    if attn_mask is not None and attn_mask.dtype != torch.bool:  # the float mask's values, -inf where hidden
+        ref_mask = torch.where(vis, attn_mask.double(), -math.inf)
+    # float64 of the very values the call saw (rounded to its dtype), on its device
+    ref, ref_lse = exact_attention(*(x.double() for x in (qd, kd, vd)), scale=c.scale, return_lse=True,
+                                   attn_mask=ref_mask)
+    outd = out.detach().double()
     nonempty = vis.any(-1)
     if not torch.isfinite(outd).all():
         fails.append(("nonfinite", f"{int((~torch.isfinite(outd)).sum())} non-finite outputs from finite inputs"))

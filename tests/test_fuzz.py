@@ -33,6 +33,8 @@ def test_fuzz_grid_cpu():
     assert any(c.d not in (64, 128) for c in cases) and any(c.dv != c.d for c in cases)
     assert any(c.causal for c in cases) and any(c.lse for c in cases) and any(c.noncontig for c in cases)
     assert max(max(c.sq, c.skv) for c in cases) > 2000 and min(min(c.sq, c.skv) for c in cases) == 1
+    windowed = [c for c in cases if c.window >= 0]
+    assert {c.api for c in windowed} == {"attention", "sdpa"} and any(c.window < max(c.sq, c.skv) for c in windowed)
 
 
 def test_fuzz_checker_catches_a_wrong_answer(monkeypatch):
@@ -46,6 +48,18 @@ def test_fuzz_checker_catches_a_wrong_answer(monkeypatch):
                                           and c.api == "attention")(draw_case(s)))
     fails, _ = check_case(draw_case(seed))
     assert {kind for kind, _ in fails} & {"accuracy", "empty_row"}
+
+
+def test_fuzz_checker_catches_an_ignored_window(monkeypatch):
+    """... and a full-precision path that drops the sliding window too."""
+    import sage_patch.api as api
+
+    real = api.full_attention
+    monkeypatch.setattr(api, "full_attention", lambda q, k, v, **kw: real(q, k, v, **{**kw, "window_left": -1}))
+    seed = next(s for s in range(2000) if (lambda c: c.precision == "full" and c.api == "attention"
+                                          and 0 <= c.window < min(c.sq, c.skv) // 2)(draw_case(s)))
+    fails, _ = check_case(draw_case(seed))
+    assert "accuracy" in {kind for kind, _ in fails}
 
 
 # ---- non-finite inputs --------------------------------------------------------------------------------------
