@@ -316,3 +316,14 @@ def test_gemma2_continuation_and_compile():
         torch.testing.assert_close(second, expected, atol=0, rtol=0)
         compiled = torch.compile(sage, fullgraph=True, backend="aot_eager")(ids, attention_mask=am).logits
         torch.testing.assert_close(compiled, ref(ids, attention_mask=am).logits)
+
+
+@needs_gpt_oss
+def test_gpt_oss_runtime_guard_checks_against_attention_with_sinks():
+    """The runtime guard recomputes a head with the sinks: a right 8b call with sinks is not demoted."""
+    sage, ref = gpt_oss_pair(policy={"default": "8b", "guard": {"every": 1}})
+    ids, am = batch((160, 131), 160)
+    _close_all_layers(sage, ref, ids, am)
+    for layer in sage.model.layers:
+        guard = layer.self_attn._sage_patch_binding.guard
+        assert guard.calls == 1 and guard.last["cos"] >= 0.999 and not guard.demoted, guard.last
