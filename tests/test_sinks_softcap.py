@@ -327,3 +327,17 @@ def test_gpt_oss_runtime_guard_checks_against_attention_with_sinks():
     for layer in sage.model.layers:
         guard = layer.self_attn._sage_patch_binding.guard
         assert guard.calls == 1 and guard.last["cos"] >= 0.999 and not guard.demoted, guard.last
+
+
+@needs_gpt_oss
+def test_gpt_oss_training_step_gradients_match_eager():
+    """A forward that needs a gradient runs full precision with the sinks inside the model's eager softmax: the
+    gradients (the sinks' included) are eager's."""
+    sage, ref = gpt_oss_pair()
+    ids, am = batch((160, 131), 160)
+    for m in (sage, ref):
+        m(ids, attention_mask=am, labels=ids).loss.backward()
+    for (name, a), (_, b) in zip(sage.named_parameters(), ref.named_parameters()):
+        if "self_attn" in name:
+            torch.testing.assert_close(a.grad, b.grad, msg=name)
+    assert all(st["used"] == {"full": 1} and st["impl"] == {"eager": 1} for st in layers_of(sage).values())
