@@ -16,15 +16,18 @@ Per sequence length, on ONE model switched with `model.set_attn_implementation(.
 - Amdahl bound 1 / ((1 - f) + f / s): the integration should reach >= 90% of it (anything less is overhead of its own).
 Writes bench_transformers.json and bench_transformers.md into --out.
 
---fallback-cases: batched, windowed and fallback prefills against transformers' own "sdpa": the Llama-3.1-8B
-architecture with 4 layers, batch 4 x 8192 left-padded as generate() pads prompts of different lengths (key padding:
-the 8b kernel), the same batch unpadded (the speed-up the padded one is held to), the Mistral-7B architecture
-(sliding_window 4096: the kernels' window) with 4 layers at 16384 and 32768 tokens, and the Gemma-3-4B text
-architecture (6 layers: 5 sliding (1024) + 1 full, head dim 256: full precision until the kernels take 256, so
-the fallback's cost) at 8192. "sdpa" and "sage" on the same model in the same run, in both orders, CUDA events,
-medians; writes fallback_cases.json (report.py renders it; copy it to docs/data/<gpu>_fallback.json).
+--fallback-cases: batched, windowed and fallback prefills against what transformers runs without sage_patch: the
+Llama-3.1-8B architecture with 4 layers, batch 4 x 8192 left-padded as generate() pads prompts of different lengths
+(key padding: the 8b kernel), the same batch unpadded (the speed-up the padded one is held to), the Mistral-7B
+architecture (sliding_window 4096: the kernels' window) with 4 layers at 16384 and 32768 tokens, the Gemma-3-4B text
+architecture (6 layers: 5 sliding (1024) + 1 full, head dim 256: full precision until the kernels take 256, so the
+fallback's cost) at 8192, and the gpt-oss-20b architecture with 4 layers at 8192 tokens (attention sinks) against
+transformers' "eager", what transformers runs for a model without an sdpa path. The baseline ("sdpa", or "eager"
+there) and "sage" on the same model in the same run, in both orders, CUDA events, medians; writes
+fallback_cases.json (report.py renders it; copy it to docs/data/<gpu>_fallback.json).
 
     python benchmarks/bench_transformers.py --fallback-cases --out out/fallback
+    python benchmarks/bench_transformers.py --fallback-cases --cases gpt_oss_20b_4layers_sinks --out out/sinks
 
 Refuses to time "sage" on CUDA when the
 compiled kernels are not loaded (it would time the PyTorch reference simulation) unless --allow-reference.
@@ -160,6 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-cache", action="store_true", help="prefill without filling a KV cache")
     p.add_argument("--skip-op", action="store_true", help="do not time the attention op alone")
     p.add_argument("--fallback-cases", action="store_true", help="time the two full-precision fallback cases instead")
+    p.add_argument("--cases", nargs="+", default=None, help="with --fallback-cases: only the cases of these names")
     p.add_argument("--allow-reference", action="store_true",
                    help="time 'sage' on CUDA even when the kernels are not loaded (reference simulation: slow)")
     a = p.parse_args(argv)
@@ -254,9 +258,35 @@ GEMMA3_4B = dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=6,
                  sliding_window=1024, query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=1000000.0)
 
 
+# gpt-oss-20b (transformers' GptOssConfig defaults are the 120b's: 36 layers, 128 experts)
+GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                   head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+                   max_position_embeddings=131072, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 4096,
+                                    "rope_theta": 150000.0})
+
+
+def gpt_oss_config(tiny: bool, layers: int):
+    """GptOssConfig of gpt-oss-20b with `layers` layers (sliding and full attention alternating, as in the model);
+    `tiny`: the TINY stand-in with 4 small experts and a 64-token window."""
+    from transformers import GptOssConfig
+
+    kw = dict(TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=64) if tiny else dict(GPT_OSS_20B)
+    kw.update(num_hidden_layers=layers, layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    return GptOssConfig(**kw)
+
+
+def baseline_of(cls) -> str:
+    """What transformers runs for a model class: "sdpa", or "eager" where it has no sdpa path (gpt-oss's attention
+    sinks, Gemma 2's softcap: _supports_sdpa False); sage is timed against it."""
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 def _fallback_models(tiny: bool):
     """(name, model class, config, batch, length, prompt lengths): the batch and fallback cases (4 layers each)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssForCausalLM, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM)
 
     llama = llama_config(tiny)
     llama.num_hidden_layers = 2 if tiny else 4
@@ -270,7 +300,10 @@ def _fallback_models(tiny: bool):
             ("llama31_8b_4layers_unpadded_batch", LlamaForCausalLM, llama, n_llama, [n_llama] * len(lengths)),
             ("mistral_7b_4layers_sliding_window", MistralForCausalLM, mistral, n_mistral, [n_mistral]),
             ("mistral_7b_4layers_sliding_window", MistralForCausalLM, mistral, 2 * n_mistral, [2 * n_mistral]),
-            ("gemma3_4b_6layers_sliding_d256", Gemma3ForCausalLM, gemma, n_gemma, [n_gemma])]
+            ("gemma3_4b_6layers_sliding_d256", Gemma3ForCausalLM, gemma, n_gemma, [n_gemma]),
+            # attention sinks (s_aux) on the kernel, vs transformers' eager (its only non-flash path for gpt-oss);
+            # the sliding layers (window 128) on the kernels' window
+            ("gpt_oss_20b_4layers_sinks", GptOssForCausalLM, gpt_oss_config(tiny, 4), n_llama, [n_llama])]
 
 
 def fallback_cases(a, device, dtype, kstat) -> int:
@@ -278,7 +311,14 @@ def fallback_cases(a, device, dtype, kstat) -> int:
     iters = a.iters if a.iters is not None else (2 if a.tiny else 10)
     timer = Timer(device)
     cases = []
-    for name, cls, cfg, total, lengths in _fallback_models(a.tiny):
+    models = _fallback_models(a.tiny)
+    unknown = set(a.cases or ()) - {m[0] for m in models}
+    if unknown:
+        print(f"--cases: unknown {sorted(unknown)}; cases: {[m[0] for m in models]}", file=sys.stderr)
+        return 2
+    for name, cls, cfg, total, lengths in models:
+        if a.cases and name not in a.cases:
+            continue
         torch.manual_seed(0)
         with torch.device(device):
             model = cls._from_config(cfg, attn_implementation="sage", dtype=dtype).eval()
@@ -293,9 +333,11 @@ def fallback_cases(a, device, dtype, kstat) -> int:
         def step():
             model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
 
-        row = {"case": name, "batch": len(lengths), "tokens": total, "prompt_lengths": lengths, "orders": []}
+        base = baseline_of(cls)
+        row = {"case": name, "batch": len(lengths), "tokens": total, "prompt_lengths": lengths, "baseline": base,
+               "orders": []}
         with torch.inference_mode():
-            for order in (("sdpa", "sage"), ("sage", "sdpa")):
+            for order in ((base, "sage"), ("sage", base)):
                 ms = {}
                 for impl in order:
                     model.set_attn_implementation(impl)
@@ -303,11 +345,11 @@ def fallback_cases(a, device, dtype, kstat) -> int:
                     ms[impl] = statistics.median(timer(step, warmup, iters))
                     if impl == "sage":
                         row["sage_impl"], row["sage_fallbacks"] = impl_counts(model), fallback_reasons(model)
-                row["orders"].append({"order": list(order), "sdpa_ms": ms["sdpa"], "sage_ms": ms["sage"],
-                                      "sage_over_sdpa": ms["sage"] / ms["sdpa"]})
-                print(f"{name} ({' then '.join(order)}): sdpa {ms['sdpa']:.2f} ms, sage {ms['sage']:.2f} ms "
-                      f"({ms['sage'] / ms['sdpa'] - 1:+.2%})", flush=True)
-        row["max_overhead"] = max(o["sage_over_sdpa"] for o in row["orders"]) - 1
+                row["orders"].append({"order": list(order), "baseline_ms": ms[base], "sage_ms": ms["sage"],
+                                      "sage_over_baseline": ms["sage"] / ms[base]})
+                print(f"{name} ({' then '.join(order)}): {base} {ms[base]:.2f} ms, sage {ms['sage']:.2f} ms "
+                      f"({ms['sage'] / ms[base] - 1:+.2%})", flush=True)
+        row["max_overhead"] = max(o["sage_over_baseline"] for o in row["orders"]) - 1
         cases.append(row)
         del model
         if device.type == "cuda":

@@ -9,9 +9,9 @@ from . import kernels, layer_scope
 from .full import full_attention
 from .masks import classify_mask, window_left_of, window_mask
 from .precisions import check_precision
-from .reference import simulate
+from .reference import exact_attention, simulate
 from .report import GLOBAL_STATS, log_fallback_once
-from .resolve import TRAINABLE_IMPL, resolve
+from .resolve import TRAINABLE_IMPL, Decision, resolve
 from .sdpa_semantics import from_torch_sdpa
 from .trainable import sagebwd_attention
 
@@ -20,7 +20,7 @@ MAX_HEAD_DIM = 256
 
 
 def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, precision="8b",
-              return_lse=False, smooth_v=False, window_size=None):
+              return_lse=False, smooth_v=False, window_size=None, sinks=None):
     """Attention with a SageAttention-family precision.
 
     q (B, Hq, Sq, D) and k, v (B, Hkv, Skv, D) for layout "bhsd"; (B, S, H, D) for "bshd". Hq must be a multiple
@@ -31,61 +31,119 @@ def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=
     keys i + Skv - Sq - left <= j <= i + Skv - Sq (bottom-right, as causal here); as in FlashAttention this window is
     causal by itself, so is_causal=False gives the same result as is_causal=True. Combines with attn_mask. Any other
     value raises ValueError.
-    Returns the output in the input layout and dtype; with return_lse also the natural-log LSE, fp32 (B, Hq, Sq).
+    sinks: attention sinks (gpt-oss's s_aux), a floating-point (Hq,) tensor on q's device: one logit per query
+    head, natural-log and not multiplied by `scale`, that joins each row's softmax denominator only (no value).
+    Every precision runs them: out = out_without_sinks * sigmoid(lse - sinks[h]), lse that of the real scores.
+    Returns the output in the input layout and dtype; with return_lse also the natural-log LSE, fp32 (B, Hq, Sq)
+    (with sinks, the LSE of the whole denominator, sink included).
     """
     left = window_left_of(window_size)
     if left >= 0 and isinstance(is_causal, bool):  # (left, 0) is causal by itself (a non-bool is refused below)
         is_causal = True
     return run_attention(q, k, v, layout=layout, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                         precision=precision, return_lse=return_lse, smooth_v=smooth_v, window_left=left)
+                         precision=precision, return_lse=return_lse, smooth_v=smooth_v, window_left=left,
+                         sinks=sinks)
 
 
 def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, precision="8b",
                   return_lse=False, smooth_v=False, dropout_p=0.0, policy=None, stats=None, full=None,
-                  window_left=-1):
+                  window_left=-1, sinks=None):
     """`attention` plus what routed layers need: dropout, the policy's fallback rules, per-layer stats.
     full: a call that runs full precision (resolver impl "sdpa", no LSE) returns `full()` instead: an adapter's
     own function called as its library calls it (transformers' sdpa_attention_forward, the model's own torch SDPA
     call), so that a fallback costs only the decision (same mask object, GQA handling, contiguity and SDPA backend
-    as without sage_patch); with a window, `full` must apply it too. It returns the output in `layout`, of the input
-    dtype. window_left: the kernels' sliding window (sage_patch.masks; -1 none): key j is hidden from query i when
-    j < i + Skv - Sq - window_left, whatever is_causal says (`attention`'s window_size adds causal)."""
+    as without sage_patch); with a window, `full` must apply it too, and with `sinks` it must apply them itself
+    (transformers' eager function of a model with sinks does). It returns the output in `layout`, of the input dtype.
+    It may name what it runs in attributes `impl` and `reason`: the report then counts the call under that
+    implementation, with that reason.
+    window_left: the kernels' sliding window (sage_patch.masks; -1 none): key j is hidden from query i when
+    j < i + Skv - Sq - window_left, whatever is_causal says (`attention`'s window_size adds causal).
+    sinks: as in `attention`; applied to whatever ran (kernel, reference simulation or full precision) from its
+    LSE, so every path computes the real scores only."""
     check_precision(precision)
     b, hq, sq, skv = _validate(q, k, v, layout, scale, is_causal, dropout_p)
     if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
         raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+    if sinks is not None:
+        check_sinks(sinks, hq, q.device)
     mask = classify_mask(attn_mask, b, hq, sq, skv)
     if mask.mask is not None and mask.mask.device != q.device:
         raise ValueError(f"attn_mask is on {mask.mask.device} but q is on {q.device}")
+    want_lse = return_lse or sinks is not None  # sinks are applied from the LSE
     decision = resolve(precision, q, k, v, layout=layout, is_causal=bool(is_causal), mask=mask,
-                       dropout_p=dropout_p, return_lse=return_lse, smooth_v=smooth_v, policy=policy,
+                       dropout_p=dropout_p, return_lse=want_lse, smooth_v=smooth_v, policy=policy,
                        window_left=window_left)
+    use_full = decision.impl == "sdpa" and full is not None and not return_lse
+    if use_full and getattr(full, "impl", None):
+        reason = "; ".join(r for r in (decision.reason, getattr(full, "reason", None)) if r) or None
+        decision = Decision(decision.requested, decision.precision, full.impl, reason)
     (stats or GLOBAL_STATS).record(decision)
     if decision.reason and not torch.compiler.is_compiling():
         log_fallback_once(decision.reason)
 
+    if use_full:
+        return full()
     trainable = decision.impl == TRAINABLE_IMPL or isinstance(decision.variant, kernels.registry.TrainingVariant)
     if decision.impl in ("sdpa", "reference") or trainable:
         qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if layout == "bshd" else (q, k, v)
-        if trainable:  # the resolver sends no return_lse call here
+        if trainable:  # the resolver sends no LSE call (hence no sinks) here
             out = sagebwd_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, attn_mask=mask.mask,
                                     kernel=decision.variant is not None)
             return out.transpose(1, 2) if layout == "bshd" else out
-        if decision.impl == "sdpa" and full is not None and not return_lse:
-            return full()
-        if decision.impl == "sdpa":
+        if decision.impl == "sdpa" and sinks is not None and (
+                (dropout_p > 0 and not q.is_cuda) or (torch.is_grad_enabled() and (
+                    q.requires_grad or k.requires_grad or v.requires_grad))):
+            # The fused kernels' LSE has no gradient (the sigmoid correction would drop d lse), and the CPU one
+            # has no dropout: exact attention with the sinks in its softmax, differentiable, in fp32.
+            res = exact_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, attn_mask=mask.mask,
+                                  return_lse=return_lse, dtype=torch.float32, sinks=sinks, dropout_p=dropout_p,
+                                  window_left=window_left)
+            sinks = None  # applied
+        elif decision.impl == "sdpa":
             res = full_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, mask=mask,
-                                 dropout_p=dropout_p, return_lse=return_lse, window_left=window_left)
+                                 dropout_p=dropout_p, return_lse=want_lse, window_left=window_left)
         else:
             res = simulate(qb, kb, vb, decision.precision, is_causal=bool(is_causal), scale=scale,
-                           attn_mask=mask.mask, return_lse=return_lse, smooth_v=smooth_v, window_left=window_left)
-        out, lse = res if return_lse else (res, None)
-        out = out.to(q.dtype)
+                           attn_mask=mask.mask, return_lse=want_lse, smooth_v=smooth_v,
+                           window_left=window_left)
+        out, lse = res if (return_lse or sinks is not None) else (res, None)
         out = out.transpose(1, 2) if layout == "bshd" else out
-        return (out, lse) if return_lse else out
-    kmask = mask.mask if mask.kind == "key_padding" else None
-    return kernels.run(decision.variant, decision.precision, q, k, v, layout=layout, is_causal=bool(is_causal),
-                       scale=scale, attn_mask=kmask, return_lse=return_lse, smooth_v=smooth_v, window_left=window_left)
+    else:
+        kmask = mask.mask if mask.kind == "key_padding" else None
+        res = kernels.run(decision.variant, decision.precision, q, k, v, layout=layout, is_causal=bool(is_causal),
+                          scale=scale, attn_mask=kmask, return_lse=want_lse, smooth_v=smooth_v,
+                          window_left=window_left)
+        out, lse = res if want_lse else (res, None)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks, layout)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def check_sinks(sinks, hq: int, device) -> None:
+    """Attention sinks must be a floating-point (Hq,) tensor on q's device (one logit per query head)."""
+    allowed = (f"a floating-point tensor of shape (Hq,) = ({hq},) on q's device ({device}): one logit per query "
+               f"head (natural-log, not multiplied by scale), or None")
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be {allowed}; got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (hq,) or not sinks.is_floating_point() or sinks.device != device:
+        raise ValueError(f"sinks must be {allowed}; got shape {tuple(sinks.shape)}, dtype {sinks.dtype}, "
+                         f"device {sinks.device}")
+
+
+def apply_sinks(out, lse, sinks, layout: str):
+    """Attention sinks from an attention's output and natural-log LSE of its real scores (the one place they are
+    computed): a sink adds exp(sinks[h]) to each row's softmax denominator, so every probability, hence the output,
+    scales by exp(lse) / (exp(lse) + exp(sinks[h])) = sigmoid(lse - sinks[h]) (exact; a row with no visible key,
+    lse -inf, gives 0, as the sink-only softmax does). Elementwise, so it traces under torch.compile. Returns the
+    output (its dtype, scaled in fp32 or wider) and the LSE of the whole denominator (lse's dtype, (B, Hq, Sq);
+    -inf stays -inf: a row with no visible key keeps the project's LSE of an empty row, as exact_attention's)."""
+    wide = torch.promote_types(torch.promote_types(out.dtype, lse.dtype), torch.float32)
+    s = sinks.to(wide)[:, None]
+    factor = torch.sigmoid(lse.to(wide) - s)
+    factor = factor.transpose(1, 2) if layout == "bshd" else factor
+    lse_all = torch.where(lse == -math.inf, lse.to(wide), torch.logaddexp(lse.to(wide), s))
+    return (out.to(wide) * factor[..., None]).to(out.dtype), lse_all.to(lse.dtype)
 
 
 def _validate(q, k, v, layout, scale, is_causal, dropout_p):

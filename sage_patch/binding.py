@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from . import layer_scope
-from .api import run_attention
+from .api import apply_sinks, check_sinks, run_attention
 from .guard import Guard
 from .policy import Policy
 from .report import NO_STATS, STATS_ATTR, LayerStats, log_fallback_once
@@ -93,16 +93,20 @@ class LayerBinding:
         return self._precision == "full" and self.observer is None
 
     def attention(self, q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, dropout_p=0.0,
-                  return_lse=False, record=True, context=None, full=None, window_left=-1):
+                  return_lse=False, record=True, context=None, full=None, window_left=-1, sinks=None):
         """This layer's attention under its policy. `record` False: the call is not counted (the later K/V chunks of
         one ring-attention call, counted once). `context`: how the call was distributed (context parallelism),
         counted in the layer's stats next to the call. `full`: what a full-precision call runs (run_attention).
-        `window_left`: the kernels' sliding window (run_attention; -1 none)."""
+        `window_left`: the kernels' sliding window (run_attention; -1 none). `sinks`: attention sinks
+        (run_attention); the runtime guard checks against exact attention with them, calibration observes the
+        attention of the real scores (the sinks' correction is exact at every precision)."""
         precision = self.requested()
         call = {"layout": layout, "is_causal": is_causal, "scale": scale, "attn_mask": attn_mask,
                 "window_left": window_left}
         if self.observer is not None:
             self.observer(self, q, k, v, call)
+        if sinks is not None:
+            call["sinks"] = sinks
         res = run_attention(q, k, v, **call, precision=precision, return_lse=return_lse,
                             smooth_v=self.policy.smooth_v, dropout_p=dropout_p, policy=self.policy,
                             stats=self.stats if record else NO_STATS, full=full)
@@ -113,26 +117,32 @@ class LayerBinding:
         return res
 
     def run(self, q, k, v, *, layout, is_causal, scale, attn_mask, dropout_p, return_lse=False, record=True,
-            context=None, full=None, window_left=-1):
+            context=None, full=None, window_left=-1, sinks=None):
         """`attention` for calls that torch.compile may trace: there it is one opaque op (the reference simulation
         and the kernels' launch are not traceable, and a graph break inside a routed forward is not supported);
         its precision decision and stats happen when the op runs, so the report stays exact under compile. Calls
         with LSE, uncounted or with a context (context parallelism) use a second op that returns (out, lse). A call
         that needs a gradient is traced instead (the ops have no backward): it runs torch SDPA or the trainable 8b's
-        custom ops, both traceable."""
+        custom ops, both traceable. `sinks` (run_attention): traced, the op returns the LSE and the sinks' correction
+        (api.apply_sinks, elementwise) is traced after it, so the ops' signatures do not carry them."""
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if torch.compiler.is_compiling() and not needs_grad:
-            if not return_lse and record and context is None:
+            want_lse = return_lse or sinks is not None
+            if sinks is not None:
+                check_sinks(sinks, q.shape[1] if layout == "bhsd" else q.shape[2], q.device)
+            if not want_lse and record and context is None:
                 return torch.ops.sage_patch.routed_attention(q, k, v, attn_mask, self.id, layout, bool(is_causal),
                                                              scale, float(dropout_p), int(window_left))
             out, lse = torch.ops.sage_patch.routed_attention_lse(q, k, v, attn_mask, self.id, layout,
                                                                  bool(is_causal), scale, float(dropout_p),
-                                                                 bool(return_lse), bool(record), context or "",
+                                                                 bool(want_lse), bool(record), context or "",
                                                                  int(window_left))
+            if sinks is not None:
+                out, lse = apply_sinks(out, lse, sinks, layout)
             return (out, lse) if return_lse else out
         return self.attention(q, k, v, layout=layout, is_causal=bool(is_causal), scale=scale, attn_mask=attn_mask,
                               dropout_p=dropout_p, return_lse=return_lse, record=record, context=context, full=full,
-                              window_left=window_left)
+                              window_left=window_left, sinks=sinks)
 
     def record_fallback(self, impl: str, reason: str | None = None, context: str | None = None) -> None:
         """Record a call that this layer sent to `impl` in full precision instead of sage_patch's attention (the one

@@ -67,7 +67,9 @@ def head_slices(q, k, v, call: dict, heads: list[int]):
 def head_error(q, k, v, out, h: int, call: dict) -> dict:
     """Error of head h of a routed call's output against fp32 attention of that head."""
     qs, ks, vs, mask = head_slices(q, k, v, call, [h])
+    sinks = call.get("sinks")
     ref = exact_attention(qs, ks, vs, is_causal=call["is_causal"], scale=call["scale"], attn_mask=mask,
-                          dtype=torch.float32, window_left=call.get("window_left", -1))
+                          dtype=torch.float32, window_left=call.get("window_left", -1),
+                          sinks=None if sinks is None else sinks[[h]])
     out_h = out.transpose(1, 2)[:, [h]] if call["layout"] == "bshd" else out[:, [h]]
     return compare(out_h, ref)

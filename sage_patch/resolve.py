@@ -87,8 +87,8 @@ def _resolve_training(requested: str, q, k, v, *, layout, is_causal, mask, dropo
     if dropout_p > 0:
         return _full(requested, f"dropout_p={dropout_p} > 0: the trainable 8b (SageBwd) has no dropout")
     if return_lse:
-        return _full(requested, "return_lse=True with autograd: the trainable 8b (SageBwd) differentiates the "
-                                "output only")
+        return _full(requested, "return_lse=True (or attention sinks, applied from the LSE) with autograd: the "
+                                "trainable 8b (SageBwd) differentiates the output only")
     if mask.kind == "float":
         return _full(requested, "float additive attn_mask: the trainable 8b (SageBwd) takes bool masks only")
     if window_left >= 0:

@@ -335,7 +335,10 @@ def test_decode_step_is_not_causal_masked():
     torch.testing.assert_close(out, sdpa_ref(q, k, v, None))  # the one query sees every cached key
 
 
-def test_softcap_and_sinks_run_exact_eager_with_reason():
+def test_softcap_and_sinks_of_a_module_without_an_eager_function():
+    """A module whose modeling file has no eager_attention_forward (this test file): softcap runs the exact
+    attention in fp32, reported with the reason; sinks run the layer's precision (8b), corrected from its LSE.
+    Models with sinks and softcap: tests/test_sinks_softcap.py."""
     q, k, v = qkv()
     mod = FakeAttention("8b")
     mask = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
@@ -348,10 +351,10 @@ def test_softcap_and_sinks_run_exact_eager_with_reason():
     out2, _ = hf.sage_attention_forward(mod, q, k, v, mask, s_aux=sinks)
     s = ((q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * 16 ** -0.5).masked_fill(~mask, float("-inf"))
     p = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(2, -1, 12, 1)], -1).softmax(-1)[..., :-1]
-    torch.testing.assert_close(out2, (p @ v.repeat_interleave(rep, 1)).transpose(1, 2))
+    assert cosine(out2, (p @ v.repeat_interleave(rep, 1)).transpose(1, 2)) >= 0.999
     st = mod._sage_patch_binding.stats
-    assert st.impls["eager"] == 2 and any("softcap" in r for r in st.fallbacks)
-    assert any("s_aux" in r for r in st.fallbacks)
+    assert st.impls == {"exact-fp32": 1, "reference": 1} and st.used == {"full": 1, "8b": 1}
+    assert any(r.startswith("softcap") and "has no eager_attention_forward" in r for r in st.fallbacks)
 
 
 def test_unknown_semantic_kwarg_raises_and_bookkeeping_kwargs_pass():

@@ -35,7 +35,14 @@ Semantics (each item is tested in tests/test_transformers_integration.py):
   when it cuts (Skv > W); a bidirectional module's window (|q_pos - kv_pos| <= W) becomes a dense mask; a 4-D mask
   from sdpa_mask carries its window itself;
 - `scaling` is the module's; `dropout` applies only while `module.training` (then full, reported);
-- `softcap` (Gemma 2) and `s_aux` (attention sinks) run the exact attention in fp32 ("full", impl "eager");
+- `s_aux` (attention sinks, gpt-oss) runs the layer's precision: the kernel's attention of the real scores, scaled
+  by sigmoid(lse - s_aux[h]) from its LSE (sage_patch.api.apply_sinks; exact); a call that goes full (decode steps
+  and short prompts under the shipped policy) runs the model's own `eager_attention_forward`, what
+  attn_implementation="eager" runs for these models (transformers gives them no sdpa path), reported as impl
+  "eager" with the reason;
+- `softcap` (Gemma 2) changes every score before the softmax, so it cannot be applied afterwards: every call runs the
+  model's own `eager_attention_forward` ("full", impl "eager"; a modeling file without one: exact fp32 attention,
+  impl "exact-fp32");
   `position_bias` and a paged `cache` are delegated to transformers' own sdpa function ("full", impl "sdpa");
 - keywords that cannot change the result (`ignored_kwargs()`: derived from transformers' TransformersKwargs,
   FlashAttentionKwargs and loss-function signatures, e.g. `shift_labels`) are ignored, as transformers' sdpa and
@@ -45,6 +52,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 
 import torch
 
@@ -410,11 +418,22 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
             attention_mask = window if attention_mask is None else window & attention_mask[:, None, None, :]
             is_causal = False
     if softcap is not None or s_aux is not None:
-        why = "softcap (logit soft-capping)" if softcap is not None else "s_aux (attention sinks)"
-        binding.record_fallback("eager", f"{why} is not supported by quantized precisions: exact eager attention")
-        out = exact_attention(query, key, value, is_causal=is_causal, scale=scaling, attn_mask=attention_mask,
-                              dtype=torch.float32, softcap=softcap, sinks=s_aux, dropout_p=dropout_p,
-                              window_left=window_left).to(query.dtype)
+        # What transformers itself runs for these models (their _supports_sdpa is False): the model's own eager
+        # function, on the mask its eager path would build from what sage_mask gave.
+        eager = _ModelEager(module, query, key_in, value_in, mask_in, scaling, dropout, causal_module,
+                            sliding_window, softcap, s_aux)
+    if softcap is not None:
+        # Soft-capping changes every score before the softmax: it cannot be applied after the kernel's attention.
+        binding.record_fallback(eager.impl, "softcap (logit soft-capping) is not supported by quantized precisions: "
+                                            + eager.what)
+        out = eager()
+    elif s_aux is not None:
+        # Sinks are applied to the kernel's (or simulation's) output from its LSE (api.apply_sinks); a call the
+        # policy sends to full precision runs the model's eager function.
+        kw = dict(layout="bhsd", is_causal=is_causal, scale=scaling, attn_mask=attention_mask, dropout_p=dropout_p,
+                  full=eager, sinks=s_aux, window_left=window_left)
+        out = binding.attention(query, key, value, **kw) if binding.passes_full() else \
+            binding.run(query, key, value, **kw)
     else:
         def full():
             # A full-precision decision runs transformers' own sdpa function on what it would have received (its
@@ -439,6 +458,54 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
             out = binding.run(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
                               attn_mask=attention_mask, dropout_p=dropout_p, full=full, window_left=window_left)
     return out.transpose(1, 2).contiguous(), None
+
+
+class _ModelEager:
+    """The full-precision call of a layer with softcap or attention sinks: the module-level `eager_attention_forward`
+    of the module's modeling file (what attn_implementation="eager" runs; transformers has no sdpa path for these,
+    and flash/flex are other kernels), called as the model calls it, with the mask transformers' `eager_mask` gives
+    it (sdpa_mask's bool mask, 0 / dtype-min additive; the window added where sage_mask left it out). A modeling file
+    without one gets the exact attention in fp32 with softcap and sinks. Returns (B, Hq, Sq, D), as `full` does
+    (run_attention); `impl` and `what` name it in the report."""
+
+    def __init__(self, module, query, key, value, mask, scaling, dropout, causal, sliding_window, softcap, s_aux):
+        self.args = (module, query, key, value, mask, scaling, dropout, causal, sliding_window, softcap, s_aux)
+        self.fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        self.impl = "eager" if self.fn is not None else "exact-fp32"
+        self.what = ("the model's eager attention (eager_attention_forward of "
+                     f"{type(module).__module__}), as attn_implementation='eager' runs it" if self.fn is not None else
+                     f"exact attention in fp32 ({type(module).__module__} has no eager_attention_forward)")
+        self.reason = "attention sinks: full precision runs " + self.what
+
+    def __call__(self):
+        module, query, key, value, mask, scaling, dropout, causal, window, softcap, s_aux = self.args
+        q_len, kv_len = query.shape[2], key.shape[2]
+        # sdpa_mask's masks carry the window; None and sage_mask's key padding do not
+        add_window = window is not None and (mask is None or _is_key_padding(mask))
+        if _is_key_padding(mask):  # keys past the mask's length are a static cache's unused slots
+            kv_len = mask.shape[-1]
+            key, value = key[:, :, :kv_len], value[:, :, :kv_len]
+            mask = sdpa_equivalent_mask(mask, causal, q_len, kv_len, window)
+        elif mask is None:
+            if causal and q_len > 1 and kv_len > q_len:  # a skipped prefill mask of an empty static cache
+                key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
+            mask = sdpa_equivalent_mask(None, causal, q_len, kv_len, window, device=query.device)
+            if mask is None and causal and q_len > 1:  # the eager function does not apply causal itself
+                mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+                mask = mask[None, None]
+        if add_window and not causal and kv_len > window:  # a bidirectional window: |q_pos - kv_pos| <= W
+            w = window_mask(q_len, kv_len, window, window, query.device)[None, None]
+            mask = w if mask is None else mask & w
+        if self.fn is None:
+            return exact_attention(query, key, value, scale=scaling, attn_mask=mask, dtype=torch.float32,
+                                   softcap=softcap, sinks=s_aux,
+                                   dropout_p=dropout if module.training else 0.0).to(query.dtype)
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.where(mask, torch.zeros((), dtype=query.dtype, device=mask.device),
+                               torch.finfo(query.dtype).min)
+        out, _ = self.fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, softcap=softcap,
+                         s_aux=s_aux, sliding_window=window)
+        return out.transpose(1, 2)  # (B, H, Sq, D) view of the contiguous (B, Sq, H, D)
 
 
 def _check_head_grouping(module, query, key) -> None:
