@@ -202,7 +202,7 @@ def main():
                       flush=True)
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "window.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"kind": "window", "meta": meta, "rows": rows}, f, indent=1)
         return
     for d in [int(x) for x in a.ds.split(",")]:
         for causal in (False, True):

@@ -413,8 +413,9 @@ def render_fallback(data: dict) -> list:
     out = run_lines(meta) + [f"- **Method**: prefill forward (KV cache filled, logits_to_keep=1), {meta.get('dtype')}, "
                              f"random weights, median of {meta.get('iters')} after {meta.get('warmup')} warm-up, "
                              "CUDA events; sdpa and sage on one model, in both orders. Padded batch: key padding on the 8b kernel, "
-                             "beside the same batch unpadded; sliding window: a dense mask, the full-precision "
-                             "fallback, whose budget is +1%.", ""]
+                             "beside the same batch unpadded; sliding windows: the kernels' window (transformers' sdpa "
+                             "gets a dense mask); a head dim without a kernel: the full-precision fallback, whose "
+                             "budget is +1%.", ""]
     # a case's baseline is transformers' sdpa, or its eager for a model without an sdpa path (gpt-oss's sinks);
     # runs before the "baseline" key have sdpa_ms / sage_over_sdpa
     base = "sdpa" if all(c.get("baseline", "sdpa") == "sdpa" for c in data["cases"]) else "baseline"
@@ -432,6 +433,19 @@ def render_fallback(data: dict) -> list:
                          ", ".join(f"{k} x{v}" for k, v in c.get("sage_impl", {}).items())])
     return out + table(["case", "batch x tokens", "order", f"{base} ms", "sage ms", f"sage vs {base}", "sage ran"],
                        rows)
+
+
+def render_window(data: dict) -> list:
+    """bench_kernel.py --window: the kernels' causal sliding window vs SDPA with the dense mask transformers' sdpa
+    path gives it, and both at plain causal for scale."""
+    out = run_lines(data["meta"]) + ["- **Method**: median ms of the whole call (triton do_bench), fp16, causal; "
+                                     "window W = transformers' sliding_window (window_left W - 1); accuracy of the "
+                                     "windowed call vs float64 on 2 heads.", ""]
+    rows = [[r["B"], r["H"], r["D"], r["N"], r["window"], f"{r['sage8b_window_ms']:.2f}",
+             f"{r['sdpa_window_mask_ms']:.2f}", f"{r['speedup_vs_sdpa_mask']:.2f}x", f"{r['sage8b_causal_ms']:.2f}",
+             f"{r['cudnn_causal_ms']:.2f}", f"{r['vs_float64_cos']:.5f}"] for r in data["rows"]]
+    return out + table(["B", "H", "D", "N", "window", "sage 8b window ms", "SDPA dense window mask ms", "speed-up",
+                        "sage 8b causal ms", "cuDNN causal ms", "cos vs float64"], rows)
 
 
 def render_first_call(data: dict) -> list:
@@ -501,6 +515,8 @@ def render(data_dir: str) -> str:
             lines += [f"### Attention kernel (`{src}`)", ""] + render_kernel(data) + [""]
         for src, data in sec.get("portable_vs_sa2", []):
             lines += [f"### Portable kernel vs public SageAttention2 (`{src}`)", ""] + render_portable_vs_sa2(data) + [""]
+        for src, data in sec.get("window", []):
+            lines += [f"### Sliding window (`{src}`)", ""] + render_window(data) + [""]
         for src, data in sec.get("sustained", []):
             lines += [f"### Sustained load (`{src}`)", ""] + render_sustained(data) + [""]
         if sec.get("e2e"):
@@ -512,7 +528,7 @@ def render(data_dir: str) -> str:
         for src, data in sec.get("first_call", []):
             lines += [f"### First call of a process (`{src}`)", ""] + render_first_call(data) + [""]
         for src, data in sec.get("fallback", []):
-            lines += [f"### Batched prefills and the full-precision fallback (`{src}`)", ""] + render_fallback(data) + [""]
+            lines += [f"### Batched, windowed and fallback prefills (`{src}`)", ""] + render_fallback(data) + [""]
         for src, data in sec.get("training", []):
             lines += [f"### Training (`{src}`)", ""] + render_training(data) + [""]
         for src, data in sec.get("finetune", []):
