@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 
 import torch
 
@@ -179,7 +180,7 @@ def sage_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     if (q_length == 1 or q_length == kv_length) and length == kv_length and not is_tracing(mask) \
             and fast_all(mask):
         return None
-    return mask
+    return _new_key_padding(mask)
 
 
 def handles(model) -> bool:
@@ -296,9 +297,9 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
                                   is_causal=is_causal, sliding_window=sliding_window, softcap=softcap,
                                   s_aux=s_aux, **kwargs)
     ignored = ignored_kwargs()
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in ignored)
+    unknown = [k for k, v in kwargs.items() if v is not None and k not in ignored]
     if unknown:
-        raise TypeError(f"sage_patch attention: keyword(s) {unknown} from {type(module).__name__} may change the "
+        raise TypeError(f"sage_patch attention: keyword(s) {sorted(unknown)} from {type(module).__name__} may change the "
                         f"attention result and are not supported; supported: attention_mask, scaling, dropout, "
                         f"{', '.join(sorted(_HANDLED_KWARGS))}, and ignored bookkeeping keywords "
                         f"(sage_patch.integrations.transformers.ignored_kwargs()); use attn_implementation='eager' "
@@ -312,6 +313,11 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
     if key_padding:
         # sage_mask's key padding (B, L): causal is the module's, aligned bottom-right (the queries are the last of
         # the L keys); keys past L are a static cache's unused slots, cut as transformers' flash path cuts them.
+        # Checked here: a call decided by rule (binding.full_by_rule) reaches no other check of the mask's shape.
+        if attention_mask.shape[0] != query.shape[0] or attention_mask.shape[-1] > kv_len:
+            raise ValueError(f"sage_patch attention: a 2-D bool attention_mask is key padding (B, L) over the first "
+                             f"L <= Skv keys; got shape {tuple(attention_mask.shape)} with B={query.shape[0]}, "
+                             f"Skv={kv_len}")
         if attention_mask.shape[-1] < kv_len:
             kv_len = attention_mask.shape[-1]
             key, value = key[:, :, :kv_len], value[:, :, :kv_len]
@@ -332,19 +338,22 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
         out = exact_attention(query, key, value, is_causal=is_causal, scale=scaling, attn_mask=attention_mask,
                               dtype=torch.float32, softcap=softcap, sinks=s_aux, dropout_p=dropout_p).to(query.dtype)
     else:
-        def full():
+        def transformers_sdpa():
             # A full-precision decision runs transformers' own sdpa function on what it would have received (its
             # mask object, GQA handling, contiguity, hence its SDPA backend): the fallback costs only the decision.
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+            # Returns its (B, Sq, H, D) contiguous output.
             if attention_mask is mask_in:  # key padding goes back to what sdpa_mask would have given
                 k_, v_, mask = key_in, value_in, sdpa_equivalent_mask(mask_in, causal_module, q_len, key_in.shape[2])
             else:  # a window mask built here, over the keys it was built for
                 k_, v_, mask = key, value, attention_mask
-            out, _ = sdpa_attention_forward(module, query, k_, v_, mask, dropout=dropout_p, scaling=scaling,
-                                            is_causal=causal_module)
-            return out.transpose(1, 2)  # (B, H, Sq, D) view: the transpose(1, 2).contiguous() below is then free
+            return _transformers_sdpa()(module, query, k_, v_, mask, dropout=dropout_p, scaling=scaling,
+                                        is_causal=causal_module)[0]
 
+        def full():  # (B, H, Sq, D) view: the transpose(1, 2).contiguous() below is then free
+            return transformers_sdpa().transpose(1, 2)
+
+        if binding.full_by_rule(query, key, value, layout="bhsd", attn_mask=attention_mask, dropout_p=dropout_p):
+            return transformers_sdpa(), None  # eager, full by a rule (decode steps under min_seq_len): counted
         if binding.passes_full():  # traced with the model under torch.compile (counted once per trace)
             out = binding.attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
                                     attn_mask=attention_mask, dropout_p=dropout_p, full=full)
@@ -352,6 +361,18 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
             out = binding.run(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
                               attn_mask=attention_mask, dropout_p=dropout_p, full=full)
     return out.transpose(1, 2).contiguous(), None
+
+
+_SDPA_FORWARD: list = []  # transformers' sdpa_attention_forward, imported at the first full-precision call
+
+
+def _transformers_sdpa():
+    """transformers' own sdpa attention function (a module-level memo: an import statement at every decode step
+    of every layer costs more than the rest of the decision)."""
+    if not _SDPA_FORWARD:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        _SDPA_FORWARD.append(sdpa_attention_forward)
+    return _SDPA_FORWARD[0]
 
 
 def _check_head_grouping(module, query, key) -> None:
@@ -389,17 +410,52 @@ def _is_key_padding(mask) -> bool:
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool
 
 
+# The key padding `sage_mask` returned last, and what `sdpa_equivalent_mask` turned it into: (weak reference to it,
+# {(causal, q_len, kv_len): dense mask}). transformers calls the mask function once per forward and hands the object
+# it returned to every layer, so a forward whose layers run full (decode steps under the shipped policy) builds
+# sdpa_mask's mask once, as transformers' sdpa does, not once per layer. The entry is replaced at the next
+# `sage_mask` (so a mask modified in place between forwards is converted again) and dropped when the key padding
+# is freed (so the dense masks do not outlive it).
+_KEY_PADDING: list = [None]
+
+
+def _forget_key_padding(ref) -> None:
+    entry = _KEY_PADDING[0]
+    if entry is not None and entry[0] is ref:
+        _KEY_PADDING[0] = None
+
+
+def _new_key_padding(mask: torch.Tensor) -> torch.Tensor:
+    """`sage_mask` returns `mask`, the key padding of one forward: its dense forms are built at most once each."""
+    if not torch.compiler.is_compiling():
+        _KEY_PADDING[0] = (weakref.ref(mask, _forget_key_padding), {})
+    return mask
+
+
 def sdpa_equivalent_mask(mask, causal: bool, q_len: int, kv_len: int):
     """The mask transformers' own sdpa function needs for what `mask` means here (a path that hands the call to it):
     `sage_mask`'s key padding (B, L) becomes the (B, 1, Sq, Skv) bool mask sdpa_mask builds (causal bottom-right
-    over the first L keys, the unused static-cache slots past L masked); any other mask is returned as is."""
+    over the first L keys, the unused static-cache slots past L masked); any other mask is returned as is. The
+    layers of one forward asking about the key padding `sage_mask` returned get one dense mask object, built once
+    (eager only: a traced forward builds it where it is used, in the graph)."""
     if not _is_key_padding(mask):
         return mask
+    causal = causal and q_len > 1
+    memo = None
+    if not torch.compiler.is_compiling():
+        entry = _KEY_PADDING[0]
+        memo = entry[1] if entry is not None and entry[0]() is mask else None
+        m = None if memo is None else memo.get((causal, q_len, kv_len))
+        if m is not None:
+            return m
     from sage_patch.masks import combined_bool_mask
 
-    m = combined_bool_mask(mask, causal and q_len > 1, q_len, mask.shape[-1], mask.device)
+    m = combined_bool_mask(mask, causal, q_len, mask.shape[-1], mask.device)
     m = m.expand(mask.shape[0], 1, q_len, mask.shape[-1])
-    return torch.nn.functional.pad(m, (0, kv_len - mask.shape[-1]), value=False)
+    m = torch.nn.functional.pad(m, (0, kv_len - mask.shape[-1]), value=False)
+    if memo is not None:
+        memo[(causal, q_len, kv_len)] = m
+    return m
 
 
 def _window_mask(q_len: int, kv_len: int, window: int, causal: bool, device) -> torch.Tensor:
