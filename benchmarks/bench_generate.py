@@ -7,6 +7,10 @@ so a small margin explains a divergence.
 
     python benchmarks/bench_generate.py --out docs/data/h200_generate.json          # Llama-3.1-8B architecture
     python benchmarks/bench_generate.py --tiny --out out/generate.json               # CPU smoke run
+    python benchmarks/bench_generate.py --tiny --layers 4 --new-tokens 64 --reps 16 --device cpu   # decode cost
+
+Decode steps (one query token each) run full precision under the shipped policy, so their time is the host's: the
+"decode ms/step" line, (total - TTFT) / (new tokens - 1), compares what sage_patch's routing adds to each step.
 
 Weights are random (no download): the full-size architecture from its released config.
 """
@@ -53,6 +57,12 @@ def divergence(sage: torch.Tensor, sdpa: torch.Tensor, scores: tuple) -> list[di
     return out
 
 
+def decode_ms_per_step(times: dict, new_tokens: int) -> float:
+    """Median time of one decode step: (total - time to first token) / (new_tokens - 1), from the medians."""
+    total, ttft = statistics.median(times["total_ms"]), statistics.median(times["ttft_ms"])
+    return (total - ttft) / max(new_tokens - 1, 1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke run)")
@@ -62,9 +72,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens generated (default 128; tiny: 8)")
     ap.add_argument("--reps", type=int, default=4, help="timed generate() calls per implementation, interleaved with "
                                                        "the other's, the order alternating (median)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lengths = a.prompts or ([96, 64, 48, 32] if a.tiny else [8192, 4096, 2048, 1024])
     new_tokens = a.new_tokens or (8 if a.tiny else 128)
@@ -107,7 +118,8 @@ def main(argv=None) -> int:
     for impl in impls:
         t = times[impl]
         print(f"{impl}: TTFT {statistics.median(t['ttft_ms']):.1f} ms, {new_tokens} tokens "
-              f"{statistics.median(t['total_ms']):.1f} ms (each of {a.reps})", flush=True)
+              f"{statistics.median(t['total_ms']):.1f} ms, decode {decode_ms_per_step(t, new_tokens):.2f} ms/step "
+              f"(each of {a.reps})", flush=True)
     div = divergence(tokens["sage"], tokens["sdpa"], scores["sdpa"])
     for n, d in zip(lengths, div):
         print(f"prompt {n}: " + ("tokens identical" if d["first_divergence"] is None else

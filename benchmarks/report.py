@@ -474,9 +474,13 @@ def render_generate(data: dict) -> list:
                              ""]
     med = {impl: {k: statistics.median(v) for k, v in data["times"][impl].items()} for impl in ("sdpa", "sage")}
     sd, sg = med["sdpa"], med["sage"]
-    out += table(["sdpa TTFT ms", "sage TTFT ms", "TTFT speed-up", "sdpa total ms", "sage total ms", "total speed-up"],
+    steps = max(int(meta.get("new_tokens") or 2) - 1, 1)  # decode steps: (total - TTFT) / steps
+    dd, dg = ((m["total_ms"] - m["ttft_ms"]) / steps for m in (sd, sg))
+    out += table(["sdpa TTFT ms", "sage TTFT ms", "TTFT speed-up", "sdpa total ms", "sage total ms", "total speed-up",
+                  "sdpa decode ms/step", "sage decode ms/step", "decode speed-up"],
                  [[f"{sd['ttft_ms']:.1f}", f"{sg['ttft_ms']:.1f}", f"{sd['ttft_ms'] / sg['ttft_ms']:.3f}x",
-                   f"{sd['total_ms']:.1f}", f"{sg['total_ms']:.1f}", f"{sd['total_ms'] / sg['total_ms']:.3f}x"]]) + [""]
+                   f"{sd['total_ms']:.1f}", f"{sg['total_ms']:.1f}", f"{sd['total_ms'] / sg['total_ms']:.3f}x",
+                   f"{dd:.2f}", f"{dg:.2f}", f"{dd / dg:.3f}x"]]) + [""]
     out += table(["prompt tokens", "tokens vs sdpa", "sdpa logit margin there"],
                  [[p["tokens"], "identical" if p["first_divergence"] is None else
                    f"first differ at step {p['first_divergence']}", "-" if p["margin"] is None else f"{p['margin']:.4f}"]

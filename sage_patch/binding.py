@@ -32,7 +32,7 @@ from .api import apply_sinks, check_sinks, run_attention
 from .guard import Guard
 from .policy import Policy
 from .report import NO_STATS, STATS_ATTR, LayerStats, log_fallback_once
-from .resolve import Decision
+from .resolve import Decision, resolve_by_rule
 from .sdpa_semantics import from_torch_sdpa
 
 logger = logging.getLogger("sage_patch")
@@ -91,6 +91,26 @@ class LayerBinding:
         if not torch.compiler.is_compiling():
             self._precision = self.requested()
         return self._precision == "full" and self.observer is None
+
+    def full_by_rule(self, q, k, v, *, layout: str, attn_mask, dropout_p: float) -> bool:
+        """Eager calls: whether this call runs full precision by a rule that needs neither the mask's shape nor the
+        kernels (resolve_by_rule: a "full" layer, dropout, a float mask, the policy's fallback rules, such as
+        min_seq_len at every decode step) while nothing else watches it (no calibration observer, no runtime guard,
+        no gradient). Such a call is recorded here as `attention` records it, and the caller runs its own
+        full-precision function (the library's own call, which validates its arguments as without sage_patch): a
+        host-bound decode step pays this check and the count. False: the caller takes `attention` or `run`."""
+        if self.observer is not None or self.policy.guard_every or torch.compiler.is_compiling() or (
+                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return False
+        float_mask = isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point()
+        decision = resolve_by_rule(self.requested(), q, k, layout=layout, float_mask=float_mask,
+                                   dropout_p=dropout_p, policy=self.policy)
+        if decision is None:
+            return False
+        self.stats.record(decision)
+        if decision.reason:
+            log_fallback_once(decision.reason)
+        return True
 
     def attention(self, q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=None, dropout_p=0.0,
                   return_lse=False, record=True, context=None, full=None, window_left=-1, sinks=None):

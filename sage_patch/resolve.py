@@ -132,6 +132,39 @@ class Varlen(NamedTuple):
     max_seqlen_k: int
 
 
+def resolve_by_rule(requested: str, q, k, *, layout: str, float_mask: bool, dropout_p: float, policy=None,
+                    varlen: Varlen | None = None) -> Decision | None:
+    """The full-precision decisions that `resolve` makes by rule, before it looks at the mask's shape, the device or
+    the kernels, for a call that needs no gradient: an explicit "full", dropout, a float mask, the policy's fallback
+    rules (sequence length, head dim, dtype). None: the call needs the rest of `resolve`. Cheap enough for every
+    decode step (LayerBinding.full_by_rule asks it before anything else): the answer for the last arguments is
+    kept, and the layers of one forward ask with the same ones."""
+    memo = varlen is None and not torch.compiler.is_compiling()  # traced shapes are symbolic: no guards on them
+    if memo:
+        key = (requested, policy, layout, q.shape, k.shape, q.dtype, dropout_p, float_mask)
+        last = _LAST_BY_RULE[0]
+        if last is not None and last[0] == key:
+            return last[1]
+    decision = _by_rule(requested, q, k, layout, float_mask, dropout_p, policy, varlen)
+    if memo:
+        _LAST_BY_RULE[0] = (key, decision)
+    return decision
+
+
+_LAST_BY_RULE: list = [None]  # (arguments, decision) of the last resolve_by_rule call
+
+
+def _by_rule(requested, q, k, layout, float_mask, dropout_p, policy, varlen) -> Decision | None:
+    if requested == "full":
+        return _full(requested, None)
+    if dropout_p > 0:
+        return _full(requested, f"dropout_p={dropout_p} > 0: quantized precisions have no dropout")
+    if float_mask:
+        return _full(requested, "float additive attn_mask: quantized precisions take bool masks only")
+    why = _policy_fallback(policy, q, k, layout, varlen)
+    return _full(requested, why) if why else None
+
+
 def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, dropout_p: float,
             return_lse: bool, smooth_v: bool, policy=None, varlen: Varlen | None = None,
             window_left: int = -1) -> Decision:
@@ -151,15 +184,10 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
         return _resolve_training(requested, q, k, v, layout=layout, is_causal=is_causal, mask=mask,
                                  dropout_p=dropout_p, return_lse=return_lse, smooth_v=smooth_v, policy=policy,
                                  varlen=varlen, window_left=window_left)
-    if requested == "full":
-        return _full(requested, None)
-    if dropout_p > 0:
-        return _full(requested, f"dropout_p={dropout_p} > 0: quantized precisions have no dropout")
-    if mask.kind == "float":
-        return _full(requested, "float additive attn_mask: quantized precisions take bool masks only")
-    why = _policy_fallback(policy, q, k, layout, varlen)
-    if why:
-        return _full(requested, why)
+    early = resolve_by_rule(requested, q, k, layout=layout, float_mask=mask.kind == "float", dropout_p=dropout_p,
+                            policy=policy, varlen=varlen)
+    if early is not None:
+        return early
 
     if not q.is_cuda:
         return Decision(requested, requested, "reference", "reference simulation (tensors on CPU)")

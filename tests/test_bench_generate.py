@@ -32,4 +32,4 @@ def test_tiny_run_end_to_end(tmp_path):
     assert "reference" in data["sage_impl"]  # the 140/160-token prefill ran the 8b simulation, decode steps sdpa
     assert all(len(data["times"][i][k]) == 1 for i in ("sage", "sdpa") for k in ("ttft_ms", "total_ms"))
     text = "\n".join(report.render_generate(data))
-    assert "TTFT speed-up" in text and "| 160 |" in text
+    assert "TTFT speed-up" in text and "decode speed-up" in text and "| 160 |" in text

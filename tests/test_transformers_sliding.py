@@ -89,15 +89,22 @@ def test_mask_function_gives_key_padding_for_the_sliding_pattern():
     am[0, :6] = False
     kw = dict(batch_size=2, mask_function=sliding_window_causal_mask_function(W), local_size=W)
     assert hf.sage_mask(q_length=20, kv_length=20, attention_mask=am, **kw) is am
-    assert hf.sage_mask(q_length=20, kv_length=20, attention_mask=torch.ones(2, 20, dtype=torch.bool), **kw) is None
+    # unpadded: None only where sdpa_mask skips its mask (_ignore_causal_mask_sdpa: not when the window may cut,
+    # kv_length >= local_size), else the all-True key padding (its dense form, for full calls, built once per forward)
+    ones = torch.ones(2, 20, dtype=torch.bool)
+    assert hf.sage_mask(q_length=20, kv_length=20, attention_mask=ones, **kw) is ones
+    assert hf.sage_mask(q_length=W - 1, kv_length=W - 1, attention_mask=ones[:, :W - 1], **kw) is None
     # a sliding cache holding W - 1 of 19 seen tokens, decoding one: the key padding of the keys it holds
     long_pad = am.clone()
     long_pad[0, :15] = False  # row 0's padding reaches into the keys held
     got = hf.sage_mask(q_length=1, kv_length=W, q_offset=19, kv_offset=13, attention_mask=long_pad, **kw)
     assert torch.equal(got, long_pad[:, 13:20])
-    assert hf.sage_mask(q_length=1, kv_length=W, q_offset=19, kv_offset=13, attention_mask=am, **kw) is None
+    got = hf.sage_mask(q_length=1, kv_length=W, q_offset=19, kv_offset=13, attention_mask=am, **kw)
+    assert torch.equal(got, am[:, 13:20]) and got.all()
     # no 2-D mask (eager): None where sdpa would use is_causal, else an all-True key padding of the keys attended
-    assert hf.sage_mask(q_length=20, kv_length=20, attention_mask=None, **kw) is None
+    assert hf.sage_mask(q_length=W - 1, kv_length=W - 1, attention_mask=None, **kw) is None
+    full = hf.sage_mask(q_length=20, kv_length=20, attention_mask=None, **kw)
+    assert full.shape == (2, 20) and full.all()
     cont = hf.sage_mask(q_length=4, kv_length=W - 1 + 4, q_offset=16, kv_offset=10, attention_mask=None, **kw)
     assert cont.shape == (2, W - 1 + 4) and cont.all()
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import weakref
 
 import torch
 
@@ -173,8 +174,8 @@ def sage_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     (allow_is_causal_skip=False: models that add to it, bidirectional windows, and compileable caches at decode,
     where sdpa_mask's mask is (B, 1, 1, Skv) key padding anyway), and queries that are not the last of the keys
     (kv_offset != 0 on a full-attention layer, or a known q_offset + q_length != kv_offset + L: MTP and speculative
-    caches). A sliding layer without a 2-D mask gets None (q_length == 1 or q_length == kv_length) or an all-True
-    key padding, in eager mode; under torch.compile it keeps sdpa_mask (packed sequences are told apart only by the
+    caches). A sliding layer without a 2-D mask gets None (q_length == 1 or q_length == kv_length, and the window
+    does not cut: sdpa_mask's own rule) or an all-True key padding, in eager mode; under torch.compile it keeps sdpa_mask (packed sequences are told apart only by the
     mask function's closure, which a traced call cannot read for them).
 
     Host syncs: the mask's values are read (one `fast_all`, once per forward, eager only) where sdpa_mask reads them
@@ -206,13 +207,16 @@ def sage_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function,
                          attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
-    skippable = (q_length == 1 or q_length == kv_length) and length == kv_length
+    # what sdpa_mask skips (_ignore_causal_mask_sdpa): not a window that cuts, whose mask its sdpa path needs
+    skippable = (q_length == 1 or q_length == kv_length) and length == kv_length and not (
+        sliding and kv_length >= kwargs["local_size"])
     if mask is None:
-        return None if skippable else torch.ones(batch_size, length, dtype=torch.bool, device=kwargs.get("device"))
+        return None if skippable else _new_key_padding(
+            torch.ones(batch_size, length, dtype=torch.bool, device=kwargs.get("device")))
     mask = mask.to(torch.bool)
     if skippable and not is_tracing(mask) and fast_all(mask):
         return None
-    return mask
+    return _new_key_padding(mask)
 
 
 _AND_MASK_CODE: list = []  # the code object of transformers' and_masks closure (read once)
@@ -383,9 +387,9 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
                                   is_causal=is_causal, sliding_window=sliding_window, softcap=softcap,
                                   s_aux=s_aux, **kwargs)
     ignored = ignored_kwargs()
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in ignored)
+    unknown = [k for k, v in kwargs.items() if v is not None and k not in ignored]
     if unknown:
-        raise TypeError(f"sage_patch attention: keyword(s) {unknown} from {type(module).__name__} may change the "
+        raise TypeError(f"sage_patch attention: keyword(s) {sorted(unknown)} from {type(module).__name__} may change the "
                         f"attention result and are not supported; supported: attention_mask, scaling, dropout, "
                         f"{', '.join(sorted(_HANDLED_KWARGS))}, and ignored bookkeeping keywords "
                         f"(sage_patch.integrations.transformers.ignored_kwargs()); use attn_implementation='eager' "
@@ -399,6 +403,11 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
     if key_padding:
         # sage_mask's key padding (B, L): causal is the module's, aligned bottom-right (the queries are the last of
         # the L keys); keys past L are a static cache's unused slots, cut as transformers' flash path cuts them.
+        # Checked here: a call decided by rule (binding.full_by_rule) reaches no other check of the mask's shape.
+        if attention_mask.shape[0] != query.shape[0] or attention_mask.shape[-1] > kv_len:
+            raise ValueError(f"sage_patch attention: a 2-D bool attention_mask is key padding (B, L) over the first "
+                             f"L <= Skv keys; got shape {tuple(attention_mask.shape)} with B={query.shape[0]}, "
+                             f"Skv={kv_len}")
         if attention_mask.shape[-1] < kv_len:
             kv_len = attention_mask.shape[-1]
             key, value = key[:, :, :kv_len], value[:, :, :kv_len]
@@ -435,21 +444,24 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
         out = binding.attention(query, key, value, **kw) if binding.passes_full() else \
             binding.run(query, key, value, **kw)
     else:
-        def full():
+        def transformers_sdpa():
             # A full-precision decision runs transformers' own sdpa function on what it would have received (its
             # mask object, GQA handling, contiguity, hence its SDPA backend): the fallback costs only the decision.
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+            # Returns its (B, Sq, H, D) contiguous output.
             if attention_mask is mask_in:  # key padding (and the window) back to what sdpa_mask would have given
                 k_, v_ = (key, value) if mask_in is None and window_left >= 0 else (key_in, value_in)
                 mask = sdpa_equivalent_mask(mask_in, causal_module, q_len, k_.shape[2], sliding_window,
                                             device=query.device)
             else:  # a window mask built here, over the keys it was built for
                 k_, v_, mask = key, value, attention_mask
-            out, _ = sdpa_attention_forward(module, query, k_, v_, mask, dropout=dropout_p, scaling=scaling,
-                                            is_causal=causal_module)
-            return out.transpose(1, 2)  # (B, H, Sq, D) view: the transpose(1, 2).contiguous() below is then free
+            return _transformers_sdpa()(module, query, k_, v_, mask, dropout=dropout_p, scaling=scaling,
+                                        is_causal=causal_module)[0]
 
+        def full():  # (B, H, Sq, D) view: the transpose(1, 2).contiguous() below is then free
+            return transformers_sdpa().transpose(1, 2)
+
+        if binding.full_by_rule(query, key, value, layout="bhsd", attn_mask=attention_mask, dropout_p=dropout_p):
+            return transformers_sdpa(), None  # eager, full by a rule (decode steps under min_seq_len): counted
         if binding.passes_full():  # traced with the model under torch.compile (counted once per trace)
             out = binding.attention(query, key, value, layout="bhsd", is_causal=is_causal, scale=scaling,
                                     attn_mask=attention_mask, dropout_p=dropout_p, full=full,
@@ -508,6 +520,18 @@ class _ModelEager:
         return out.transpose(1, 2)  # (B, H, Sq, D) view of the contiguous (B, Sq, H, D)
 
 
+_SDPA_FORWARD: list = []  # transformers' sdpa_attention_forward, imported at the first full-precision call
+
+
+def _transformers_sdpa():
+    """transformers' own sdpa attention function (a module-level memo: an import statement at every decode step
+    of every layer costs more than the rest of the decision)."""
+    if not _SDPA_FORWARD:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        _SDPA_FORWARD.append(sdpa_attention_forward)
+    return _SDPA_FORWARD[0]
+
+
 def _check_head_grouping(module, query, key) -> None:
     """Head counts come from the tensors (under tensor parallelism each rank holds Hq/P query and Hkv/P KV heads);
     the module's `num_key_value_groups` is the one attribute they must agree with: transformers' own eager and sdpa
@@ -544,6 +568,29 @@ def _is_key_padding(mask) -> bool:
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool
 
 
+# The key paddings `sage_mask` returned, and what `sdpa_equivalent_mask` turned each into: id -> (weak reference,
+# {(causal, q_len, kv_len, window): dense mask}). transformers calls the mask function once per forward and mask
+# type (a model with sliding and full layers: twice) and hands the object it returned to every layer of that type, so
+# a forward whose layers run full (decode steps under the shipped policy, a head dim without a kernel) builds
+# sdpa_mask's mask once per mask type, as transformers' sdpa does, not once per layer. An entry is replaced when
+# `sage_mask` returns the same object again (so a mask modified in place between forwards is converted again) and
+# dropped when the key padding is freed (so the dense masks do not outlive it).
+_KEY_PADDINGS: dict = {}
+
+
+def _forget_key_padding(ref) -> None:
+    for k, (r, _) in list(_KEY_PADDINGS.items()):
+        if r is ref:
+            del _KEY_PADDINGS[k]
+
+
+def _new_key_padding(mask: torch.Tensor) -> torch.Tensor:
+    """`sage_mask` returns `mask`, the key padding of one forward: its dense forms are built at most once each."""
+    if not torch.compiler.is_compiling():
+        _KEY_PADDINGS[id(mask)] = (weakref.ref(mask, _forget_key_padding), {})
+    return mask
+
+
 def sdpa_equivalent_mask(mask, causal: bool, q_len: int, kv_len: int, sliding_window: int | None = None, *,
                          device=None):
     """The mask transformers' own sdpa function needs for what `mask` means here (a path that hands the call to it):
@@ -551,12 +598,25 @@ def sdpa_equivalent_mask(mask, causal: bool, q_len: int, kv_len: int, sliding_wi
     over the first L keys, the unused static-cache slots past L masked), with a causal layer's `sliding_window`
     (transformers' rule q_pos - sliding_window < kv_pos <= q_pos, the queries the last of the L keys); None with a
     causal window that cuts (kv_len > sliding_window) becomes that window's (1, 1, Sq, Skv) mask on `device`; any
-    other mask is returned as is (sdpa_mask's own masks carry their window)."""
+    other mask is returned as is (sdpa_mask's own masks carry their window). The layers of one forward asking about
+    a key padding `sage_mask` returned get one dense mask object, built once (eager only: a traced forward builds it
+    where it is used, in the graph)."""
     window_left = sliding_window - 1 if causal and sliding_window is not None else -1
     if mask is None and window_left >= 0 and kv_len > sliding_window:
         return combined_bool_mask(None, q_len > 1, q_len, kv_len, device, window_left)[None, None]
     if not _is_key_padding(mask):
         return mask
-    m = combined_bool_mask(mask, causal and q_len > 1, q_len, mask.shape[-1], mask.device, window_left)
+    causal = causal and q_len > 1
+    memo = None
+    if not torch.compiler.is_compiling():
+        entry = _KEY_PADDINGS.get(id(mask))
+        memo = entry[1] if entry is not None and entry[0]() is mask else None
+        m = None if memo is None else memo.get((causal, q_len, kv_len, window_left))
+        if m is not None:
+            return m
+    m = combined_bool_mask(mask, causal, q_len, mask.shape[-1], mask.device, window_left)
     m = m.expand(mask.shape[0], 1, q_len, mask.shape[-1])
-    return torch.nn.functional.pad(m, (0, kv_len - mask.shape[-1]), value=False)
+    m = torch.nn.functional.pad(m, (0, kv_len - mask.shape[-1]), value=False)
+    if memo is not None:
+        memo[(causal, q_len, kv_len, window_left)] = m
+    return m
