@@ -134,14 +134,15 @@ class Varlen(NamedTuple):
 
 def resolve_by_rule(requested: str, q, k, *, layout: str, float_mask: bool, dropout_p: float, policy=None,
                     varlen: Varlen | None = None) -> Decision | None:
-    """The full-precision decisions that `resolve` makes by rule, before it looks at the mask's shape, the device or
-    the kernels, for a call that needs no gradient: an explicit "full", dropout, a float mask, the policy's fallback
-    rules (sequence length, head dim, dtype). None: the call needs the rest of `resolve`. Cheap enough for every
+    """The full-precision decisions that `resolve` makes by rule, before it looks at the mask's shape or the kernels'
+    other constraints, for a call that needs no gradient: an explicit "full", dropout, a float mask, the policy's
+    fallback rules (sequence length, head dim, dtype), a head dim no compiled kernel has (on a GPU with the kernels
+    loaded). None: the call needs the rest of `resolve`. Cheap enough for every
     decode step (LayerBinding.full_by_rule asks it before anything else): the answer for the last arguments is
     kept, and the layers of one forward ask with the same ones."""
     memo = varlen is None and not torch.compiler.is_compiling()  # traced shapes are symbolic: no guards on them
     if memo:
-        key = (requested, policy, layout, q.shape, k.shape, q.dtype, dropout_p, float_mask)
+        key = (requested, policy, layout, q.shape, k.shape, q.dtype, q.is_cuda, dropout_p, float_mask)
         last = _LAST_BY_RULE[0]
         if last is not None and last[0] == key:
             return last[1]
@@ -162,7 +163,16 @@ def _by_rule(requested, q, k, layout, float_mask, dropout_p, policy, varlen) -> 
     if float_mask:
         return _full(requested, "float additive attn_mask: quantized precisions take bool masks only")
     why = _policy_fallback(policy, q, k, layout, varlen)
-    return _full(requested, why) if why else None
+    if why:
+        return _full(requested, why)
+    # A head dim no compiled kernel has, on a GPU whose kernels resolve would ask: the decision (and its reason)
+    # resolve reaches through can_run, made here so that such layers (Gemma's 256) cost the decision alone.
+    if (requested in ("8b", "4b") and varlen is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and _kernels_loaded()):
+        why = kernels.registry.head_dim_reason(q.shape[-1])
+        if why:
+            return _full(requested, f"{requested} unavailable: {why}")
+    return None
 
 
 def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, dropout_p: float,

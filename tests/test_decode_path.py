@@ -114,9 +114,16 @@ def test_dense_mask_built_once_per_key_padding_and_freed_with_it():
     assert hf.sdpa_equivalent_mask(kp, True, 4, 12) is not a  # another shape: its own mask
     other = kp.clone()  # not the forward's key padding: converted, not remembered
     assert hf.sdpa_equivalent_mask(other, True, 1, 12) is not hf.sdpa_equivalent_mask(other, True, 1, 12)
-    del kp, a
+    # a second key padding of the same forward (a model with sliding and full layers): both remembered, and the
+    # window is part of the key
+    hf._new_key_padding(other)
+    w = hf.sdpa_equivalent_mask(other, True, 4, 12, 5)
+    assert hf.sdpa_equivalent_mask(other, True, 4, 12, 5) is w and hf.sdpa_equivalent_mask(kp, True, 1, 12) is a
+    assert not torch.equal(w, hf.sdpa_equivalent_mask(other, True, 4, 12))
+    ids = (id(kp), id(other))
+    del kp, a, other, w
     gc.collect()
-    assert hf._KEY_PADDING[0] is None  # freed with the key padding: the dense masks do not outlive the forward
+    assert not set(ids) & set(hf._KEY_PADDINGS)  # freed with the key padding: the dense masks do not outlive it
 
 
 @pytest.mark.parametrize("shape", [(2, 13), (1, 12)])
@@ -146,3 +153,32 @@ def test_compile_fullgraph_decode_steps_with_the_shipped_policy():
     torch.testing.assert_close(compiled, eager)
     for st in layers_of(sage).values():
         assert st["used"] == {"full": st["calls"]} and st["fallbacks"][MIN_LEN] == st["calls"] - 1
+
+
+def test_head_dim_without_a_kernel_is_decided_by_rule_on_a_gpu(monkeypatch):
+    """On a GPU with the kernels loaded, a head dim no kernel has (Gemma's 256) is full by rule, with the reason
+    resolve's kernel check gives, so such a layer's calls skip the rest of the decision; never on CPU (the reference
+    runs any head dim), for float32 (its own reason) or without kernels (resolve's own path decides)."""
+    import types
+
+    import sage_patch.kernels as K
+    from sage_patch import resolve as R
+
+    monkeypatch.setattr(R, "_LAST_BY_RULE", [None])
+
+    def fake(d, dtype=torch.bfloat16, cuda=True):
+        return types.SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=torch.Size((1, 8, 300, d)))
+
+    monkeypatch.setattr(R, "_kernels_loaded", lambda: True)
+    for prec in ("8b", "4b"):
+        d = R.resolve_by_rule(prec, fake(256), fake(256), layout="bhsd", float_mask=False, dropout_p=0.0)
+        assert d.precision == "full" and d.impl == "sdpa"
+        assert d.reason == f"{prec} unavailable: head_dim 256: the kernel has head dims {K.NATIVE_HEAD_DIMS} only"
+    # the reason is the one can_run's own check gives
+    q = torch.zeros(1, 8, 4, 256, dtype=torch.bfloat16)
+    assert K._dtype_dim_gqa_reason(q, q, q, 1, torch) == K.registry.head_dim_reason(256)
+    for q_, why in ((fake(128), "a native head dim"), (fake(256, cuda=False), "CPU"),
+                    (fake(256, torch.float32), "float32")):
+        assert R.resolve_by_rule("8b", q_, q_, layout="bhsd", float_mask=False, dropout_p=0.0) is None, why
+    monkeypatch.setattr(R, "_kernels_loaded", lambda: False)
+    assert R.resolve_by_rule("8b", fake(256), fake(256), layout="bhsd", float_mask=False, dropout_p=0.0) is None

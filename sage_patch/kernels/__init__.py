@@ -162,8 +162,9 @@ def _dtype_dim_gqa_reason(q, k, v, hdim, torch):
     """Checks shared by the padded and the varlen kernel: dtypes, head dim, GQA ratio (hdim: the heads axis)."""
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes fp16 or bf16 (all the same)"
-    if q.shape[-1] not in NATIVE_HEAD_DIMS:
-        return f"head_dim {q.shape[-1]}: the kernel has head dims {NATIVE_HEAD_DIMS} only"
+    why = registry.head_dim_reason(q.shape[-1])
+    if why:
+        return why
     if k.shape[hdim] == 0 or q.shape[hdim] % k.shape[hdim]:
         return f"GQA needs Hq % Hkv == 0 (Hq={q.shape[hdim]}, Hkv={k.shape[hdim]})"
     return None

@@ -91,9 +91,14 @@ def _needs_int4_mma(t: Target):
     return DISABLED.get("4b-int4")
 
 
+def head_dim_reason(d: int) -> str | None:
+    """Why no compiled kernel serves head dim d (None: one does); one rule for can_run, the registry and the
+    resolver's early decision."""
+    return None if d in NATIVE_HEAD_DIMS else f"head_dim {d}: the kernel has head dims {NATIVE_HEAD_DIMS} only"
+
+
 def _head_dim(t: Target):
-    return None if t.head_dim in NATIVE_HEAD_DIMS else (
-        f"head_dim {t.head_dim}: the kernel has head dims {NATIVE_HEAD_DIMS} only")
+    return head_dim_reason(t.head_dim)
 
 
 # preferences: where another variant is the better default. Tagged by the mode they are about ("pv" or "qk"): a
