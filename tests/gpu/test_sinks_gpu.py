@@ -49,9 +49,11 @@ def test_kernel_with_sinks_vs_float64(d, causal, padded):
 
 
 def _gpt_oss_pair():
+    # every expert active (top-4 of 4): a top-k router turns the attention's 8b noise into discrete expert switches
+    # on some tokens (with top-2 of 4 and both layers quantized: logits cos 0.992), which is the MoE's, not ours
     cfg = transformers.GptOssConfig(vocab_size=1024, hidden_size=512, intermediate_size=256, num_hidden_layers=2,
                                     num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_local_experts=4,
-                                    num_experts_per_tok=2, sliding_window=128, max_position_embeddings=4096,
+                                    num_experts_per_tok=4, sliding_window=128, max_position_embeddings=4096,
                                     tie_word_embeddings=False, pad_token_id=0,
                                     layer_types=["sliding_attention", "full_attention"])
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": 150000.0}
