@@ -30,8 +30,8 @@ constexpr int kHopBN = 128;        // keys per block (one wgmma N for S; four k3
 // NWG >= 3 runs each warpgroup's blocks serially (S, softmax, P~V, merge: S and the P~V block never live together,
 // so 160 registers (3 consumers) or 112 (4, D = 64) hold it; at D = 128 P~V in two column halves) and relies on the
 // other warpgroups to keep the tensor cores busy; NWG = 2 overlaps S(kb) with P~V(kb-1) inside the warpgroup (~230
-// registers). H200, same-run A/B (device run 15): D = 128 3 vs 2: +4% at 1K, +7% at 2K, +5% at 16K; D = 64 4 vs 2:
-// +13-14% (3: +7-11%); bitwise identical outputs.
+// registers). H200, same-run A/B when the counts were chosen: D = 128 3 vs 2: +4% at 1K, +7% at 2K, +5% at 16K;
+// D = 64 4 vs 2: +13-14% (3: +7-11%); bitwise identical outputs.
 __host__ __device__ constexpr int hop_nwg(int D) { return D == 64 ? 4 : 3; }
 __host__ __device__ constexpr int hop_bm(int nwg) { return 64 * nwg; }          // query rows per CTA tile
 __host__ __device__ constexpr int hop_threads(int nwg) { return 128 * (nwg + 1); }  // + the producer warpgroup
@@ -82,18 +82,6 @@ struct HopSmem {
     static constexpr int FLAG_OFF = TILE_OFF + kHopTileRing * 4;  // per consumer: its split counter's old value
     static constexpr int TOTAL = FLAG_OFF + NWG * 4 + 1024;  // + slack to align the images to 1024 bytes
     static_assert(TOTAL < (1 << 18), "descriptor low words (hop_desc_step) assume shared addresses < 2^18");
-};
-
-// everything a head dim fixes, in one place
-template <int D_>
-struct HopTraits {
-    static constexpr int D = D_;
-    static constexpr int NWG = hop_nwg(D);           // consumer warpgroups
-    static constexpr int BM = hop_bm(NWG);           // query rows per CTA tile
-    static constexpr int BN = kHopBN;                // keys per block
-    static constexpr int THREADS = hop_threads(NWG);
-    static constexpr int STAGES = kHopStages;
-    using Smem = HopSmem<D, NWG>;
 };
 
 }  // namespace sage

@@ -10,16 +10,15 @@ namespace sage {
 // 3. attention.
 // CTA = 4 warps x WQ query rows (WQ/16 m16 tiles per warp, sharing every K/V fragment);
 // KV blocks of 64 keys, double-buffered with cp.async.
-// Q fragments: in registers for WQ = 16; for WQ = 32 the Q tile stays in shared memory (registers go to the two
-// m-tiles' accumulators) and each k-step reloads its A fragments with ldmatrix.
+// Q fragments: the CTA's Q tile stays in shared memory (registers go to the warp's two m-tiles' accumulators) and
+// each k-step reloads its A fragments with ldmatrix.
 template <int D, int PV, int WQ, int DB>
 struct AttnSmem {
-    static constexpr bool QSMEM = WQ > 16;
     static constexpr int KSTR = DB + 16;                      // bytes per quantized K (and Q) row + pad
     static constexpr int VROWB = PV != PV_FP8_MMA ? kBK * 2 : kBK;  // bytes per V^T row
     static constexpr int VSTR = VROWB + 16;
     static constexpr int KBYTES = kBK * KSTR, VBYTES = D * VSTR;
-    static constexpr int QBYTES = QSMEM ? 4 * WQ * KSTR : 0;
+    static constexpr int QBYTES = 4 * WQ * KSTR;
     static constexpr int TOTAL = 2 * (KBYTES + VBYTES) + QBYTES;
 };
 
@@ -70,11 +69,10 @@ __device__ __forceinline__ void zero_frags(X (&a)[M][N][4]) {
 }
 
 // S = Q K^T (int32) of the KV block in shared memory at cK, for the warp's MT m-tiles; each K fragment feeds the MT
-// m-tiles. Q fragments: from registers (qf, WQ = 16) or reloaded with ldmatrix from the CTA's Q tile (cQ, WQ = 32).
-// lrow / lbyte: this lane's ldmatrix row and byte offset.
-template <int D, int PV, int WQ, int QKM, int QR>
-__device__ __forceinline__ void attn_qk(int (&acc)[WQ / 16][8][4], const uint32_t (&qf)[QR][qk_row_bytes(D, QKM) / 32][4],
-                                        uint32_t cQ, uint32_t cK, int lrow, int lbyte) {
+// m-tiles. Q fragments: reloaded with ldmatrix from the CTA's Q tile (cQ). lrow / lbyte: this lane's ldmatrix row and
+// byte offset.
+template <int D, int PV, int WQ, int QKM>
+__device__ __forceinline__ void attn_qk(int (&acc)[WQ / 16][8][4], uint32_t cQ, uint32_t cK, int lrow, int lbyte) {
     constexpr int DB = qk_row_bytes(D, QKM);
     using S = AttnSmem<D, PV, WQ, DB>;
     constexpr int MT = WQ / 16;
@@ -83,14 +81,8 @@ __device__ __forceinline__ void attn_qk(int (&acc)[WQ / 16][8][4], const uint32_
     for (int c = 0; c < DB / 32; ++c) {  // k-steps of 32 bytes (k32 s8 or k64 s4)
         uint32_t qa[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            if constexpr (S::QSMEM) {
-                ldsm_x4(cQ + mt * 16 * S::KSTR + c * 32, qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) qa[mt][i] = qf[mt < QR ? mt : 0][c][i];
-            }
-        }
+        for (int mt = 0; mt < MT; ++mt)
+            ldsm_x4(cQ + mt * 16 * S::KSTR + c * 32, qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3]);
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
             uint32_t b0, b1, b2, b3;
@@ -336,7 +328,6 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs&
     const int sq_pad = w.sq_pad, skv_pad = w.skv_pad;
     using S = AttnSmem<D, PV, WQ, DB>;
     constexpr int MT = WQ / 16, BQ = 4 * WQ;
-    constexpr int QR = S::QSMEM ? 1 : MT;  // Q fragment sets held in registers
     extern __shared__ __align__(128) uint8_t smem[];
     uint8_t* sK = smem;
     uint8_t* sV = smem + 2 * S::KBYTES;
@@ -352,20 +343,6 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs&
     const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + hk;
     const int wrow = q0 + warp * WQ;  // first row of this warp
 
-    // Q fragments (A operand, row-major 16 x 32 per k-step) straight from global memory (WQ = 16)
-    uint32_t qf[QR][DB / 32][4];
-#pragma unroll
-    for (int mt = 0; mt < QR; ++mt) {
-        if constexpr (S::QSMEM) break;
-        const int8_t* Qp = qi8 + (bhq * sq_pad + wrow + mt * 16) * DB;
-#pragma unroll
-        for (int c = 0; c < DB / 32; ++c) {
-            qf[mt][c][0] = *reinterpret_cast<const uint32_t*>(Qp + g * DB + 32 * c + 4 * t);
-            qf[mt][c][1] = *reinterpret_cast<const uint32_t*>(Qp + (g + 8) * DB + 32 * c + 4 * t);
-            qf[mt][c][2] = *reinterpret_cast<const uint32_t*>(Qp + g * DB + 32 * c + 16 + 4 * t);
-            qf[mt][c][3] = *reinterpret_cast<const uint32_t*>(Qp + (g + 8) * DB + 32 * c + 16 + 4 * t);
-        }
-    }
     const float qs = qscale[(bhq * (sq_pad / WQ) + wrow / WQ) * 8 + g] * p.sm_scale * kLog2e;
 
     const int diag = skv - sq;  // key j visible to row i iff j <= i + diag
@@ -394,7 +371,7 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs&
 
     AttnLoadTile<D, PV, WQ, DB> load_tile{sK, sV, tid, Kg, Vg, skv_pad};
 
-    if constexpr (S::QSMEM) {  // the CTA's Q tile joins the first cp.async group
+    {  // the CTA's Q tile joins the first cp.async group
         const uint8_t* Qg = reinterpret_cast<const uint8_t*>(qi8) + (bhq * sq_pad + q0) * DB;
 #pragma unroll
         for (int it = 0; it < BQ * DB / 16 / kThreads; ++it) {
@@ -424,7 +401,7 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs&
 
         // S = Q K^T (int32); each K fragment feeds the MT m-tiles
         int acc[MT][8][4];
-        attn_qk<D, PV, WQ, QKM>(acc, qf, cQ, cK, lrow, lbyte);
+        attn_qk<D, PV, WQ, QKM>(acc, cQ, cK, lrow, lbyte);
         float al[MT][2];
         attn_softmax<PV, WQ, QKM>(acc, m, l, al, p, w, ksc, qs, kb, skv, q0, diag, wrow, mrow, bhq, qb, skv_pad, g, t);
         constexpr int NKK = PV == PV_FP8_MMA ? 2 : 4;  // k-steps over the 64 keys
