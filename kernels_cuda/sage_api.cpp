@@ -88,8 +88,6 @@ int sage_abi_version(void) { return SAGE_ABI_VERSION; }
 
 const char* sage_compiled_archs(void) { return SAGE_ARCHS; }
 
-int sage_q_group_rows(int head_dim) { return sage::portable_q_group_rows(head_dim); }
-
 int sage_hopper_compiled(void) { return SAGE_WITH_HOPPER; }
 
 }  // extern "C"

@@ -84,8 +84,6 @@ const char* sage_error_string(int code);
 int sage_abi_version(void);
 /* space-separated list of the SASS targets compiled in, e.g. "80 86 89 90a" */
 const char* sage_compiled_archs(void);
-/* rows per warp tile of the attention kernel for this head dim: Q scale groups are Grouping(rows, 8, 1) */
-int sage_q_group_rows(int head_dim);
 /* 1 when the sm_90a Hopper kernel (SAGE_KERNEL_WGMMA_FP8) is compiled in */
 int sage_hopper_compiled(void);
 

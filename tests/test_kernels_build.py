@@ -273,13 +273,12 @@ def test_varlen_can_run_reasons_on_cpu():
 
 def test_reference_config_4b_smoothing_block():
     cfg = K.reference_config(K.IMPL_FP8PV, 64)
-    assert cfg.q_smooth_block == 4 * K.q_group_rows(64)
+    assert cfg.q_smooth_block == 4 * K.registry.PORTABLE_Q_GROUP_ROWS
 
 
 def test_reference_config_matches_kernel_layout():
     cfg = K.reference_config(K.IMPL_FP8PV, 128)
-    assert (cfg.q_group.tile, cfg.q_group.mod, cfg.q_group.div) == (K.q_group_rows(128), 8, 1)
-    assert K.q_group_rows(128) in (16, 32)
+    assert (cfg.q_group.tile, cfg.q_group.mod, cfg.q_group.div) == (K.registry.PORTABLE_Q_GROUP_ROWS, 8, 1)
     assert (cfg.k_group.tile, cfg.k_group.mod, cfg.k_group.div) == (64, 8, 2)
     assert cfg.block_k == 64 and cfg.pv == "fp8"
     assert K.reference_config(K.IMPL_FP16PV).pv == "fp16"
@@ -292,7 +291,7 @@ def test_custom_op_fake_shapes(bshd):
     shape_k = (2, 9, 2, 64) if bshd else (2, 2, 9, 64)
     q = torch.empty(shape_q, dtype=torch.bfloat16, device="meta")
     k = torch.empty(shape_k, dtype=torch.bfloat16, device="meta")
-    out, lse = torch.ops.sage_patch.attn_8b(q, k, k, None, bshd, True, 0.125, 2)
+    out, lse = torch.ops.sage_patch.attn(q, k, k, None, bshd, True, 0.125, 2, 8, False, True)
     assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == "meta"
     assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
     out, lse = torch.ops.sage_patch.attn(q, k, k, None, bshd, False, 0.125, 6, 4, True, True)
@@ -335,7 +334,6 @@ def test_library_abi_without_gpu():
     assert h.sage_attn_workspace_bytes(ctypes.byref(p)) > 2 * 8 * 130 * 4  # + the Delta S table
     h.sage_error_string.restype = ctypes.c_char_p
     assert b"head dim" in h.sage_error_string(-3)
-    assert h.sage_q_group_rows(64) in (16, 32) and h.sage_q_group_rows(128) in (16, 32)
 
 
 @pytest.mark.slow
@@ -378,3 +376,13 @@ def test_workspace_layout_sizes_pinned():
         for name, value in fields.items():
             setattr(p, name, ctypes.cast(kmask, ctypes.c_void_p).value if name == "kmask" else value)
         assert h.sage_attn_workspace_bytes(ctypes.byref(p)) == expected, fields
+
+
+def test_portable_q_group_rows_is_the_kernels_warp_rows():
+    """The reference layout's Q groups (registry.PORTABLE_Q_GROUP_ROWS) are the portable kernel's warp tile: the
+    constant warp_rows() returns in kernels_cuda/portable/traits.cuh (the library no longer exports it)."""
+    import re
+
+    src = open(os.path.join(ROOT, "kernels_cuda", "portable", "traits.cuh")).read()
+    m = re.search(r"constexpr int warp_rows\(int /\*D\*/\) \{ return (\d+); \}", src)
+    assert m and int(m.group(1)) == K.registry.PORTABLE_Q_GROUP_ROWS

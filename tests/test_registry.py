@@ -91,7 +91,7 @@ def test_reference_config_per_variant():
     assert (w.q_group.tile, w.k_group.tile) == (16, 128)
     assert registry.get("mma-fp16").reference_config(128).pv == "fp16"
     m = registry.get("mma-fp8-qk4").reference_config(128)
-    assert m.block_k == 64 and m.pv == "fp8" and m.q_smooth_block == 4 * K.q_group_rows(128)
+    assert m.block_k == 64 and m.pv == "fp8" and m.q_smooth_block == 4 * K.registry.PORTABLE_Q_GROUP_ROWS
     assert K.reference_config(K.IMPL_WGMMA, 64) == w  # by implementation name, as before
 
 

@@ -9,7 +9,6 @@ namespace sage {
 // the mma.sync path: kernel ids SAGE_KERNEL_MMA_*
 int64_t portable_workspace_bytes(const SageAttnParams& p);
 int portable_fwd(const SageAttnParams& p, cudaStream_t st);
-int portable_q_group_rows(int head_dim);
 
 // the Hopper path (SAGE_KERNEL_WGMMA_FP8): defined only when the build has sm_90a (SAGE_WITH_HOPPER)
 bool hopper_supported(const SageAttnParams& p);

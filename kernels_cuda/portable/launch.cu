@@ -78,6 +78,4 @@ int portable_fwd(const SageAttnParams& p, cudaStream_t st) {
     return SAGE_E_BADARG;
 }
 
-int portable_q_group_rows(int head_dim) { return warp_rows(head_dim); }
-
 }  // namespace sage

@@ -33,10 +33,10 @@ import math
 import os
 
 from . import _lib
-from . import _ops  # registers the custom op torch.ops.sage_patch.attn_8b
+from . import _ops  # registers the custom ops torch.ops.sage_patch.attn / attn_varlen
 from . import registry
 from ._lib import arch_supported
-from .registry import (DEFAULT_Q_GROUP_ROWS, DISABLED, HOPPER_BLOCK_K, HOPPER_K_GROUPING_ARGS,  # noqa: F401
+from .registry import (DISABLED, HOPPER_BLOCK_K, HOPPER_K_GROUPING_ARGS,  # noqa: F401
                        HOPPER_Q_GROUPING_ARGS, HOPPER_STATS_SAMPLE, IMPL_FP8PV, IMPL_FP16PV, IMPL_WGMMA,
                        KERNEL_BLOCK_K, KERNEL_K_GROUPING_ARGS, NATIVE_HEAD_DIMS, KernelVariant, Target)
 
@@ -423,12 +423,6 @@ def _attention_varlen(variant, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(is_causal), scale,
                   variant.kernel_id, QK_BITS[precision], bool(smooth_v), bool(return_lse))
     return out, (lse if return_lse else None)
-
-
-def q_group_rows(head_dim: int) -> int:
-    """Rows of the attention kernel's warp tile for this head dim (from the loaded library; else the default)."""
-    lib = _lib.get()
-    return int(lib.handle.sage_q_group_rows(int(head_dim))) if lib.handle is not None else DEFAULT_Q_GROUP_ROWS
 
 
 def reference_config(variant: KernelVariant | str = IMPL_FP8PV, head_dim: int = 128):

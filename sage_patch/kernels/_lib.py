@@ -109,8 +109,6 @@ class Lib:
             h.sage_attn_workspace_bytes.argtypes = [ctypes.POINTER(SageAttnParams)]
             h.sage_attn_fwd.restype = ctypes.c_int
             h.sage_attn_fwd.argtypes = [ctypes.POINTER(SageAttnParams), ctypes.c_void_p]
-            h.sage_q_group_rows.restype = ctypes.c_int
-            h.sage_q_group_rows.argtypes = [ctypes.c_int]
             h.sage_hopper_compiled.restype = ctypes.c_int
             abi = h.sage_abi_version()
         except AttributeError as e:

@@ -1,6 +1,5 @@
 """torch.library custom ops around libsage_kernels.so (launch on the caller's stream, no host sync).
 
-- ``sage_patch::attn_8b``: the "8b" call (kept for compatibility: same as ``attn`` with qk_bits=8, smooth_v=False).
 - ``sage_patch::attn``: "8b" or "4b" (qk_bits 8/4), optional smooth V, BHSD or BSHD.
 - ``sage_patch::attn_varlen``: packed variable-length batches (q (total_q, Hq, D), k/v (total_k, Hkv, D),
   cu_seqlens int32 (B+1)); lse is (Hq, total_q).
@@ -116,23 +115,6 @@ def _attn_impl(q, k, v, kmask, bshd, is_causal, scale, kernel, qk_bits, smooth_v
             cu_k=None, is_causal=is_causal, scale=scale, kernel=kernel, qk_bits=qk_bits, smooth_v=smooth_v,
             hop_split_max=hop_split_max, window_left=window_left)
     return out, lse
-
-
-@torch.library.custom_op("sage_patch::attn_8b", mutates_args=(), device_types="cuda")
-def attn_8b(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kmask: Optional[torch.Tensor], bshd: bool,
-            is_causal: bool, scale: float, pv_mode: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """SageAttention2-8b forward. q/k/v fp16|bf16 in BHSD (bshd=False) or BSHD; kmask None or bool (B, Skv).
-
-    pv_mode: the kernel id (SAGE_KERNEL_*: 0 = FP8 P~V on e4m3 mma.sync (sm_89+), 1 = FP16 P~V (sm_80+), 2 = FP8
-    P~V numerics on fp16 mma.sync, 3 = the sm_90a wgmma kernel).
-
-    Returns (out in q's layout and dtype, lse fp32 (B, Hq, Sq) natural log, -inf on empty rows)."""
-    return _attn_impl(q, k, v, kmask, bshd, is_causal, scale, pv_mode, 8, False)
-
-
-@attn_8b.register_fake
-def _attn_8b_fake(q, k, v, kmask, bshd, is_causal, scale, pv_mode):
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, bshd), dtype=torch.float32)
 
 
 @torch.library.custom_op("sage_patch::attn", mutates_args=(), device_types="cuda")

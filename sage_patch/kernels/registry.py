@@ -34,8 +34,9 @@ IMPL_WGMMA = "cuda-wgmma-fp8pv"
 
 NATIVE_HEAD_DIMS = (64, 128)
 # the portable kernels' per-thread quantization groups: Q rows with equal r % 8 inside each warp tile of
-# q_group_rows(D) rows (32: Grouping(32, 8, 1)), keys with equal (c % 8) // 2 in each 64-key block
-DEFAULT_Q_GROUP_ROWS = 32
+# PORTABLE_Q_GROUP_ROWS rows (Grouping(32, 8, 1): kernels_cuda/portable/traits.cuh warp_rows(), checked against
+# the source by tests/test_kernels_build.py), keys with equal (c % 8) // 2 in each 64-key block
+PORTABLE_Q_GROUP_ROWS = 32
 KERNEL_K_GROUPING_ARGS = (64, 8, 2)
 KERNEL_BLOCK_K = 64
 HOPPER_Q_GROUPING_ARGS = (16, 8, 1)
@@ -162,9 +163,7 @@ class KernelVariant:
             return KernelLayout(block_k=HOPPER_BLOCK_K, q_group=Groups(*HOPPER_Q_GROUPING_ARGS),
                                 k_group=Groups(*HOPPER_K_GROUPING_ARGS), pv="fp8", row_sum="operand",
                                 stats_sample=HOPPER_STATS_SAMPLE)
-        from . import q_group_rows
-
-        rows = q_group_rows(head_dim)
+        rows = PORTABLE_Q_GROUP_ROWS
         return KernelLayout(block_k=KERNEL_BLOCK_K, q_group=Groups(rows, 8, 1), k_group=Groups(*KERNEL_K_GROUPING_ARGS),
                             q_smooth_block=4 * rows, pv="fp16" if self.pv == "fp16" else "fp8")
 

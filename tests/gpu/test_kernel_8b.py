@@ -156,7 +156,7 @@ def test_torch_compile_fullgraph():
     q, k, v = make_qkv(1, 4, 4, 256, 256, 64, torch.float16)
 
     def f(q, k, v):
-        out, lse = torch.ops.sage_patch.attn_8b(q, k, v, None, False, True, 0.125, 2)
+        out, lse = torch.ops.sage_patch.attn(q, k, v, None, False, True, 0.125, 2, 8, False, True)
         return out * 2.0, lse
 
     def g(q, k, v):
@@ -164,7 +164,7 @@ def test_torch_compile_fullgraph():
 
     cf = torch.compile(f, fullgraph=True)
     out, lse = cf(q, k, v)
-    ref, rlse = torch.ops.sage_patch.attn_8b(q, k, v, None, False, True, 0.125, 2)
+    ref, rlse = torch.ops.sage_patch.attn(q, k, v, None, False, True, 0.125, 2, 8, False, True)
     torch.testing.assert_close(out, ref * 2.0)
     assert torch.equal(lse, rlse)
     cg = torch.compile(g, fullgraph=True)
