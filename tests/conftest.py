@@ -48,6 +48,35 @@ def mask_kinds(monkeypatch):
     return kinds
 
 
+def _spy_resolver(monkeypatch, record):
+    import sage_patch.api as api
+
+    real = api.resolve
+
+    def spy(*args, mask, window_left=-1, **kwargs):
+        record(mask.kind, window_left)
+        return real(*args, mask=mask, window_left=window_left, **kwargs)
+
+    monkeypatch.setattr(api, "resolve", spy)
+
+
+@pytest.fixture
+def resolver_masks(monkeypatch):
+    """The mask kind of every attention call that reaches the resolver, in call order (what its decision saw; on CPU
+    a dense mask would run the simulation too, so the report alone cannot show a dense-mask fallback)."""
+    kinds = []
+    _spy_resolver(monkeypatch, lambda kind, _window: kinds.append(kind))
+    return kinds
+
+
+@pytest.fixture
+def resolver_windows(monkeypatch):
+    """(mask kind, window_left) of every attention call that reaches the resolver."""
+    seen = []
+    _spy_resolver(monkeypatch, lambda kind, window: seen.append((kind, window)))
+    return seen
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """fake_cuda(archs) -> a dict whose "cc" the test sets: CPU tensors then pose as CUDA ones on a device of that

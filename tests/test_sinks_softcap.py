@@ -173,18 +173,7 @@ def gpt_oss_pair(policy=None):
     return sage, ref
 
 
-@pytest.fixture
-def mask_kinds(monkeypatch):
-    """The MaskInfo kind of every attention call that reaches the resolver, in call order."""
-    kinds = []
-    real = sage_patch.api.resolve
 
-    def spy(*args, mask, **kwargs):
-        kinds.append(mask.kind)
-        return real(*args, mask=mask, **kwargs)
-
-    monkeypatch.setattr(sage_patch.api, "resolve", spy)
-    return kinds
 
 
 def _assert_full_layer_on_kernel_path(model, kinds, calls):
@@ -209,11 +198,11 @@ def _close_all_layers(sage, ref, ids, am, min_cos=COS_8B):
 
 @needs_gpt_oss
 @pytest.mark.parametrize("left", [True, False])
-def test_gpt_oss_padded_batch_sinks_on_the_kernel_path(left, mask_kinds):
+def test_gpt_oss_padded_batch_sinks_on_the_kernel_path(left, resolver_masks):
     sage, ref = gpt_oss_pair()
     ids, am = batch((160, 131, 145), 160, left=left)
     _close_all_layers(sage, ref, ids, am)
-    _assert_full_layer_on_kernel_path(sage, mask_kinds, 1)
+    _assert_full_layer_on_kernel_path(sage, resolver_masks, 1)
     assert not any("sink" in r for st in layers_of(sage).values() for r in st["fallbacks"])
 
 
@@ -248,7 +237,7 @@ def test_gpt_oss_full_calls_run_the_models_eager_function_exactly():
 
 
 @needs_gpt_oss
-def test_gpt_oss_chunked_continuation_into_a_padded_cache(mask_kinds):
+def test_gpt_oss_chunked_continuation_into_a_padded_cache(resolver_masks):
     """A second chunk of 130 tokens into a DynamicCache of a left-padded batch: bottom-right causal, key padding,
     sinks, on the kernel path; vs eager on the whole sequence."""
     sage, ref = gpt_oss_pair()
@@ -259,11 +248,11 @@ def test_gpt_oss_chunked_continuation_into_a_padded_cache(mask_kinds):
         second = sage(ids[:, 130:], attention_mask=am, past_key_values=first.past_key_values, use_cache=True).logits
     real = am[:, 130:].bool()
     assert cosine(second[real], whole[:, 130:][real]) >= COS_8B
-    _assert_full_layer_on_kernel_path(sage, mask_kinds, 2)
+    _assert_full_layer_on_kernel_path(sage, resolver_masks, 2)
 
 
 @needs_gpt_oss
-def test_gpt_oss_compile_fullgraph(mask_kinds):
+def test_gpt_oss_compile_fullgraph(resolver_masks):
     """Traced, the 8b call is the LSE op and the sinks' correction is traced after it; a "full" layer traces the
     model's eager function."""
     torch._dynamo.reset()
@@ -275,7 +264,7 @@ def test_gpt_oss_compile_fullgraph(mask_kinds):
         expected = ref(ids, attention_mask=am).logits
     torch.testing.assert_close(compiled, eager)
     assert cosine(compiled[am.bool()], expected[am.bool()]) >= COS_8B
-    _assert_full_layer_on_kernel_path(sage, mask_kinds, 2)  # the eager call and the compiled one (the op runs it)
+    _assert_full_layer_on_kernel_path(sage, resolver_masks, 2)  # the eager call and the compiled one (the op runs it)
 
     torch._dynamo.reset()
     sage, ref = gpt_oss_pair(policy="full")

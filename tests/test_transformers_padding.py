@@ -21,20 +21,6 @@ COS_8B = 0.999  # the 8b logits bound of tests/test_transformers_integration.py
 COS_ALONE = 0.9995  # a padded row vs the same sequence alone (quantization groups shift with the padding)
 
 
-@pytest.fixture
-def mask_kinds(monkeypatch):
-    """The MaskInfo kind of every attention call that reaches the resolver."""
-    kinds = []
-    real = sage_patch.api.resolve
-
-    def spy(*args, mask, **kwargs):
-        kinds.append(mask.kind)
-        return real(*args, mask=mask, **kwargs)
-
-    monkeypatch.setattr(sage_patch.api, "resolve", spy)
-    return kinds
-
-
 def no_dense_fallback(model):
     for name, st in layers_of(model).items():
         assert not any("dense" in r for r in st["fallbacks"]), (name, st["fallbacks"])
@@ -130,7 +116,7 @@ def test_key_padding_shorter_than_static_cache_cuts_unused_slots():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("left", [True, False])
-def test_padded_batch_runs_key_padding_and_matches_sdpa(kind, left, mask_kinds):
+def test_padded_batch_runs_key_padding_and_matches_sdpa(kind, left, resolver_masks):
     sage, ref = pair(kind, "8b")
     lengths, total = (160, 131, 145), 160
     ids, am = batch(lengths, total, left=left)
@@ -142,22 +128,22 @@ def test_padded_batch_runs_key_padding_and_matches_sdpa(kind, left, mask_kinds):
             sl = slice(total - n, total) if left else slice(0, n)
             alone = ref(ids[row:row + 1, sl]).logits[0]
             assert cosine(out[row, sl], alone) >= COS_ALONE, row
-    assert mask_kinds and set(mask_kinds) == {"key_padding"}, mask_kinds
+    assert resolver_masks and set(resolver_masks) == {"key_padding"}, resolver_masks
     no_dense_fallback(sage)
     assert all(st["used"] == {"8b": 1} for st in layers_of(sage).values())
 
 
-def test_full_policy_padded_batch_is_sdpa_exactly(mask_kinds):
+def test_full_policy_padded_batch_is_sdpa_exactly(resolver_masks):
     sage, ref = pair("llama", "full")
     ids, am = batch([40, 28, 33], 40)
     with torch.no_grad():
         torch.testing.assert_close(sage(ids, attention_mask=am).logits, ref(ids, attention_mask=am).logits,
                                    atol=0, rtol=0)
-    assert mask_kinds == []  # a "full" layer is decided by rule (binding.full_by_rule), before any mask is classified
+    assert resolver_masks == []  # a "full" layer is decided by rule (binding.full_by_rule), before any mask is classified
     assert all(st["impl"] == {"sdpa": 1} and st["requested"] == {"full": 1} for st in layers_of(sage).values())
 
 
-def test_chunked_continuation_into_a_padded_cache(mask_kinds):
+def test_chunked_continuation_into_a_padded_cache(resolver_masks):
     """A second chunk (Sq > 1) into a DynamicCache of a left-padded batch: bottom-right causal with key padding."""
     sage, ref = pair("llama", "8b")
     ids, am = batch([160, 137], 160)
@@ -167,29 +153,35 @@ def test_chunked_continuation_into_a_padded_cache(mask_kinds):
         second = sage(ids[:, 100:], attention_mask=am, past_key_values=first.past_key_values, use_cache=True).logits
     real = am[:, 100:].bool()
     assert cosine(second[real], whole[:, 100:][real]) >= COS_8B
-    assert set(mask_kinds) == {"key_padding"}
+    assert set(resolver_masks) == {"key_padding"}
     no_dense_fallback(sage)
 
 
-def test_generate_padded_batch_each_step_matches_sdpa(mask_kinds):
+def assert_steps_match_teacher_forced(sage, ref, ids, am, new_tokens, min_cos, **generate_kw):
+    """Greedy generate() with `sage`; each step's logits vs `ref` teacher-forced on the same tokens (a tiny random
+    model's near-ties may flip a token, so the tokens themselves are not compared)."""
+    out = sage.generate(input_ids=ids, attention_mask=am, max_new_tokens=new_tokens, do_sample=False,
+                        output_logits=True, return_dict_in_generate=True, **generate_kw)
+    full_am = torch.cat([am, torch.ones(am.shape[0], new_tokens, dtype=am.dtype)], 1)
+    with torch.no_grad():
+        forced = ref(out.sequences[:, :-1], attention_mask=full_am[:, :-1]).logits[:, ids.shape[1] - 1:]
+    for i, step in enumerate(out.logits):
+        assert cosine(step, forced[:, i]) >= min_cos, i
+
+
+def test_generate_padded_batch_each_step_matches_sdpa(resolver_masks):
     """Greedy generate() of a left-padded batch: the 8b prefill, then decode steps (8b too, forced by the policy)
     into the cache; each step's logits vs sdpa run on the same tokens (teacher-forced: a tiny random model's near-
     ties may flip a token)."""
     sage, ref = pair("llama", "8b")
     ids, am = batch([150, 129], 150)
-    out = sage.generate(input_ids=ids, attention_mask=am, max_new_tokens=5, do_sample=False, output_logits=True,
-                        return_dict_in_generate=True)
-    full_am = torch.cat([am, torch.ones(2, 5, dtype=am.dtype)], 1)
-    with torch.no_grad():
-        forced = ref(out.sequences[:, :-1], attention_mask=full_am[:, :-1]).logits[:, 149:]
-    for i, step in enumerate(out.logits):
-        assert cosine(step, forced[:, i]) >= COS_8B, i
-    assert set(mask_kinds) == {"key_padding"}, mask_kinds  # the decode steps too (q_len 1: key padding only)
+    assert_steps_match_teacher_forced(sage, ref, ids, am, 5, COS_8B)
+    assert set(resolver_masks) == {"key_padding"}, resolver_masks  # the decode steps too (q_len 1: key padding only)
     no_dense_fallback(sage)
     assert all(st["used"] == {"8b": 5} for st in layers_of(sage).values())
 
 
-def test_compile_fullgraph_padded_forward(mask_kinds):
+def test_compile_fullgraph_padded_forward(resolver_masks):
     torch._dynamo.reset()  # a fresh recompile budget: other tests of the session compiled the same forward
     sage, ref = pair("qwen2", "8b")
     ids, am = batch([150, 131], 150)
@@ -200,11 +192,11 @@ def test_compile_fullgraph_padded_forward(mask_kinds):
     torch.testing.assert_close(compiled, eager)
     real = am.bool()
     assert cosine(compiled[real], expected[real]) >= COS_8B
-    assert set(mask_kinds) == {"key_padding"}
+    assert set(resolver_masks) == {"key_padding"}
     no_dense_fallback(sage)
 
 
-def test_static_cache_padded_generate_compiled(mask_kinds):
+def test_static_cache_padded_generate_compiled(resolver_masks):
     """generate(cache_implementation="static"): the eager prefill takes the key padding of the tokens seen (the
     cache is longer), the compiled decode steps sdpa_mask's (B, 1, 1, Skv), which is key padding too."""
     torch._dynamo.reset()
@@ -220,7 +212,7 @@ def test_static_cache_padded_generate_compiled(mask_kinds):
         forced = ref(out.sequences[:, :-1], attention_mask=full_am[:, :-1]).logits[:, 139:]
     for i, step in enumerate(out.logits):
         assert cosine(step, forced[:, i]) >= COS_8B, i
-    assert set(mask_kinds) == {"key_padding"}, mask_kinds
+    assert set(resolver_masks) == {"key_padding"}, resolver_masks
     no_dense_fallback(sage)
 
 

@@ -19,6 +19,7 @@ import sage_patch
 import sage_patch.api
 from sage_patch.integrations import transformers as hf
 from test_transformers_integration import FakeAttention, batch, cosine, layers_of, qkv  # noqa: E402
+from test_transformers_padding import assert_steps_match_teacher_forced  # noqa: E402
 
 W = 7  # the window: shorter than every prompt, so it cuts
 COS_8B = 0.999
@@ -58,18 +59,7 @@ def pair(kind, policy="8b"):
     return sage, ref
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """(mask kind, window_left) of every attention call that reaches the resolver."""
-    seen = []
-    real = sage_patch.api.resolve
 
-    def spy(*args, mask, window_left=-1, **kwargs):
-        seen.append((mask.kind, window_left))
-        return real(*args, mask=mask, window_left=window_left, **kwargs)
-
-    monkeypatch.setattr(sage_patch.api, "resolve", spy)
-    return seen
 
 
 def check_kernel_path(model, seen, windowed=True):
@@ -182,7 +172,7 @@ def test_attention_window_is_transformers_rule(policy, sq, skv):
 
 @pytest.mark.parametrize("kind", ALL)
 @pytest.mark.parametrize("left", [True, False])
-def test_padded_batch_runs_the_window_and_matches_sdpa(kind, left, calls):
+def test_padded_batch_runs_the_window_and_matches_sdpa(kind, left, resolver_windows):
     sage, ref = pair(kind)
     lengths, total = (40, 29, 33), 40
     ids, am = batch(lengths, total, left=left)
@@ -194,7 +184,7 @@ def test_padded_batch_runs_the_window_and_matches_sdpa(kind, left, calls):
             sl = slice(total - n, total) if left else slice(0, n)
             alone = ref(ids[row:row + 1, sl]).logits[0]
             assert cosine(out[row, sl], alone) >= bound(kind), row
-    check_kernel_path(sage, calls)
+    check_kernel_path(sage, resolver_windows)
     assert all(st["used"] == {"8b": 1} for st in layers_of(sage).values())
 
 
@@ -210,7 +200,7 @@ def test_full_policy_is_sdpa_exactly(kind):
 
 
 @pytest.mark.parametrize("kind", ALL)
-def test_chunked_continuation_into_a_sliding_cache(kind, calls):
+def test_chunked_continuation_into_a_sliding_cache(kind, resolver_windows):
     """A second chunk into the cache of a left-padded batch: the sliding layers' cache holds W - 1 keys, the
     queries are the last of them (bottom-right), the key padding is the mask's columns from kv_offset on."""
     sage, ref = pair(kind)
@@ -221,45 +211,32 @@ def test_chunked_continuation_into_a_sliding_cache(kind, calls):
         second = sage(ids[:, 24:], attention_mask=am, past_key_values=first.past_key_values, use_cache=True).logits
     real = am[:, 24:].bool()
     assert cosine(second[real], whole[:, 24:][real]) >= bound(kind)
-    check_kernel_path(sage, calls)
+    check_kernel_path(sage, resolver_windows)
 
 
 @pytest.mark.parametrize("kind", ALL)
-def test_generate_padded_batch_each_step_matches_sdpa(kind, calls):
+def test_generate_padded_batch_each_step_matches_sdpa(kind, resolver_windows):
     """Greedy generate() of a left-padded batch (8b prefill and decode steps, forced by the policy) into the
     model's own cache (sliding layers: DynamicSlidingWindowLayer, kv_offset > 0 once full); each step's logits vs
     sdpa teacher-forced on the same tokens."""
     sage, ref = pair(kind)
     ids, am = batch([30, 21], 30)
-    out = sage.generate(input_ids=ids, attention_mask=am, max_new_tokens=4, do_sample=False, output_logits=True,
-                        return_dict_in_generate=True)
-    full_am = torch.cat([am, torch.ones(2, 4, dtype=am.dtype)], 1)
-    with torch.no_grad():
-        forced = ref(out.sequences[:, :-1], attention_mask=full_am[:, :-1]).logits[:, 29:]
-    for i, step in enumerate(out.logits):
-        assert cosine(step, forced[:, i]) >= bound(kind), i
-    check_kernel_path(sage, calls)
+    assert_steps_match_teacher_forced(sage, ref, ids, am, 4, bound(kind))
+    check_kernel_path(sage, resolver_windows)
     assert all(st["used"] == {"8b": 4} for st in layers_of(sage).values())
 
 
-def test_static_cache_generate_matches_sdpa(calls):
+def test_static_cache_generate_matches_sdpa(resolver_windows):
     """generate(cache_implementation="static"): StaticSlidingWindowLayer (W slots, rolled) on the sliding layers."""
     kind = "qwen2"
     sage, ref = pair(kind)
     ids, am = batch([30, 22], 30)
-    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=3, do_sample=False, cache_implementation="static",
-              output_logits=True, return_dict_in_generate=True)
-    out = sage.generate(**kw)
-    full_am = torch.cat([am, torch.ones(2, 3, dtype=am.dtype)], 1)
-    with torch.no_grad():
-        forced = ref(out.sequences[:, :-1], attention_mask=full_am[:, :-1]).logits[:, 29:]
-    for i, step in enumerate(out.logits):
-        assert cosine(step, forced[:, i]) >= bound(kind), i
-    check_kernel_path(sage, calls)
+    assert_steps_match_teacher_forced(sage, ref, ids, am, 3, bound(kind), cache_implementation="static")
+    check_kernel_path(sage, resolver_windows)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma3"])
-def test_compile_fullgraph_padded_forward(kind, calls):
+def test_compile_fullgraph_padded_forward(kind, resolver_windows):
     torch._dynamo.reset()  # a fresh recompile budget: other tests of the session compiled the same forward
     sage, ref = pair(kind)
     ids, am = batch([40, 29], 40)
@@ -270,10 +247,10 @@ def test_compile_fullgraph_padded_forward(kind, calls):
     torch.testing.assert_close(compiled, eager)
     real = am.bool()
     assert cosine(compiled[real], expected[real]) >= bound(kind)
-    check_kernel_path(sage, calls)
+    check_kernel_path(sage, resolver_windows)
 
 
-def test_report_shows_no_dense_fallback_on_sliding_layers(calls):
+def test_report_shows_no_dense_fallback_on_sliding_layers(resolver_windows):
     sage, _ = pair("qwen3")
     ids, am = batch([40, 30], 40)
     with torch.no_grad():
@@ -281,6 +258,6 @@ def test_report_shows_no_dense_fallback_on_sliding_layers(calls):
     text = str(sage_patch.report(sage))
     assert "dense" not in text
     rep = layers_of(sage)
-    check_kernel_path(sage, calls)  # on CPU a dense mask would run the simulation too: the resolver's view says it
+    check_kernel_path(sage, resolver_windows)  # on CPU a dense mask would run the simulation too: the resolver's view says it
     cpu_only = {"reference simulation (tensors on CPU)"}  # the kernels' stand-in here; a GPU has no fallback
     assert len(rep) == 2 and all(st["used"] == {"8b": 1} and set(st["fallbacks"]) <= cpu_only for st in rep.values())
