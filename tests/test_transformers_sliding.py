@@ -19,7 +19,7 @@ import sage_patch
 import sage_patch.api
 from sage_patch.integrations import transformers as hf
 from test_transformers_integration import FakeAttention, batch, cosine, layers_of, qkv  # noqa: E402
-from test_transformers_padding import assert_steps_match_teacher_forced  # noqa: E402
+from test_transformers_padding import assert_compiled_matches, assert_steps_match_teacher_forced  # noqa: E402
 
 W = 7  # the window: shorter than every prompt, so it cuts
 COS_8B = 0.999
@@ -237,16 +237,9 @@ def test_static_cache_generate_matches_sdpa(resolver_windows):
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma3"])
 def test_compile_fullgraph_padded_forward(kind, resolver_windows):
-    torch._dynamo.reset()  # a fresh recompile budget: other tests of the session compiled the same forward
     sage, ref = pair(kind)
     ids, am = batch([40, 29], 40)
-    with torch.no_grad():
-        eager = sage(ids, attention_mask=am).logits
-        compiled = torch.compile(sage, fullgraph=True, backend="aot_eager")(ids, attention_mask=am).logits
-        expected = ref(ids, attention_mask=am).logits
-    torch.testing.assert_close(compiled, eager)
-    real = am.bool()
-    assert cosine(compiled[real], expected[real]) >= bound(kind)
+    assert_compiled_matches(sage, ref, ids, am, bound(kind))
     check_kernel_path(sage, resolver_windows)
 
 
