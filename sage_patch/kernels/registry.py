@@ -96,6 +96,22 @@ def _head_dim(t: Target):
         f"head_dim {t.head_dim}: the kernel has head dims {NATIVE_HEAD_DIMS} only")
 
 
+def native_head_dim(d: int, dv: int | None = None) -> int | None:
+    """The head dim the kernels run a call of q/k head dim `d` and v head dim `dv` (None: d) at: the smallest of
+    NATIVE_HEAD_DIMS >= max(d, dv) (the call's Q, K and V zero-padded to it: kernels.head_dims), or None where every
+    native head dim is smaller. Adding a head dim to NATIVE_HEAD_DIMS is all it takes for the dims below it to pad."""
+    need = max(d, d if dv is None else dv)
+    return next((n for n in sorted(NATIVE_HEAD_DIMS) if n >= need), None)
+
+
+def work_ratio(d: int, dv: int | None = None) -> float:
+    """The work of a call run at its native head dim n over that at its own head dims: Q K^T and P~V each scale
+    with their head dim, so (n + n) / (d + dv); 1 for a native call."""
+    dv = d if dv is None else dv
+    n = native_head_dim(d, dv)
+    return 1.0 if n is None else 2.0 * n / (d + dv)
+
+
 # preferences: where another variant is the better default. Tagged by the mode they are about ("pv" or "qk"): a
 # forced P~V (or "4b" Q K^T) mode ignores the preferences of that mode.
 def _not_sm90(t: Target):
@@ -131,9 +147,11 @@ class KernelVariant:
     # instead. Measured on MEASURED_ARCHS (docs/benchmarks.md), assumed elsewhere (SPEED_ASSUMPTION)
     sdpa_faster_below: Mapping[str, Mapping[tuple[int, bool], float]] = field(default_factory=dict)
 
-    def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool) -> float | None:
-        """sdpa_faster_below on a device of capability `cc` (None: no crossover, the kernel runs at every length)."""
-        return _crossover(self.sdpa_faster_below, cc, head_dim, causal)
+    def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool,
+                  head_dim_v: int | None = None) -> float | None:
+        """sdpa_faster_below on a device of capability `cc` (None: no crossover, the kernel runs at every length);
+        a call padded to a native head dim (head_dim, head_dim_v not native) gets PADDED_SPEED_ASSUMPTION's."""
+        return _crossover(self.sdpa_faster_below, cc, head_dim, causal, head_dim_v)
 
     def why_not(self, t: Target, *, ignore: tuple[str, ...] = ()) -> str | None:
         """The reason this variant does not serve `t` (None: it does); preferences of the modes in `ignore` skipped,
@@ -204,9 +222,16 @@ def arch_key(cc: tuple[int, int]) -> str:
     return f"sm_{major}{minor}" if major < 10 else f"sm_{major}0"
 
 
-def _crossover(table, cc, head_dim, causal):
+def _crossover(table, cc, head_dim, causal, head_dim_v=None):
     per_arch = table.get(arch_key(cc), table.get(ANY_ARCH))
-    return None if per_arch is None else per_arch.get((head_dim, bool(causal)))
+    n = native_head_dim(head_dim, head_dim_v)
+    if n is None or (n == head_dim and head_dim_v in (None, head_dim)):  # native (or no kernel at all)
+        return None if per_arch is None else per_arch.get((head_dim, bool(causal)))
+    below = None if per_arch is None else per_arch.get((n, bool(causal)))  # padded: PADDED_SPEED_ASSUMPTION
+    ratio = work_ratio(head_dim, head_dim_v)
+    if below is None:
+        return math.inf if ratio > PADDED_UNMEASURED_MAX_RATIO else None
+    return below if below == math.inf else math.ceil(below * ratio)
 
 
 # The portable mma.sync kernels on sm_90 (any P~V mode, "8b" or "4b"): slower than SDPA cuDNN at every measured
@@ -331,8 +356,9 @@ class TrainingVariant:
     # and (head dim, causal), as KernelVariant's; shorter calls, key-padding ones included, train with SDPA instead
     sdpa_faster_below: Mapping[str, Mapping[tuple[int, bool], float]] = field(default_factory=dict)
 
-    def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool) -> float | None:
-        return _crossover(self.sdpa_faster_below, cc, head_dim, causal)
+    def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool,
+                  head_dim_v: int | None = None) -> float | None:
+        return _crossover(self.sdpa_faster_below, cc, head_dim, causal, head_dim_v)
 
     def why_not(self, t: TrainingTarget) -> str | None:
         for c in self.constraints:
