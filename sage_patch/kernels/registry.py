@@ -213,6 +213,16 @@ SPEED_ASSUMPTION = (
     "SageAttention2's design, published at 2-3x FlashAttention2 on Ampere, Ada and consumer Blackwell, where "
     "mma.sync is the native tensor-core path); sm_100 (not measured): assumed slower at every length, as on sm_90 "
     "(datacenter Blackwell's tensor cores, like Hopper's wgmma, are not reached through mma.sync; cuDNN uses them)")
+# A call whose head dims are not native runs zero-padded to the next native head dim n (kernels.head_dims): it does
+# the work of n, SDPA that of its own head dims. No such call is measured yet (benchmarks/bench_kernel.py --ds
+# 80,96,112 measures them), so its crossover is the native dim's scaled by the work ratio (`_crossover`):
+PADDED_UNMEASURED_MAX_RATIO = 2.0  # where n has no crossover (faster at every length): at most this much more work
+PADDED_SPEED_ASSUMPTION = (
+    "padded head dims (not measured): a call of head dims D, Dv that the kernels run zero-padded to their next "
+    "native head dim n does the work of n; its crossover is assumed to be n's times the work ratio 2n / (D + Dv), "
+    "key-padding masks and sliding windows included (SDPA at the real head dim is the safe choice until measured); "
+    "where n's table has no crossover (the kernel assumed faster at every length: 2-3x FlashAttention2), a work "
+    f"ratio above {PADDED_UNMEASURED_MAX_RATIO:g} is assumed slower at every length")
 
 
 def arch_key(cc: tuple[int, int]) -> str:
