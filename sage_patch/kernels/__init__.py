@@ -245,8 +245,9 @@ def _padded_tensors_reason(named, torch, shape: str):
     for name, x in named:
         if x.dim() != ndim:
             return f"{name} must be {ndim}-D {shape}, got {x.dim()}-D"
-    d, dv = named[0][1].shape[-1], named[2][1].shape[-1]
-    n = registry.native_head_dim(d, dv) or max(d, dv)
+    n = registry.native_head_dim(named[0][1].shape[-1], named[2][1].shape[-1])
+    if n is None:  # no kernel for these head dims: _dtype_dim_gqa_reason says so, before any layout detail
+        return None
     for name, x in named:
         if x.shape[-1] == n:
             why = _check_tensor(name, x if ndim == 4 else x.unsqueeze(0), torch)
