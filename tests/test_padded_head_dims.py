@@ -52,7 +52,7 @@ def test_padded_crossover_is_the_native_one_times_the_work_ratio():
     assert "padded head dims (not measured)" in registry.PADDED_SPEED_ASSUMPTION
 
 
-def test_info_prints_the_padded_assumption(capsys):
+def test_info_prints_the_padded_assumption():
     from sage_patch.cli import _speed_routing
 
     assert any("padded head dims (not measured)" in line for line in _speed_routing())
@@ -344,3 +344,16 @@ def test_padded_layout_vs_float64(layout, b, hq, hkv, sq, skv, d, dv, causal, ma
     unpadded, unpadded_lse = simulate(q, k, v, "8b", return_lse=True, config=cfg, **kw)
     torch.testing.assert_close(sim, unpadded, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sim_lse, unpadded_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_compile_fullgraph_of_a_padded_head_dim():
+    """The padding is plain tensor code outside any custom op: it traces (here the CPU path, which pads the same way
+    through head_dims.padded as the launch does)."""
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (_structured(g, (1, 2, 96, 80), 4.0 * (i > 0), i == 0) for i in range(3))
+
+    def f(q, k, v):
+        return sage_patch.attention(q, k, v, precision="8b", is_causal=True)
+
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v), atol=1e-5, rtol=1e-5)
