@@ -101,7 +101,7 @@ def native_head_dim(d: int, dv: int | None = None) -> int | None:
     NATIVE_HEAD_DIMS >= max(d, dv) (the call's Q, K and V zero-padded to it: kernels.head_dims), or None where every
     native head dim is smaller. Adding a head dim to NATIVE_HEAD_DIMS is all it takes for the dims below it to pad."""
     need = max(d, d if dv is None else dv)
-    return next((n for n in sorted(NATIVE_HEAD_DIMS) if n >= need), None)
+    return min((n for n in NATIVE_HEAD_DIMS if n >= need), default=None)
 
 
 def work_ratio(d: int, dv: int | None = None) -> float:
