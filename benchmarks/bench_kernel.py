@@ -5,8 +5,11 @@ cuDNN and flash backends, in the same run. Writes bench.md, bench.json and bench
     python benchmarks/bench_kernel.py --out out/bench            # B=4 H=32 fp16, D 64/128, causal or not, N 1K..32K + Flux
     python benchmarks/bench_kernel.py --out out/bench --quick    # a few sizes
     python benchmarks/bench_kernel.py --out out/win --window 4096 --ns 8192,16384,32768   # sliding window, causal
+    python benchmarks/bench_kernel.py --out out/padded --ds 80,96,112 --impls sage8b,sage_api,flash,cudnn --no-flux
+        # head dims the kernels lack: ours runs zero-padded to the next native head dim, SDPA at the real one
 
-TOPS = 4*B*H*N*N*D / time, halved for causal. Timing: CUDA events via triton.testing.do_bench (median; 25 ms
+TOPS = 4*B*H*N*N*D / time, halved for causal, with the call's real D (a padded call is charged the real work, so
+its TOPS compare with SDPA's at that D; the row's "padded_to" names the head dim the kernel ran at). Timing: CUDA events via triton.testing.do_bench (median; 25 ms
 warm-up, 100 ms of repeats) when triton is present, else a CUDA-event loop with the same policy.
 Accuracy: cos / rel L1 / rmse of each implementation against float64 exact attention at one size.
 bench.json is what docs/data/<gpu>_kernel.json holds: copy it there and run benchmarks/report.py.
@@ -51,6 +54,9 @@ def run_one(b, h, n, d, causal, impls):
     g = torch.Generator(device="cuda").manual_seed(n + d)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
     row = {"B": b, "H": h, "N": n, "D": d, "causal": causal}
+    pad_to = K.head_dims.padding(d, d)
+    if pad_to is not None:
+        row["padded_to"] = pad_to
     for name in impls:
         fn = (ours_fn(q, k, v, causal, name) if name in OURS else api_fn(q, k, v, causal) if name == "sage_api"
               else sdpa_fn(name, q, k, v, causal))
@@ -122,14 +128,16 @@ def write_outputs(out_dir, rows, acc, meta, impls):
              f"GPU: {meta['gpu']} (sm_{meta['cc']}), torch {meta['torch']}, CUDA {meta['cuda']}, impl {meta['impl']}",
              f"Command: `{meta['command']}`", "",
              "TOPS = 4*B*H*N*N*D/time (halved for causal), median time of the whole call (sage8b includes its "
-             "quantization passes).", "",
+             "quantization passes). A head dim the kernels lack natively (D* in the table) runs zero-padded to the "
+             "next native one; its TOPS count the real D, as SDPA's.", "",
              "| B | H | D | causal | N | " + " | ".join(impls) + " | sage8b / flash | sage8b / cuDNN |",
              "|---|---|---|---|---|" + "---|" * (len(impls) + 2)]
     for r in rows:
         cells = [f"{r[i]:.1f}" if r.get(i) else "n/a" for i in impls]
         rf = f"{r['sage8b'] / r['flash']:.2f}" if r.get("sage8b") and r.get("flash") else "n/a"
         rc = f"{r['sage8b'] / r['cudnn']:.2f}" if r.get("sage8b") and r.get("cudnn") else "n/a"
-        lines.append(f"| {r['B']} | {r['H']} | {r['D']} | {'yes' if r['causal'] else 'no'} | {r['N']} | "
+        dim = f"{r['D']}* ({r['padded_to']})" if r.get("padded_to") else str(r["D"])
+        lines.append(f"| {r['B']} | {r['H']} | {dim} | {'yes' if r['causal'] else 'no'} | {r['N']} | "
                      + " | ".join(cells) + f" | {rf} | {rc} |")
     lines += ["", f"Accuracy ({acc.get('shape', '')}):", "", "| impl | cos | rel L1 | rmse |", "|---|---|---|---|"]
     for i in impls:
@@ -149,7 +157,7 @@ def write_outputs(out_dir, rows, acc, meta, impls):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        combos = [(d, c) for d in (128, 64) for c in (False, True)]
+        combos = [(d, c) for d in dict.fromkeys(r["D"] for r in rows if r["B"] == 4) for c in (False, True)]
         fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4), squeeze=False)
         for ax, (d, c) in zip(axes[0], combos):
             sub = [r for r in rows if r["D"] == d and r["causal"] == c and r["B"] == 4]
@@ -179,7 +187,9 @@ def main():
     ap.add_argument("--impls", default="sage8b,flash,cudnn",
                     help="comma list of sage8b, sage8b_portable, sage8b_wgmma, sage8b_fp8mma, sage8b_fp8f16, "
                          "sage8b_pv16, flash, cudnn")
-    ap.add_argument("--ds", default="128,64")
+    ap.add_argument("--ds", default="128,64",
+                    help="comma list of head dims; one the kernels lack natively (e.g. 80,96,112) runs zero-padded "
+                         "to the next native one, SDPA at the real one (accuracy: at the first)")
     ap.add_argument("--no-flux", action="store_true")
     ap.add_argument("--profile", default=None, metavar="N",
                     help="also profile one call at B=4 H=32 D=128 N (comma list; torch.profiler): time per kernel of our "
@@ -217,7 +227,7 @@ def main():
     if a.profile:
         meta["profile"] = [profile_split(int(n)) for n in str(a.profile).split(",")]
         print(json.dumps(meta["profile"]), flush=True)
-    acc = {} if a.no_accuracy else accuracy(impls)
+    acc = {} if a.no_accuracy else accuracy(impls, d=int(a.ds.split(",")[0]))
     print(json.dumps(acc), flush=True)
     meta["seconds"] = round(time.time() - t0, 1)
     write_outputs(a.out, rows, acc, meta, impls)

@@ -102,10 +102,14 @@ def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_m
         elif decision.impl == "sdpa":
             res = full_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, mask=mask,
                                  dropout_p=dropout_p, return_lse=want_lse, window_left=window_left)
-        else:
-            res = simulate(qb, kb, vb, decision.precision, is_causal=bool(is_causal), scale=scale,
-                           attn_mask=mask.mask, return_lse=want_lse, smooth_v=smooth_v,
-                           window_left=window_left)
+        else:  # the kernels' numerics: a head dim they lack natively is simulated zero-padded, as they run it
+            def sim(q_, k_, v_, scale_):
+                res = simulate(q_, k_, v_, decision.precision, is_causal=bool(is_causal), scale=scale_,
+                               attn_mask=mask.mask, return_lse=want_lse, smooth_v=smooth_v, window_left=window_left)
+                return res if want_lse else (res, None)
+
+            out, lse = kernels.head_dims.padded(sim, qb, kb, vb, scale)
+            res = (out, lse) if want_lse else out
         out, lse = res if (return_lse or sinks is not None) else (res, None)
         out = out.transpose(1, 2) if layout == "bshd" else out
     else:

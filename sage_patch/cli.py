@@ -129,6 +129,7 @@ def _speed_routing() -> list[str]:
             rule = ", ".join(f"D={d}{' causal' if c else ''} < {n}" for (d, c), n in table)
             lines.append(f"speed routing: {who} run SDPA below the {how} crossover ({rule} tokens)")
     lines.append(f"speed routing elsewhere: {registry.SPEED_ASSUMPTION}")
+    lines.append(f"speed routing of {registry.PADDED_SPEED_ASSUMPTION}")
     return lines
 
 

@@ -239,18 +239,20 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
             # SDPA calls, one per sequence, which the measured crossover does not describe: varlen keeps the kernel.
             slow = varlen is None and kernels.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal,
                                                                  key_padding=kmask is not None,
-                                                                 window_left=window_left)
+                                                                 window_left=window_left, head_dim_v=v.shape[-1])
+            note = None if why == "ok" else why  # what can_run says of a call it serves: a padded head dim
             if slow and exact_4b:
                 # options.exact_4b asks for the 4b numerics: SDPA would run other (full-precision) numerics, so the
                 # kernel runs, and the report says what it costs.
                 slow = slow.split(": running full precision")[0]
-                return Decision(requested, precision, variant.name,
-                                f"policy options.exact_4b keeps the 4b kernel ({variant.key}) though {slow}", variant)
+                return Decision(requested, precision, variant.name, "; ".join(r for r in (
+                    f"policy options.exact_4b keeps the 4b kernel ({variant.key}) though {slow}", note) if r), variant)
             if slow:
                 return _full(requested, slow)
             reason = None if precision == requested else (
                 f"{requested} unavailable ({first_why}); using {precision}"
                 + (", the fastest precision with a kernel here" if stand_in else ""))
+            reason = "; ".join(r for r in (reason, note) if r) or None
             return Decision(requested, precision, variant.name, reason, variant)
         first_why = first_why or why
         precision = _next_precision(requested, precision)

@@ -173,11 +173,12 @@ def test_head_dim_without_a_kernel_is_decided_by_rule_on_a_gpu(monkeypatch):
     for prec in ("8b", "4b"):
         d = R.resolve_by_rule(prec, fake(256), fake(256), layout="bhsd", float_mask=False, dropout_p=0.0)
         assert d.precision == "full" and d.impl == "sdpa"
-        assert d.reason == f"{prec} unavailable: head_dim 256: the kernel has head dims {K.NATIVE_HEAD_DIMS} only"
+        assert d.reason == f"{prec} unavailable: {K.registry.head_dim_reason(256)}"
+        assert d.reason.startswith(f"{prec} unavailable: head_dim 256: the kernel has head dims")
     # the reason is the one can_run's own check gives
     q = torch.zeros(1, 8, 4, 256, dtype=torch.bfloat16)
     assert K._dtype_dim_gqa_reason(q, q, q, 1, torch) == K.registry.head_dim_reason(256)
-    for q_, why in ((fake(128), "a native head dim"), (fake(256, cuda=False), "CPU"),
+    for q_, why in ((fake(128), "a native head dim"), (fake(96), "a padded head dim"), (fake(256, cuda=False), "CPU"),
                     (fake(256, torch.float32), "float32")):
         assert R.resolve_by_rule("8b", q_, q_, layout="bhsd", float_mask=False, dropout_p=0.0) is None, why
     monkeypatch.setattr(R, "_kernels_loaded", lambda: False)

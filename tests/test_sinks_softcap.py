@@ -15,6 +15,7 @@ import transformers
 import sage_patch
 import sage_patch.api
 from sage_patch.api import apply_sinks
+from sage_patch.kernels import head_dims
 from sage_patch.reference import exact_attention, simulate
 from test_transformers_integration import COMMON, batch, cosine, layers_of, pair  # noqa: E402
 
@@ -93,8 +94,10 @@ def test_attention_with_sinks_full_and_8b_vs_float64(layout, mask, causal):
     torch.testing.assert_close(full_lse.double(), want_lse.double(), atol=2e-6, rtol=1e-5)
 
     got = sage_patch.attention(q, k, v, layout=layout, is_causal=causal, attn_mask=am, precision="8b", sinks=s)
-    sim, sim_lse = simulate(qb, kb, vb, "8b", is_causal=causal,
-                            attn_mask=None if am is None else am[:, None, None, :], return_lse=True)
+    # the simulation of the kernels' layout: head dim 16 zero-padded to their next native one (kernels.head_dims)
+    sim, sim_lse = head_dims.padded(lambda q_, k_, v_, sc: simulate(
+        q_, k_, v_, "8b", scale=sc, is_causal=causal, attn_mask=None if am is None else am[:, None, None, :],
+        return_lse=True), qb, kb, vb, None)
     torch.testing.assert_close(_as_bhsd(got, layout), apply_sinks(sim, sim_lse, s, "bhsd")[0], atol=0, rtol=0)
     assert cosine(_as_bhsd(got, layout), want) >= 0.9995
 

@@ -10,6 +10,8 @@ Contract used by sage_patch.resolve:
   and ``can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v) -> (variant | None, reason)``:
   the ``registry.KernelVariant`` that would run, or None with the reason none can. ``attn_mask`` is None or a bool
   key-padding mask (B, Skv), True = attend (resolve normalizes masks first).
+  A call of head dims (D, Dv) that are not native (D, Dv <= the largest native head dim) is served zero-padded to
+  the next native one (``head_dims``): the reason is then the padding's note instead of "ok".
 - ``sdpa_faster_reason(variant, q, k, *, layout, is_causal)``: why SDPA should run instead (speed routing).
 - ``run(variant, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v)`` and
   ``run_varlen(variant, precision, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``: launch
@@ -34,7 +36,7 @@ import os
 
 from . import _lib
 from . import _ops  # registers the custom ops torch.ops.sage_patch.attn / attn_varlen
-from . import registry
+from . import head_dims, registry
 from ._lib import arch_supported
 from .registry import (DISABLED, HOPPER_BLOCK_K, HOPPER_K_GROUPING_ARGS,  # noqa: F401
                        HOPPER_Q_GROUPING_ARGS, HOPPER_STATS_SAMPLE, IMPL_FP8PV, IMPL_FP16PV, IMPL_WGMMA,
@@ -48,7 +50,8 @@ SPEED_ROUTING = os.environ.get("SAGE_PATCH_SPEED_ROUTING", "1") != "0"
 
 
 def sdpa_faster_reason(variant, q, k, *, layout: str, is_causal: bool, key_padding: bool = False,
-                       window_left: int = -1, cc: tuple[int, int] | None = None) -> str | None:
+                       window_left: int = -1, cc: tuple[int, int] | None = None,
+                       head_dim_v: int | None = None) -> str | None:
     """Why SDPA should run this call instead of `variant` (a KernelVariant or TrainingVariant): it is faster at
     min(Sq, Skv) of q, k on this GPU (the variant's crossover for the device's architecture), or None.
     key_padding: the call has a key-padding mask. The crossovers are measured against unmasked SDPA (cuDNN); with a
@@ -57,23 +60,36 @@ def sdpa_faster_reason(variant, q, k, *, layout: str, is_causal: bool, key_paddi
     below it); a variant slower than SDPA at every length (the portable kernels on sm_90: 160-338 TOPS, slower than
     even FlashAttention-2 up to 16K) routes masked calls too. window_left >= 0 (a sliding window) counts as a mask:
     SDPA takes a window only as a dense mask, with the full work; the kernels skip the key blocks outside it.
-    cc: the device's compute capability (None: q's)."""
+    cc: the device's compute capability (None: q's). head_dim_v: v's head dim (None: q's). A call whose head dims
+    are not native runs zero-padded (head_dims): its crossover is registry.PADDED_SPEED_ASSUMPTION's, masked or not
+    (the padded kernel does more work than the mask-free comparison it was scaled from)."""
     if not SPEED_ROUTING:
         return None
     cc = cc or _ops_cc(q)
-    below = variant.crossover(cc, q.shape[-1], bool(is_causal))
-    if below is None or ((key_padding or window_left >= 0) and below != math.inf):
+    d = q.shape[-1]
+    dv = d if head_dim_v is None else head_dim_v
+    below = variant.crossover(cc, d, bool(is_causal), dv)
+    pad_to = head_dims.padding(d, dv)
+    if below is None or ((key_padding or window_left >= 0) and below != math.inf and pad_to is None):
         return None
     sdim = 1 if str(layout).lower() == "bshd" else 2
     n = min(q.shape[sdim], k.shape[sdim])  # compared, not int()-ed: a symbolic length under torch.compile stays one
     if n >= below:
         return None
     arch = registry.arch_key(cc)
-    measured = arch in registry.MEASURED_ARCHS
+    measured = arch in registry.MEASURED_ARCHS and pad_to is None
     where = f"below {below} tokens" if below != math.inf else "at every measured length" if measured else \
         "at every length"
-    where += f" on {arch}" if measured else f" (assumed on {arch}: not measured there)"
-    return (f"SDPA is faster than {variant.name} {where} (head dim {q.shape[-1]}, "
+    if pad_to is not None and arch in registry.MEASURED_ARCHS:
+        where = (f"at every length on {arch} until padded head dims are measured there (the kernel would run "
+                 f"zero-padded to head dim {pad_to})")
+    elif pad_to is not None:
+        where += (f" on {arch} (assumed: head dim {pad_to}'s crossover times the work ratio "
+                  f"{registry.work_ratio(d, dv):.2f} of zero-padding to it; padded head dims are not measured)")
+    else:
+        where += f" on {arch}" if measured else f" (assumed on {arch}: not measured there)"
+    dims = f"head dim {d}" if dv == d else f"head dims {d}/{dv}"
+    return (f"SDPA is faster than {variant.name} {where} ({dims}, "
             f"causal={bool(is_causal)}; this call {n}): running full precision (SAGE_PATCH_SPEED_ROUTING=0 keeps "
             "the kernel)")
 
@@ -159,10 +175,11 @@ def _check_tensor(name, x, torch):
 
 
 def _dtype_dim_gqa_reason(q, k, v, hdim, torch):
-    """Checks shared by the padded and the varlen kernel: dtypes, head dim, GQA ratio (hdim: the heads axis)."""
+    """Checks shared by the padded and the varlen kernel: dtypes, head dims, GQA ratio (hdim: the heads axis).
+    Head dims up to the largest native one pass: those not native run zero-padded (head_dims)."""
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes fp16 or bf16 (all the same)"
-    why = registry.head_dim_reason(q.shape[-1])
+    why = registry.head_dim_reason(q.shape[-1], v.shape[-1])
     if why:
         return why
     if k.shape[hdim] == 0 or q.shape[hdim] % k.shape[hdim]:
@@ -191,18 +208,18 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
             return None, f"device {dev} (sm_{major}{minor}) not supported by this build"
     if not _layout_ok(layout):
         return None, f"layout {layout!r} not supported (bhsd, bshd)"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        why = _check_tensor(name, x, torch)
-        if why:
-            return None, why
-    bshd = str(layout).lower() == "bshd"
     qs, ks, vs = q.shape, k.shape, v.shape
+    why = _padded_tensors_reason((("q", q), ("k", k), ("v", v)), torch,
+                                 "(B, S, H, D)" if str(layout).lower() == "bshd" else "(B, H, S, D)")
+    if why:
+        return None, why
+    bshd = str(layout).lower() == "bshd"
     d = qs[-1]
-    if ks[-1] != d or vs[-1] != d:
-        return None, f"head dims differ (q {d}, k {ks[-1]}, v {vs[-1]})"
+    if ks[-1] != d:
+        return None, f"head dims differ (q {d}, k {ks[-1]})"
     hdim = 2 if bshd else 1
     sdim = 1 if bshd else 2
-    if qs[0] != ks[0] or ks != vs:
+    if qs[0] != ks[0] or ks[:-1] != vs[:-1]:
         return None, f"shapes q {tuple(qs)}, k {tuple(ks)}, v {tuple(vs)} do not match"
     why = _dtype_dim_gqa_reason(q, k, v, hdim, torch)
     if why:
@@ -219,7 +236,36 @@ def can_run(precision, q, k, v, *, layout, is_causal, attn_mask, return_lse, smo
         ms = attn_mask.shape
         if ms[1] != ks[sdim] or ms[0] not in (1, qs[0]):
             return None, f"key-padding mask shape {tuple(ms)} does not match (B, Skv)"
-    return _select(precision, q, smooth_v=smooth_v, lse=return_lse)
+    return _padded_select(precision, q, v, smooth_v=smooth_v, lse=return_lse)
+
+
+def _padded_tensors_reason(named, torch, shape: str):
+    """The layout checks of q, k, v (`named`: (name, tensor) pairs; `shape` their axes, e.g. "(B, H, S, D)"). A
+    tensor whose head dim is padded (head_dims) is checked for rank and size only: the kernel reads its padded copy,
+    a new contiguous tensor. A head dim no native one holds is left to _dtype_dim_gqa_reason."""
+    ndim = shape.count(",") + 1
+    for name, x in named:
+        if x.dim() != ndim:
+            return f"{name} must be {ndim}-D {shape}, got {x.dim()}-D"
+    n = registry.native_head_dim(named[0][1].shape[-1], named[2][1].shape[-1])
+    if n is None:  # no kernel for these head dims: _dtype_dim_gqa_reason says so, before any layout detail
+        return None
+    for name, x in named:
+        if x.shape[-1] == n:
+            why = _check_tensor(name, x if ndim == 4 else x.unsqueeze(0), torch)
+            if why:
+                return why
+        elif x.numel() // max(x.shape[-1], 1) * n >= 2**31 * 8:
+            return f"{name} is too large (zero-padded to head dim {n})"
+    return None
+
+
+def _padded_select(precision, q, v, **kw):
+    """registry.select at the call's native head dim; the reason "ok", or the padding's note where it pads."""
+    d, dv = q.shape[-1], v.shape[-1]
+    n = head_dims.padding(d, dv)
+    variant, why = _select(precision, q, head_dim=n, **kw)
+    return (variant, head_dims.note(d, dv, n)) if variant is not None and n is not None else (variant, why)
 
 
 _TRITON_REASON: list = []
@@ -261,8 +307,11 @@ def can_run_training(q, k, v, *, layout, attn_mask):
     return registry.select_training(t)
 
 
-def _target(precision, q, *, varlen=False, smooth_v=False, lse=True, cc=None) -> Target:
-    return Target(cc or _ops_cc(q), tuple(_lib.get().archs), precision, int(q.shape[-1]), varlen, bool(smooth_v),
+def _target(precision, q, *, varlen=False, smooth_v=False, lse=True, cc=None, head_dim=None) -> Target:
+    """head_dim: the head dim the kernel runs at (None: q's, or the native one q's pads to)."""
+    if head_dim is None:
+        head_dim = head_dims.padding(q.shape[-1], q.shape[-1]) or q.shape[-1]
+    return Target(cc or _ops_cc(q), tuple(_lib.get().archs), precision, int(head_dim), varlen, bool(smooth_v),
                   bool(lse))
 
 
@@ -364,11 +413,14 @@ def attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_mask=
 def _attention(variant, q, k, v, *, layout, is_causal, scale, attn_mask, precision, smooth_v, return_lse,
                hop_split_max=0, window_left=-1):
     torch = _torch()
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    op = _ops._attn_impl if _eager_direct(q, k, v, attn_mask) else torch.ops.sage_patch.attn
-    out, lse = op(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale, variant.kernel_id,
-                  QK_BITS[precision], bool(smooth_v), bool(return_lse), int(hop_split_max), int(window_left))
-    return out, (lse if return_lse else None)
+
+    def launch(q, k, v, scale):  # at the native head dim: head dims that are not native are zero-padded
+        op = _ops._attn_impl if _eager_direct(q, k, v, attn_mask) else torch.ops.sage_patch.attn
+        out, lse = op(q, k, v, attn_mask, str(layout).lower() == "bshd", bool(is_causal), scale, variant.kernel_id,
+                      QK_BITS[precision], bool(smooth_v), bool(return_lse), int(hop_split_max), int(window_left))
+        return out, (lse if return_lse else None)
+
+    return head_dims.padded(launch, q, k, v, scale)
 
 
 def can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v=False):
@@ -387,13 +439,10 @@ def can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v=F
             return None, "cu_seqlens must be contiguous 1-D int32 tensors"
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
         return None, "cu_seqlens_q and cu_seqlens_k must both have B+1 >= 2 entries"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 3:
-            return None, f"{name} must be 3-D (total, H, D), got {x.dim()}-D"
-        why = _check_tensor(name, x.unsqueeze(0), torch)
-        if why:
-            return None, why
-    if k.shape != v.shape or k.shape[-1] != q.shape[-1]:
+    why = _padded_tensors_reason((("q", q), ("k", k), ("v", v)), torch, "(total, H, D)")
+    if why:
+        return None, why
+    if k.shape[:-1] != v.shape[:-1] or k.shape[-1] != q.shape[-1]:
         return None, f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
     why = _dtype_dim_gqa_reason(q, k, v, 1, torch)
     if why:
@@ -402,7 +451,7 @@ def can_run_varlen(precision, q, k, v, cu_seqlens_q, cu_seqlens_k, *, smooth_v=F
         return None, "B*H > 65535 (grid limit of the pre-passes)"
     if max(q.shape[0], k.shape[0]) >= 2**30:
         return None, "sequence too long"
-    return _select(precision, q, varlen=True, smooth_v=smooth_v)
+    return _padded_select(precision, q, v, varlen=True, smooth_v=smooth_v)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False,
@@ -417,12 +466,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _attention_varlen(variant, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal, scale,
                       precision, smooth_v, return_lse):
     torch = _torch()
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    direct = _eager_direct(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    op = _ops._attn_varlen_impl if direct else torch.ops.sage_patch.attn_varlen
-    out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(is_causal), scale,
-                  variant.kernel_id, QK_BITS[precision], bool(smooth_v), bool(return_lse))
-    return out, (lse if return_lse else None)
+
+    def launch(q, k, v, scale):  # at the native head dim: head dims that are not native are zero-padded
+        direct = _eager_direct(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        op = _ops._attn_varlen_impl if direct else torch.ops.sage_patch.attn_varlen
+        out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(is_causal),
+                      scale, variant.kernel_id, QK_BITS[precision], bool(smooth_v), bool(return_lse))
+        return out, (lse if return_lse else None)
+
+    return head_dims.padded(launch, q, k, v, scale)
 
 
 def reference_config(variant: KernelVariant | str = IMPL_FP8PV, head_dim: int = 128):

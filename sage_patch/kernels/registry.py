@@ -32,7 +32,7 @@ IMPL_FP8PV = "cuda-mma-fp8pv"
 IMPL_FP16PV = "cuda-mma-fp16pv"
 IMPL_WGMMA = "cuda-wgmma-fp8pv"
 
-NATIVE_HEAD_DIMS = (64, 128)
+NATIVE_HEAD_DIMS = (64, 128)  # ascending
 # the portable kernels' per-thread quantization groups: Q rows with equal r % 8 inside each warp tile of
 # PORTABLE_Q_GROUP_ROWS rows (Grouping(32, 8, 1): kernels_cuda/portable/traits.cuh warp_rows(), checked against
 # the source by tests/test_kernels_build.py), keys with equal (c % 8) // 2 in each 64-key block
@@ -92,14 +92,38 @@ def _needs_int4_mma(t: Target):
     return DISABLED.get("4b-int4")
 
 
-def head_dim_reason(d: int) -> str | None:
-    """Why no compiled kernel serves head dim d (None: one does); one rule for can_run, the registry and the
-    resolver's early decision."""
-    return None if d in NATIVE_HEAD_DIMS else f"head_dim {d}: the kernel has head dims {NATIVE_HEAD_DIMS} only"
+def head_dim_reason(d: int, dv: int | None = None) -> str | None:
+    """Why no compiled kernel serves q/k head dim d and v head dim dv (None: one does, natively or zero-padded to
+    the next native head dim, kernels.head_dims); one rule for can_run, the registry and the resolver's early
+    decision."""
+    if native_head_dim(d, dv) is not None:
+        return None
+    return (f"head_dim {max(d, d if dv is None else dv)}: the kernel has head dims {NATIVE_HEAD_DIMS} only (smaller "
+            "head dims run zero-padded to the next of them)")
 
 
 def _head_dim(t: Target):
-    return head_dim_reason(t.head_dim)
+    return None if t.head_dim in NATIVE_HEAD_DIMS else (
+        f"head_dim {t.head_dim}: the kernel has head dims {NATIVE_HEAD_DIMS} only")
+
+
+def native_head_dim(d: int, dv: int | None = None) -> int | None:
+    """The head dim the kernels run a call of q/k head dim `d` and v head dim `dv` (None: d) at: the smallest of
+    NATIVE_HEAD_DIMS >= max(d, dv) (the call's Q, K and V zero-padded to it: kernels.head_dims), or None where every
+    native head dim is smaller. Adding a head dim to NATIVE_HEAD_DIMS is all it takes for the dims below it to pad."""
+    need = max(d, d if dv is None else dv)
+    for n in NATIVE_HEAD_DIMS:  # ascending; a plain loop: torch.compile traces it (min() over a generator it cannot)
+        if n >= need:
+            return n
+    return None
+
+
+def work_ratio(d: int, dv: int | None = None) -> float:
+    """The work of a call run at its native head dim n over that at its own head dims: Q K^T and P~V each scale
+    with their head dim, so (n + n) / (d + dv); 1 for a native call."""
+    dv = d if dv is None else dv
+    n = native_head_dim(d, dv)
+    return 1.0 if n is None else 2.0 * n / (d + dv)
 
 
 # preferences: where another variant is the better default. Tagged by the mode they are about ("pv" or "qk"): a
@@ -137,9 +161,11 @@ class KernelVariant:
     # instead. Measured on MEASURED_ARCHS (docs/benchmarks.md), assumed elsewhere (SPEED_ASSUMPTION)
     sdpa_faster_below: Mapping[str, Mapping[tuple[int, bool], float]] = field(default_factory=dict)
 
-    def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool) -> float | None:
-        """sdpa_faster_below on a device of capability `cc` (None: no crossover, the kernel runs at every length)."""
-        return _crossover(self.sdpa_faster_below, cc, head_dim, causal)
+    def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool,
+                  head_dim_v: int | None = None) -> float | None:
+        """sdpa_faster_below on a device of capability `cc` (None: no crossover, the kernel runs at every length);
+        a call padded to a native head dim (head_dim, head_dim_v not native) gets PADDED_SPEED_ASSUMPTION's."""
+        return _crossover(self.sdpa_faster_below, cc, head_dim, causal, head_dim_v)
 
     def why_not(self, t: Target, *, ignore: tuple[str, ...] = ()) -> str | None:
         """The reason this variant does not serve `t` (None: it does); preferences of the modes in `ignore` skipped,
@@ -199,6 +225,18 @@ SPEED_ASSUMPTION = (
     "SageAttention2's design, published at 2-3x FlashAttention2 on Ampere, Ada and consumer Blackwell, where "
     "mma.sync is the native tensor-core path); sm_100 (not measured): assumed slower at every length, as on sm_90 "
     "(datacenter Blackwell's tensor cores, like Hopper's wgmma, are not reached through mma.sync; cuDNN uses them)")
+# A call whose head dims are not native runs zero-padded to the next native head dim n (kernels.head_dims): it does
+# the work of n, SDPA that of its own head dims. No such call is measured yet (benchmarks/bench_kernel.py --ds
+# 80,96,112 measures them), so its crossover is the native dim's scaled by the work ratio (`_crossover`):
+PADDED_UNMEASURED_MAX_RATIO = 2.0  # where n has no crossover (faster at every length): at most this much more work
+PADDED_SPEED_ASSUMPTION = (
+    "padded head dims (not measured on any GPU yet): on sm_90, where the native crossovers are measured, a padded "
+    "call runs SDPA at every length until it is measured (SAGE_PATCH_SPEED_ROUTING=0 runs the kernel); elsewhere a "
+    "call of head dims D, Dv that the kernels run zero-padded to their next "
+    "native head dim n does the work of n; its crossover is assumed to be n's times the work ratio 2n / (D + Dv), "
+    "key-padding masks and sliding windows included (SDPA at the real head dim is the safe choice until measured); "
+    "where n's table has no crossover (the kernel assumed faster at every length: 2-3x FlashAttention2), a work "
+    f"ratio above {PADDED_UNMEASURED_MAX_RATIO:g} is assumed slower at every length")
 
 
 def arch_key(cc: tuple[int, int]) -> str:
@@ -208,9 +246,18 @@ def arch_key(cc: tuple[int, int]) -> str:
     return f"sm_{major}{minor}" if major < 10 else f"sm_{major}0"
 
 
-def _crossover(table, cc, head_dim, causal):
+def _crossover(table, cc, head_dim, causal, head_dim_v=None):
     per_arch = table.get(arch_key(cc), table.get(ANY_ARCH))
-    return None if per_arch is None else per_arch.get((head_dim, bool(causal)))
+    n = native_head_dim(head_dim, head_dim_v)
+    if n is None or (n == head_dim and head_dim_v in (None, head_dim)):  # native (or no kernel at all)
+        return None if per_arch is None else per_arch.get((head_dim, bool(causal)))
+    if arch_key(cc) in MEASURED_ARCHS:  # padded calls are not measured there yet: SDPA, the measured safe choice
+        return math.inf
+    below = None if per_arch is None else per_arch.get((n, bool(causal)))  # padded: PADDED_SPEED_ASSUMPTION
+    ratio = work_ratio(head_dim, head_dim_v)
+    if below is None:
+        return math.inf if ratio > PADDED_UNMEASURED_MAX_RATIO else None
+    return below if below == math.inf else math.ceil(below * ratio)
 
 
 # The portable mma.sync kernels on sm_90 (any P~V mode, "8b" or "4b"): slower than SDPA cuDNN at every measured
@@ -335,8 +382,9 @@ class TrainingVariant:
     # and (head dim, causal), as KernelVariant's; shorter calls, key-padding ones included, train with SDPA instead
     sdpa_faster_below: Mapping[str, Mapping[tuple[int, bool], float]] = field(default_factory=dict)
 
-    def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool) -> float | None:
-        return _crossover(self.sdpa_faster_below, cc, head_dim, causal)
+    def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool,
+                  head_dim_v: int | None = None) -> float | None:
+        return _crossover(self.sdpa_faster_below, cc, head_dim, causal, head_dim_v)
 
     def why_not(self, t: TrainingTarget) -> str | None:
         for c in self.constraints:

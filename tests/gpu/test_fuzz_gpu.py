@@ -22,11 +22,12 @@ GPU_SECONDS = float(os.environ.get("SAGE_FUZZ_SECONDS", "400"))  # stop drawing 
 
 def _kernel_fits(c) -> bool:
     """Calls a compiled kernel must serve (an independent statement of the routing rule): a quantized precision
-    (fp4 runs as 8b off Blackwell), head dim 64/128 for Q, K and V, fp16/bf16, no dense or float mask; varlen
-    is left out: its kernel path records no per-call statistics yet."""
+    (fp4 runs as 8b off Blackwell), head dims of Q/K and V up to the largest native one (those not native run
+    zero-padded to the next), fp16/bf16, no dense or float mask; varlen is left out: its kernel path records no
+    per-call statistics yet."""
     if c.api == "sdpa" and (c.causal or c.window >= 0) and c.sq != c.skv:  # torch's top-left rule: a dense mask
         return False
-    return (c.precision != "full" and c.api != "varlen" and c.d == c.dv and c.d in K.NATIVE_HEAD_DIMS
+    return (c.precision != "full" and c.api != "varlen" and max(c.d, c.dv) <= max(K.NATIVE_HEAD_DIMS)
             and c.dtype in (torch.float16, torch.bfloat16) and c.mask in ("none", "key_padding", "key_padding_4d"))
 
 

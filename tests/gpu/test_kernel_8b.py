@@ -192,7 +192,7 @@ def test_public_api_routes_to_kernel():
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("d", [80, 256])
+@pytest.mark.parametrize("d", [max(K.NATIVE_HEAD_DIMS) + 8])  # smaller ones run padded (test_kernel_padded_dims)
 def test_other_head_dims_fall_back_with_reason(d):
     q, k, v = make_qkv(1, 2, 2, 64, 64, d, torch.float16)
     impl, why = K.can_run("8b", q, k, v, layout="bhsd", is_causal=False, attn_mask=None, return_lse=False,
