@@ -488,6 +488,19 @@ def render_generate(data: dict) -> list:
     return out
 
 
+# (kind, section title, renderer) in page order; the end-to-end section (its runs merged) comes after the first four
+SECTIONS = [("kernel", "Attention kernel", render_kernel),
+            ("portable_vs_sa2", "Portable kernel vs public SageAttention2", render_portable_vs_sa2),
+            ("window", "Sliding window", render_window),
+            ("sustained", "Sustained load", render_sustained),
+            ("generate", "generate() end to end", render_generate),
+            ("first_call", "First call of a process", render_first_call),
+            ("fallback", "Batched, windowed and fallback prefills", render_fallback),
+            ("training", "Training", render_training),
+            ("finetune", "Fine-tuning on real weights", render_finetune),
+            ("multigpu", "Multiple GPUs", render_multigpu)]
+
+
 def render(data_dir: str) -> str:
     per_gpu: dict = {}
     for path in sorted(glob.glob(os.path.join(data_dir, "*.json"))):
@@ -515,30 +528,16 @@ def render(data_dir: str) -> str:
     for gpu in sorted(per_gpu, key=lambda g: (g.startswith("CPU"), " x " in g, "H200" not in g, g)):
         sec = per_gpu[gpu]
         lines += [f"## {gpu}", ""]
-        for src, data in sec.get("kernel", []):
-            lines += [f"### Attention kernel (`{src}`)", ""] + render_kernel(data) + [""]
-        for src, data in sec.get("portable_vs_sa2", []):
-            lines += [f"### Portable kernel vs public SageAttention2 (`{src}`)", ""] + render_portable_vs_sa2(data) + [""]
-        for src, data in sec.get("window", []):
-            lines += [f"### Sliding window (`{src}`)", ""] + render_window(data) + [""]
-        for src, data in sec.get("sustained", []):
-            lines += [f"### Sustained load (`{src}`)", ""] + render_sustained(data) + [""]
+        for kind, title, render_section in SECTIONS[:4]:
+            for src, data in sec.get(kind, []):
+                lines += [f"### {title} (`{src}`)", ""] + render_section(data) + [""]
         if sec.get("e2e"):
             srcs = sorted({s for s, _, _ in sec["e2e"]})
             lines += [f"### End to end (`{'`, `'.join(srcs)}`)", ""]
             lines += render_e2e([r for _, r, _ in sec["e2e"]], next((m for _, _, m in sec["e2e"] if m), None)) + [""]
-        for src, data in sec.get("generate", []):
-            lines += [f"### generate() end to end (`{src}`)", ""] + render_generate(data) + [""]
-        for src, data in sec.get("first_call", []):
-            lines += [f"### First call of a process (`{src}`)", ""] + render_first_call(data) + [""]
-        for src, data in sec.get("fallback", []):
-            lines += [f"### Batched, windowed and fallback prefills (`{src}`)", ""] + render_fallback(data) + [""]
-        for src, data in sec.get("training", []):
-            lines += [f"### Training (`{src}`)", ""] + render_training(data) + [""]
-        for src, data in sec.get("finetune", []):
-            lines += [f"### Fine-tuning on real weights (`{src}`)", ""] + render_finetune(data) + [""]
-        for src, data in sec.get("multigpu", []):
-            lines += [f"### Multiple GPUs (`{src}`)", ""] + render_multigpu(data) + [""]
+        for kind, title, render_section in SECTIONS[4:]:
+            for src, data in sec.get(kind, []):
+                lines += [f"### {title} (`{src}`)", ""] + render_section(data) + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -18,6 +18,7 @@ from sage_patch.api import apply_sinks
 from sage_patch.kernels import head_dims
 from sage_patch.reference import exact_attention, simulate
 from test_transformers_integration import COMMON, batch, cosine, layers_of, pair  # noqa: E402
+from test_transformers_padding import assert_chunked_continuation_matches  # noqa: E402
 
 COS_8B = 0.999  # the 8b logits bound of tests/test_transformers_integration.py
 
@@ -245,12 +246,7 @@ def test_gpt_oss_chunked_continuation_into_a_padded_cache(resolver_masks):
     sinks, on the kernel path; vs eager on the whole sequence."""
     sage, ref = gpt_oss_pair()
     ids, am = batch((260, 241), 260)
-    with torch.no_grad():
-        whole = ref(ids, attention_mask=am).logits
-        first = sage(ids[:, :130], attention_mask=am[:, :130], use_cache=True)
-        second = sage(ids[:, 130:], attention_mask=am, past_key_values=first.past_key_values, use_cache=True).logits
-    real = am[:, 130:].bool()
-    assert cosine(second[real], whole[:, 130:][real]) >= COS_8B
+    assert_chunked_continuation_matches(sage, ref, ids, am, 130, COS_8B)
     _assert_full_layer_on_kernel_path(sage, resolver_masks, 2)
 
 

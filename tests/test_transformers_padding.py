@@ -143,16 +143,22 @@ def test_full_policy_padded_batch_is_sdpa_exactly(resolver_masks):
     assert all(st["impl"] == {"sdpa": 1} and st["requested"] == {"full": 1} for st in layers_of(sage).values())
 
 
+def assert_chunked_continuation_matches(sage, ref, ids, am, split, min_cos):
+    """`sage` run in two chunks (the second, ids[:, split:], into the cache the first filled) gives `ref`'s logits of
+    the whole sequence on the second chunk's real rows within min_cos."""
+    with torch.no_grad():
+        whole = ref(ids, attention_mask=am).logits
+        first = sage(ids[:, :split], attention_mask=am[:, :split], use_cache=True)
+        second = sage(ids[:, split:], attention_mask=am, past_key_values=first.past_key_values, use_cache=True).logits
+    real = am[:, split:].bool()
+    assert cosine(second[real], whole[:, split:][real]) >= min_cos
+
+
 def test_chunked_continuation_into_a_padded_cache(resolver_masks):
     """A second chunk (Sq > 1) into a DynamicCache of a left-padded batch: bottom-right causal with key padding."""
     sage, ref = pair("llama", "8b")
     ids, am = batch([160, 137], 160)
-    with torch.no_grad():
-        whole = ref(ids, attention_mask=am).logits
-        first = sage(ids[:, :100], attention_mask=am[:, :100], use_cache=True)
-        second = sage(ids[:, 100:], attention_mask=am, past_key_values=first.past_key_values, use_cache=True).logits
-    real = am[:, 100:].bool()
-    assert cosine(second[real], whole[:, 100:][real]) >= COS_8B
+    assert_chunked_continuation_matches(sage, ref, ids, am, 100, COS_8B)
     assert set(resolver_masks) == {"key_padding"}
     no_dense_fallback(sage)
 

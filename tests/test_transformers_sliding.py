@@ -19,7 +19,8 @@ import sage_patch
 import sage_patch.api
 from sage_patch.integrations import transformers as hf
 from test_transformers_integration import FakeAttention, batch, cosine, layers_of, qkv  # noqa: E402
-from test_transformers_padding import assert_compiled_matches, assert_steps_match_teacher_forced  # noqa: E402
+from test_transformers_padding import (assert_chunked_continuation_matches, assert_compiled_matches,  # noqa: E402
+                                      assert_steps_match_teacher_forced)
 
 W = 7  # the window: shorter than every prompt, so it cuts
 COS_8B = 0.999
@@ -205,12 +206,7 @@ def test_chunked_continuation_into_a_sliding_cache(kind, resolver_windows):
     queries are the last of them (bottom-right), the key padding is the mask's columns from kv_offset on."""
     sage, ref = pair(kind)
     ids, am = batch([40, 31], 40)
-    with torch.no_grad():
-        whole = ref(ids, attention_mask=am).logits
-        first = sage(ids[:, :24], attention_mask=am[:, :24], use_cache=True)
-        second = sage(ids[:, 24:], attention_mask=am, past_key_values=first.past_key_values, use_cache=True).logits
-    real = am[:, 24:].bool()
-    assert cosine(second[real], whole[:, 24:][real]) >= bound(kind)
+    assert_chunked_continuation_matches(sage, ref, ids, am, 24, bound(kind))
     check_kernel_path(sage, resolver_windows)
 
 

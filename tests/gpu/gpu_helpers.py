@@ -95,6 +95,31 @@ def check_kernel_case(precision, b, hq, hkv, sq, skv, d, *, sim_l1, lse_atol, dt
     return out, lse
 
 
+def check_graph_replay(call, inputs, new_inputs):
+    """call() -> (out, lse) captured in a CUDA graph (after a warm-up on a side stream): a replay into NaN-filled
+    output gives the eager result, and after new_inputs are copied into the captured inputs, a replay gives the
+    eager result of those (the graph recomputes, it does not replay a cached answer)."""
+    eager, eager_lse = call()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = call()
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+    for x, y in zip(inputs, new_inputs):
+        x.copy_(y)
+    g.replay()
+    ref, _ = call()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
 def routed_precision(q, precision):
     """The precision the public API runs for `precision` on q's GPU: without INT4 tensor cores (sm_90+) the
     resolver runs "4b" as 8b (resolve.py; policy options.exact_4b not set)."""

@@ -16,7 +16,7 @@ import torch
 import sage_patch.kernels as K
 from sage_patch.accuracy import compare
 from sage_patch.reference import exact_attention, simulate
-from gpu_helpers import DEV, check_kernel_case, make_qkv, to_bhsd
+from gpu_helpers import DEV, check_graph_replay, check_kernel_case, make_qkv, to_bhsd
 
 pytestmark = pytest.mark.gpu
 
@@ -108,26 +108,8 @@ def test_scale_argument():
 
 def test_cuda_graph_replay_equals_eager():
     q, k, v = make_qkv(2, 4, 4, 500, 500, 128, torch.float16)
-    eager, eager_lse = K.attention(q, k, v, is_causal=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        K.attention(q, k, v, is_causal=True)  # warm-up on the side stream
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out, lse = K.attention(q, k, v, is_causal=True)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
-    # new inputs copied into the captured buffers: the graph recomputes
-    q2, k2, v2 = make_qkv(2, 4, 4, 500, 500, 128, torch.float16, seed=5)
-    q.copy_(q2); k.copy_(k2); v.copy_(v2)
-    g.replay()
-    ref, _ = K.attention(q2, k2, v2, is_causal=True)
-    torch.cuda.synchronize()
-    assert torch.equal(out, ref)
+    check_graph_replay(lambda: K.attention(q, k, v, is_causal=True), (q, k, v),
+                       make_qkv(2, 4, 4, 500, 500, 128, torch.float16, seed=5))
 
 
 def test_deterministic():

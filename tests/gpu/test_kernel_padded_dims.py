@@ -22,7 +22,7 @@ import sage_patch.kernels as K
 from sage_patch.accuracy import compare
 from sage_patch.kernels import head_dims, registry
 from sage_patch.reference import exact_attention, simulate
-from gpu_helpers import DEV, make_qkv, poison, record, to_bhsd, window_mask
+from gpu_helpers import DEV, check_graph_replay, make_qkv, poison, record, to_bhsd, window_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -123,24 +123,9 @@ def test_public_api_runs_the_kernel_and_reports_the_padding():
 
 def test_padded_cuda_graph_and_compile():
     q, k, v = make_qkv(2, 4, 2, 500, 500, 80, torch.float16, seed=6)
-    eager, eager_lse = K.attention(q, k, v, is_causal=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        K.attention(q, k, v, is_causal=True)  # warm-up on the side stream
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out, lse = K.attention(q, k, v, is_causal=True)  # the padded copies are captured with the kernel
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
-    q2, k2, v2 = make_qkv(2, 4, 2, 500, 500, 80, torch.float16, seed=7)
-    q.copy_(q2); k.copy_(k2); v.copy_(v2)  # noqa: E702
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, K.attention(q2, k2, v2, is_causal=True)[0])
+    # the padded copies are captured with the kernel
+    check_graph_replay(lambda: K.attention(q, k, v, is_causal=True), (q, k, v),
+                       make_qkv(2, 4, 2, 500, 500, 80, torch.float16, seed=7))
 
     def f(q, k, v):
         return sage_patch.attention(q, k, v, precision="8b", is_causal=True) * 2.0
