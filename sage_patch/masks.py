@@ -54,10 +54,8 @@ def classify_mask(attn_mask, b: int, h: int, sq: int, skv: int) -> MaskInfo:
 
 
 def causal_mask(sq: int, skv: int, device=None) -> torch.Tensor:
-    """(Sq, Skv) bool, bottom-right aligned: query i sees keys j <= i + Skv - Sq."""
-    i = torch.arange(sq, device=device).unsqueeze(-1)
-    j = torch.arange(skv, device=device)
-    return j <= i + (skv - sq)
+    """(Sq, Skv) bool, bottom-right aligned: query i sees keys j <= i + Skv - Sq (the window (-1, 0))."""
+    return window_mask(sq, skv, -1, 0, device)
 
 
 WINDOW_SIZES = "None, (-1, -1) (no window) or (left, 0) with an int left >= 0"
@@ -88,12 +86,10 @@ def window_mask(sq: int, skv: int, left: int, right: int = -1, device=None, *, s
     shift = skv - sq if shift is None else shift
     i = torch.arange(sq, device=device).unsqueeze(-1) + shift
     j = torch.arange(skv, device=device)
-    m = torch.ones(sq, skv, dtype=torch.bool, device=device)
-    if left >= 0:
-        m &= j >= i - left
+    m = j >= i - left if left >= 0 else None  # each side one (Sq, Skv) comparison; no all-True tensor to start from
     if right >= 0:
-        m &= j <= i + right
-    return m
+        m = j <= i + right if m is None else m & (j <= i + right)
+    return torch.ones(sq, skv, dtype=torch.bool, device=device) if m is None else m
 
 
 def combined_bool_mask(attn_mask, is_causal: bool, sq: int, skv: int, device=None, window_left: int = -1):
