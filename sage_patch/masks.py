@@ -9,6 +9,7 @@ j < i + Skv - Sq - window_left, aligned bottom-right as causal is; -1 means no w
 from __future__ import annotations
 
 import numbers
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,43 @@ def classify_mask(attn_mask, b: int, h: int, sq: int, skv: int) -> MaskInfo:
     if m4.shape[1] == 1 and m4.shape[2] == 1 and m4.shape[0] in (1, b):
         return MaskInfo("key_padding", m4[:, 0, 0, :].expand(b, skv))
     return MaskInfo("dense", m4)
+
+
+# A dense bool mask shared by the layers of one forward (diffusers' Ideogram 4 builds one block-diagonal
+# segment mask per forward and hands it to all 34 blocks): what `key_padding_of_dense` found, by the mask's id, as
+# (weak reference, the mask's version counter, result). An entry is dropped when its mask is freed, and not reused
+# when the mask was modified in place.
+_DENSE_AS_KEYS: dict = {}
+_SAME_MASK = object()   # the memo's "not a key padding" result (None means "every key visible")
+
+
+def _forget_dense(ref) -> None:
+    for k, entry in list(_DENSE_AS_KEYS.items()):
+        if entry[0] is ref:
+            del _DENSE_AS_KEYS[k]
+
+
+def key_padding_of_dense(mask):
+    """A 4-D bool mask (B, 1, Sq, Skv) whose query rows are all equal is a key padding: returns None when every key
+    is visible, the key padding (B, 1, 1, Skv) when its rows agree, or `mask` itself (a dense mask, which runs full).
+    The test is one host read per mask object (diffusers' models build one mask per forward for every layer: the
+    read is paid once, as transformers' sdpa_mask pays its own); under torch.compile or CUDA-graph capture, where a
+    host read cannot happen, the mask stays dense. Anything else is returned unchanged."""
+    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+            and mask.shape[2] > 1):
+        return mask
+    if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return mask
+    entry = _DENSE_AS_KEYS.get(id(mask))
+    if entry is not None and entry[0]() is mask and entry[1] == mask._version:
+        found = entry[2]
+    else:
+        first = mask[:, 0, :1, :]                                        # (B, 1, Skv)
+        all_visible, rows_agree = torch.stack([first.all(), (mask[:, 0] == first).all()]).tolist()
+        # a copy: the memo must not keep the (B, Sq, Skv) mask's storage alive
+        found = None if all_visible and rows_agree else (first[:, None].clone() if rows_agree else _SAME_MASK)
+        _DENSE_AS_KEYS[id(mask)] = (weakref.ref(mask, _forget_dense), mask._version, found)
+    return mask if found is _SAME_MASK else found
 
 
 def causal_mask(sq: int, skv: int, device=None) -> torch.Tensor:

@@ -209,3 +209,24 @@ def test_speed_routing_rule(monkeypatch):
     assert K.sdpa_faster_reason(mma, q, k, layout="bhsd", is_causal=False, cc=(8, 9)) is None  # no crossover: kept
     monkeypatch.setattr(K, "SPEED_ROUTING", False)
     assert K.sdpa_faster_reason(WGMMA, q, k, layout="bhsd", is_causal=False) is None
+
+
+def test_key_padding_of_dense_reads_each_mask_once_and_never_keeps_a_wrong_answer(monkeypatch):
+    from sage_patch import masks
+
+    b, s = 2, 6
+    keys = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    agree = keys[:, None, None, :].expand(b, 1, s, s).clone()
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    kp = masks.key_padding_of_dense(agree)
+    assert kp.shape == (b, 1, 1, s) and torch.equal(kp[:, 0, 0], keys)
+    assert masks.key_padding_of_dense(agree) is not agree and len(reads) == 1   # the second layer: memo, no read
+    assert masks.key_padding_of_dense(torch.ones(b, 1, s, s, dtype=torch.bool)) is None
+    agree[1, 0, 3, 0] = False                      # modified in place: rows now differ, read again
+    assert masks.key_padding_of_dense(agree) is agree and len(reads) == 3
+    causal = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    assert masks.key_padding_of_dense(causal) is causal
+    for other in (agree.float(), agree[:, :, :1], agree.expand(b, 3, s, s), keys):   # not a (B, 1, Sq>1, Skv) bool
+        assert masks.key_padding_of_dense(other) is other

@@ -713,3 +713,39 @@ def test_ip_adapter_loaded_before_enabling_unloads_and_disable_keeps_latest():
     # and loading again after disabling works as without sage
     model._load_ip_adapter_weights([_flux_ip_state_dict(model)], low_cpu_mem_usage=False)
     assert sum(isinstance(p, FluxIPAdapterAttnProcessor) for p in processors(model).values()) == len(ip_procs)
+
+
+# ---- Ideogram 4: one dense segment mask per forward ---------------------------------------------------------------
+
+def tiny_ideogram4(segments, b=2, text=8, image=24):
+    """A tiny Ideogram4Transformer2DModel (head dim 64) and its inputs; `segments` per token of each sample."""
+    mod = pytest.importorskip("diffusers.models.transformers.transformer_ideogram4")
+    torch.manual_seed(0)
+    model = mod.Ideogram4Transformer2DModel(in_channels=16, num_layers=2, attention_head_dim=64, num_attention_heads=2,
+                                            intermediate_size=128, adaln_dim=32, llm_features_dim=48,
+                                            mrope_section=(12, 10, 10)).eval()
+    n = text + image
+    indicator = torch.tensor([mod.LLM_TOKEN_INDICATOR] * text + [mod.OUTPUT_IMAGE_INDICATOR] * image).expand(b, n)
+    pos = torch.zeros(b, n, 3, dtype=torch.long)
+    pos[:, :, 0] = torch.arange(n)
+    inputs = dict(hidden_states=torch.randn(b, n, 16), timestep=torch.rand(b), encoder_hidden_states=torch.randn(b, n, 48),
+                  position_ids=pos, segment_ids=torch.as_tensor(segments).expand(b, n).clone(), indicator=indicator)
+    return model, inputs
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_ideogram4_segment_mask_of_one_sample_runs_without_a_mask(mask_kinds, packed):
+    """Ideogram 4 hands every block a (B, 1, L, L) bool mask built from segment ids. One sample per row (one segment)
+    sees every key: the layers get no mask (the kernels' path on a GPU); a packed row (two segments) is a real dense
+    mask and stays one. The outputs match the model without sage_patch either way."""
+    segments = [0] * 16 + [1] * 16 if packed else [0] * 32
+    model, inputs = tiny_ideogram4(segments)
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        model.enable_sage_attention("8b")
+        try:
+            out = model(**inputs).sample
+        finally:
+            model.disable_sage_attention()
+    assert cos(out, ref) >= MIN_COS
+    assert mask_kinds == (["dense"] * 2 if packed else ["none"] * 2), mask_kinds

@@ -68,6 +68,7 @@ from sage_patch.integrations import diffusers_parallel
 from sage_patch.policy import Policy, default_policy
 from sage_patch.binding import (BINDING_ATTR, SDPA, Interposer, LayerBinding, Recogniser, StepState, attach,
                                 detach, enter_on_forward, register_recogniser, select_modules, warn_unmatched_rules)
+from sage_patch.masks import key_padding_of_dense
 from sage_patch.sdpa_semantics import from_diffusers_dispatch
 
 logger = logging.getLogger("sage_patch")
@@ -169,8 +170,10 @@ def _routed_backend(original):
                 layer_scope.leave()
         call = from_diffusers_dispatch(kw["query"], kw["key"], kw["value"], attn_mask=kw.get("attn_mask"),
                                        is_causal=kw.get("is_causal", False))
+        # a per-forward dense mask that only pads keys (Ideogram 4's segment mask of unpacked samples) runs the kernel
+        mask = key_padding_of_dense(call.attn_mask)
         return layer.run(call.q, call.k, call.v, layout=call.layout, is_causal=call.is_causal, scale=kw.get("scale"),
-                         attn_mask=call.attn_mask, dropout_p=kw.get("dropout_p", 0.0))
+                         attn_mask=mask, dropout_p=kw.get("dropout_p", 0.0))
 
     backend.sage_original = original
     return backend
