@@ -8,6 +8,9 @@ Random bf16 weights from the real configs (no download; the configs are inlined 
     sd35-1024      SD3.5-large, 1024x1024        (4096 + 333 tokens, 38 layers, head dim 64)
     cogvideox-5b   CogVideoX-5b, 49 frames 480x720 (13 x 1350 + 226 = 17776 tokens, 42 layers)
     hunyuan-720p   HunyuanVideo, 720x1280, 129 frames (33 x 3600 + 256 = 119056 tokens, 62 layers incl. refiner)
+    ideogram4-1024 Ideogram 4, 1024x1024 (4096 image + 512 text tokens in one packed sequence, 34 layers, 18 heads x
+                   head dim 256; the model's segment mask of one sample)
+    ideogram4-2048 Ideogram 4, 2048x2048 (16384 + 512 tokens)
                    (--frames reduces the frame count if memory or time demands; the JSON records it)
 
 For each case, in the same process and on the same weights and inputs: the median time of one forward with the
@@ -59,6 +62,8 @@ HUNYUAN_VIDEO = dict(in_channels=16, out_channels=16, num_attention_heads=24, at
                      num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
                      qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
                      rope_theta=256.0, rope_axes_dim=(16, 56, 56))
+IDEOGRAM4 = dict(in_channels=128, num_layers=34, attention_head_dim=256, num_attention_heads=18, intermediate_size=12288,
+                 adaln_dim=512, llm_features_dim=53248, rope_theta=5_000_000, mrope_section=(24, 20, 20))
 
 # tiny stand-ins for --tiny (same code paths, CPU-sized)
 TINY = {
@@ -74,6 +79,8 @@ TINY = {
     "hunyuan": dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
                     num_single_layers=2, num_refiner_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=16,
                     pooled_projection_dim=8, rope_axes_dim=(4, 6, 6), guidance_embeds=True),
+    "ideogram4": dict(in_channels=16, num_layers=2, attention_head_dim=64, num_attention_heads=2, intermediate_size=64,
+                      adaln_dim=16, llm_features_dim=32, mrope_section=(12, 10, 10)),
 }
 
 CASES = {
@@ -83,10 +90,12 @@ CASES = {
     "sd35-1024": ("sd35", 1024, 1024, None),
     "cogvideox-5b": ("cogvideox", 480, 720, 49),
     "hunyuan-720p": ("hunyuan", 720, 1280, 129),
+    "ideogram4-1024": ("ideogram4", 1024, 1024, None),
+    "ideogram4-2048": ("ideogram4", 2048, 2048, None),
 }
 # --tiny sizes (pixels; the VAE factor is 8 as in the real models)
 TINY_SIZES = {"flux": (128, 128, None), "sd35": (128, 128, None), "cogvideox": (128, 128, 9),
-              "hunyuan": (64, 64, 9)}
+              "hunyuan": (64, 64, 9), "ideogram4": (128, 128, None)}
 
 
 # ---- inputs -------------------------------------------------------------------------------------------------
@@ -163,8 +172,26 @@ def _hunyuan(cfg, h, w, frames, device, dtype, tiny):
     return model, inputs, (lf // pt) * (lh // ps) * (lw // ps) + n_txt
 
 
+def _ideogram4(cfg, h, w, frames, device, dtype, tiny):
+    from diffusers.models.transformers import transformer_ideogram4 as ideo
+
+    model = ideo.Ideogram4Transformer2DModel(**cfg)
+    lh, lw = h // 16, w // 16                      # VAE /8, then 2x2 patches (in_channels = 32 x 4)
+    n_img, n_txt = lh * lw, (16 if tiny else 512)
+    n = n_txt + n_img
+    pos = torch.zeros(1, n, 3, dtype=torch.long)   # text: t = token index; image: (h, w) grid after the text
+    pos[0, :n_txt, 0] = torch.arange(n_txt)
+    pos[0, n_txt:, 1] = torch.arange(lh).repeat_interleave(lw)
+    pos[0, n_txt:, 2] = torch.arange(lw).repeat(lh)
+    indicator = torch.tensor([ideo.LLM_TOKEN_INDICATOR] * n_txt + [ideo.OUTPUT_IMAGE_INDICATOR] * n_img)[None]
+    inputs = dict(hidden_states=torch.randn(1, n, cfg["in_channels"]), timestep=torch.tensor([0.5]),
+                  encoder_hidden_states=torch.randn(1, n, cfg["llm_features_dim"]), position_ids=pos,
+                  segment_ids=torch.zeros(1, n, dtype=torch.long), indicator=indicator)
+    return model, inputs, n
+
+
 BUILDERS = {"flux": (_flux, FLUX_DEV), "sd35": (_sd35, SD35_LARGE), "cogvideox": (_cogvideox, COGVIDEOX_5B),
-            "hunyuan": (_hunyuan, HUNYUAN_VIDEO)}
+            "hunyuan": (_hunyuan, HUNYUAN_VIDEO), "ideogram4": (_ideogram4, IDEOGRAM4)}
 
 
 def build(family, h, w, frames, device, dtype, tiny, seed=0, overrides=None):
