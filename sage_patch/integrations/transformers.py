@@ -50,6 +50,7 @@ Semantics (each item is tested in tests/test_transformers_integration.py):
 """
 from __future__ import annotations
 
+import ctypes
 import inspect
 import logging
 import sys
@@ -351,11 +352,14 @@ def _provisional_binding(module) -> LayerBinding:
     return attach(module, f"{type(module).__name__}.{idx}", default_policy(LIBRARY, module), index=idx)
 
 
-def _bind_unbound(module) -> None:
+def _bind_unbound(module_id: int) -> None:
     """`_provisional_binding` for a layer without a binding, run at trace time as plain Python (marked below:
-    torch.compile calls it with the real module and keeps its result, None, as a constant). The traced forward
+    torch.compile calls it with constant arguments and keeps its result, None, as a constant). The traced forward
     then reads the new binding as the module's attribute, as for a layer bound before (no recompile at the next
-    call; tests/test_transformers_integration.py)."""
+    call; tests/test_transformers_integration.py). The layer is passed as its id(), which dynamo makes a constant
+    (guarded on the module's identity): torch 2.11's dynamo cannot hand a module to such a function (its modules
+    inside a compiled model are not constants there); the module is alive, being called, so the id names it."""
+    module = ctypes.cast(module_id, ctypes.py_object).value
     if getattr(module, BINDING_ATTR, None) is None:
         _provisional_binding(module)
 
@@ -371,7 +375,7 @@ def sage_attention_forward(module, query, key, value, attention_mask, scaling=No
     _check_head_grouping(module, query, key)
     binding = getattr(module, BINDING_ATTR, None)
     if binding is None and torch.compiler.is_compiling():
-        _bind_unbound(module)
+        _bind_unbound(id(module))
         binding = getattr(module, BINDING_ATTR)
     binding = binding or _provisional_binding(module)
     is_causal = kwargs.pop("is_causal", None)
