@@ -7,13 +7,16 @@
     python benchmarks/finetune_smollm2.py --runs sage --merge --out docs/data/finetune_smollm2_cpu.json \
         --png docs/img/finetune_smollm2_cpu.png      # SageBwd's numerics changed: retrain the sage run only
     python benchmarks/finetune_smollm2.py --tiny --steps 2 --out /tmp/ft_tiny.json     # smoke test, random tiny Llama
+    python benchmarks/finetune_smollm2.py --device cuda --runs full full1 sage sage1 \
+        --out docs/data/h200_finetune_smollm2.json    # on a GPU: the SageBwd kernels (DEVELOPERS.md: the GGUF there)
 
-Three runs of the same base model, LoRA (peft) on q_proj, k_proj, v_proj, o_proj, AdamW, float32:
-- full, seed s0 and seed s1: attn_implementation="sdpa" (torch SDPA, no sage_patch in the path);
-- sage, seed s0: attn_implementation="sage" with the model's default policy, so every training call (a gradient is
-  needed) runs the trainable 8b. On CPU that is the reference simulation of SageBwd (impl "reference-sagebwd",
-  checked from the report: the script fails if any training call ran something else); on a GPU without the SageBwd
-  kernel the resolver would run full precision, so the script refuses CUDA.
+Runs of the same base model, LoRA (peft) on q_proj, k_proj, v_proj, o_proj, AdamW, float32 weights:
+- full, seed s0 and full1, seed s1: attn_implementation="sdpa" (torch SDPA, no sage_patch in the path);
+- sage, seed s0 (and sage1, seed s1): attn_implementation="sage"; every training call (a gradient is needed) runs
+  the trainable 8b. On CPU that is the reference simulation of SageBwd (impl "reference-sagebwd") under the model's
+  default policy; on CUDA (--device cuda: bf16 autocast for every run, the attention's inputs bf16) the SageBwd
+  kernels, at every length (CUDA_POLICY: the speed routing that would send slower-than-SDPA lengths to SDPA is
+  off). The script fails if any training call of a sage run ran something else (checked from the report).
 The seed sets the LoRA initialization and the order of the training windows: full s0 and sage s0 see the same
 batches in the same order from the same initial weights, full s1 differs in both (the run-to-run spread).
 
@@ -45,7 +48,13 @@ from bench_transformers import impl_counts, reset_stats  # noqa: E402  (summed o
 from timing import run_meta  # noqa: E402
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# run name: (attention implementation, index of its seed in --seeds)
+PLAN = {"full": ("sdpa", 0), "full1": ("sdpa", 1), "sage": ("sage", 0), "sage1": ("sage", 1)}
 TRAIN_IMPL = "reference-sagebwd"  # what every training call of the sage run must report on CPU
+# The sage runs' policy on CUDA: the trainable 8b's kernels for every training call (inference calls: 8b, the
+# shipped policy's min_seq_len), whatever their measured speed against SDPA
+CUDA_POLICY = {"name": "finetune-sagebwd-kernels", "default": "8b", "training": "8b",
+               "fallback": {"min_seq_len": 128}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,8 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="full attention runs both seeds, sage runs S0")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r, no dropout)")
     p.add_argument("--heldout", type=int, default=8, help="held-out windows of --seq tokens from the text's end")
-    p.add_argument("--runs", nargs="+", default=("full", "full1", "sage"), choices=("full", "full1", "sage"),
-                   help="which runs (full = full attention seed S0, full1 = seed S1, sage = SageBwd seed S0)")
+    p.add_argument("--runs", nargs="+", default=("full", "full1", "sage"), choices=PLAN,
+                   help="which runs (full = full attention seed S0, full1 = seed S1, sage = SageBwd seed S0, "
+                        "sage1 = SageBwd seed S1)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: float32, SageBwd's reference simulation; cuda: bf16 autocast, the SageBwd kernels")
     p.add_argument("--tiny", action="store_true", help="a random tiny Llama on the text's bytes (smoke test)")
     p.add_argument("--out", required=True, help="JSON to write")
     p.add_argument("--png", default=None, help="loss-curve PNG (default: --out with .png)")
@@ -167,14 +179,25 @@ def tiny_llama(attn_implementation: str):
     return LlamaForCausalLM._from_config(cfg, attn_implementation=attn_implementation, dtype=torch.float32)
 
 
-def load_base(tiny: bool, attn_implementation: str):
+def compute(device: str):
+    """The context every forward runs in: on CUDA bf16 autocast (the weights stay float32, the attention's inputs
+    are bf16, as the SageBwd kernels and cuDNN's SDPA take them), on CPU float32."""
+    if device == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def load_base(tiny: bool, attn_implementation: str, device: str = "cpu"):
     """(model, tokenizer, model description) for one run: a fresh copy of the base weights."""
     if tiny:
-        return tiny_llama(attn_implementation), ByteTokenizer(), "tiny random Llama (2 layers, GQA 4:2, D 32)"
-    from sage_patch.demo import REAL_MODEL, load_smollm2
+        model, tok, what = tiny_llama(attn_implementation), ByteTokenizer(), "tiny random Llama (2 layers, GQA 4:2, D 32)"
+    else:
+        from sage_patch.demo import REAL_MODEL, load_smollm2
 
-    model, tok = load_smollm2(attn_implementation)
-    return model, tok, REAL_MODEL
+        (model, tok), what = load_smollm2(attn_implementation), REAL_MODEL
+    return model.to(device), tok, what
 
 
 def split_windows(tok, seq: int, heldout: int, text: str):
@@ -198,33 +221,49 @@ def add_lora(model, r: int, seed: int):
     return get_peft_model(model, cfg)
 
 
-def held_out_ppl(model, windows, policy=None) -> float:
-    """Perplexity on the held-out windows; policy: for a sage model, the policy to evaluate under (the model's
-    default policy is set again after)."""
+def held_out_ppl(model, windows, device: str, policy=None, train_policy=None) -> float:
+    """Perplexity on the held-out windows; policy: for a sage model, the policy to evaluate under (train_policy,
+    what the sage run trains with (None: the model's default policy), is set again after)."""
     from sage_patch.calibrate import perplexity
 
     was_training = model.training
     model.eval()
     try:
-        if policy is None:
-            return perplexity(model, windows)
-        import sage_patch
+        with compute(device):
+            if policy is None:
+                return perplexity(model, windows)
+            import sage_patch
 
-        sage_patch.set_policy(model, policy)
-        try:
-            return perplexity(model, windows)
-        finally:
-            sage_patch.set_policy(model, None)  # back to the model's default policy (what the sage run trains with)
+            sage_patch.set_policy(model, policy)
+            try:
+                return perplexity(model, windows)
+            finally:
+                sage_patch.set_policy(model, train_policy)
     finally:
         model.train(was_training)
 
 
+def training_impls_ok(impls: dict, device: str) -> bool:
+    """Whether every training call of a sage run ran the trainable 8b: its reference simulation on CPU, a SageBwd
+    kernel (a training variant of the registry) on CUDA."""
+    from sage_patch.kernels import registry
+
+    wanted = {TRAIN_IMPL} if device == "cpu" else {v.name for v in registry.TRAINING_VARIANTS}
+    return bool(impls) and set(impls) <= wanted
+
+
 def train_run(name: str, attn: str, seed: int, args, text: str, log=print) -> dict:
-    model, tok, what = load_base(args.tiny, attn)
+    dev = args.device
+    model, tok, what = load_base(args.tiny, attn, dev)
     train, held = split_windows(tok, args.seq, args.heldout, text)
     is_sage = attn == "sage"
-    ppl_before = held_out_ppl(model, held, "full" if is_sage else None)
+    train_policy = CUDA_POLICY if is_sage and dev == "cuda" else None
+    ppl_before = held_out_ppl(model, held, dev, "full" if is_sage else None, train_policy)
     model = add_lora(model, args.lora_r, seed)
+    if train_policy is not None:
+        import sage_patch
+
+        sage_patch.set_policy(model, train_policy)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr)
     order = batch_order(len(train), args.steps, args.batch, seed)
@@ -233,8 +272,9 @@ def train_run(name: str, attn: str, seed: int, args, text: str, log=print) -> di
     model.train()
     losses, t0 = [], time.perf_counter()
     for step, idx in enumerate(order):
-        ids = torch.cat([train[i] for i in idx])
-        loss = model(input_ids=ids, labels=ids).loss
+        ids = torch.cat([train[i] for i in idx]).to(dev)
+        with compute(dev):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -250,15 +290,15 @@ def train_run(name: str, attn: str, seed: int, args, text: str, log=print) -> di
            "s_per_step": train_s / args.steps, "ppl_before": ppl_before}
     if is_sage:
         run["training_impls"] = impl_counts(model)
-        others = {k: n for k, n in run["training_impls"].items() if k != TRAIN_IMPL}
-        if others or not run["training_impls"]:
-            raise RuntimeError(f"the sage run's training calls ran {run['training_impls']}, not only {TRAIN_IMPL}")
-        run["ppl_after"] = held_out_ppl(model, held, "full")
+        if not training_impls_ok(run["training_impls"], dev):
+            raise RuntimeError(f"the sage run's training calls ran {run['training_impls']}, not only the trainable "
+                               f"8b ({'its reference simulation' if dev == 'cpu' else 'its kernels'})")
+        run["ppl_after"] = held_out_ppl(model, held, dev, "full", train_policy)
         reset_stats(model)
-        run["ppl_after_own_attention"] = held_out_ppl(model, held)  # its default policy, inference 8b (no grad)
+        run["ppl_after_own_attention"] = held_out_ppl(model, held, dev)  # its policy, inference 8b (no grad)
         run["own_attention_impls"] = impl_counts(model)
     else:
-        run["ppl_after"] = held_out_ppl(model, held)
+        run["ppl_after"] = held_out_ppl(model, held, dev)
     run["wall_s"] = time.perf_counter() - t0
     log(f"[{name}] held-out perplexity {ppl_before:.3f} -> {run['ppl_after']:.3f}; training {train_s:.0f} s")
     return run
@@ -281,28 +321,31 @@ def plot(result: dict, path: str) -> None:
     # (color, line style, width, label): SageBwd dashed over full seed S0, which it would otherwise hide
     style = {"full": ("C0", "-", 2.6, "full attention, seed {seed}"),
              "full1": ("C2", "-", 1.6, "full attention, seed {seed}"),
-             "sage": ("C3", "--", 1.6, "SageBwd 8b (CPU reference simulation), seed {seed}")}
+             "sage": ("C3", "--", 1.6, "SageBwd 8b ({how}), seed {seed}"),
+             "sage1": ("C1", "--", 1.6, "SageBwd 8b ({how}), seed {seed}")}
+    how = "CPU reference simulation" if result["meta"]["args"].get("device", "cpu") == "cpu" else "GPU kernels"
     fig, axes = plt.subplots(1, 3, figsize=(19, 5))
     ax = axes[0]
     for name, r in runs.items():
         color, ls, lw, label = style[name]
         ax.plot(steps, r["losses"], color=color, alpha=0.2, lw=0.7)
-        ax.plot(steps, smooth(r["losses"], w), color=color, ls=ls, lw=lw, label=label.format(seed=r["seed"]))
+        ax.plot(steps, smooth(r["losses"], w), color=color, ls=ls, lw=lw, label=label.format(seed=r["seed"], how=how))
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (thin: per step, thick: moving average of {w})")
     ax.set_title("LoRA fine-tuning, " + result["meta"]["model"].split(" (")[0])
     ax.legend(fontsize=8)
     if "full" in runs:
         ref, s0 = runs["full"]["losses"], runs["full"]["seed"]
-        diffs = {name: [x - y for x, y in zip(runs[name]["losses"], ref)] for name in ("full1", "sage") if name in runs}
-        for ax, names, title in ((axes[1], ("full1", "sage"), f"difference to full attention seed {s0}"),
+        diffs = {name: [x - y for x, y in zip(runs[name]["losses"], ref)] for name in ("full1", "sage", "sage1")
+                 if name in runs}
+        for ax, names, title in ((axes[1], ("full1", "sage", "sage1"), f"difference to full attention seed {s0}"),
                                  (axes[2], ("sage",), f"SageBwd - full seed {s0} (same init, same batches), zoomed")):
             for name in names:
                 if name in diffs:
                     color, _, _, label = style[name]
                     ax.plot(steps, diffs[name], color=color, alpha=0.3, lw=0.8)
                     ax.plot(steps, smooth(diffs[name], w), color=color, lw=1.6,
-                            label=label.format(seed=runs[name]["seed"]))
+                            label=label.format(seed=runs[name]["seed"], how=how))
             ax.axhline(0, color="k", lw=0.6)
             ax.set_title(title)
             ax.set_xlabel("step")
@@ -321,7 +364,7 @@ def plot(result: dict, path: str) -> None:
 
 # What must be equal for runs of two invocations to share a JSON: the training settings and the software (the text
 # and base weights are compared through what every run measures before training: check_same_start)
-MERGE_ARGS = ("steps", "seq", "batch", "lr", "seeds", "lora_r", "heldout", "tiny")
+MERGE_ARGS = ("steps", "seq", "batch", "lr", "seeds", "lora_r", "heldout", "tiny", "device")
 MERGE_META = ("torch", "transformers", "peft")
 
 
@@ -369,17 +412,25 @@ def check_same_start(kept: list[dict], runs: list[dict]) -> None:
 def summarize(result: dict) -> None:
     """Add the spread statistics of the loss curves to result (a pure function of its runs) and print them."""
     runs = {r["name"]: r for r in result["runs"]}
-    if not {"full", "full1", "sage"} <= set(runs):
+    if not {"full", "full1"} <= set(runs):
         return
-    s0, s1 = runs["full"]["seed"], runs["full1"]["seed"]
-    sp = loss_spread(runs["sage"]["losses"], runs["full"]["losses"], runs["full1"]["losses"])
-    sp["note"] = (f"full seed {s1} differs from full seed {s0} in LoRA initialization and batch order; sage seed "
-                  f"{runs['sage']['seed']} shares both with full seed {s0}")
-    result["spread"] = sp
-    print(f"mean |sage - full s{s0}| {sp['candidate_vs_full_s0']:.4f} vs mean |full s{s1} - full s{s0}| "
-          f"{sp['full_s1_vs_full_s0']:.4f} (ratio {sp['ratio']:.3f}); after step {sp['after_step']}: "
-          f"{sp['candidate_vs_full_s0_after']:.4f} vs {sp['full_s1_vs_full_s0_after']:.4f} "
-          f"(ratio {sp['ratio_after']:.3f}); within the spread: {sp['within_spread']}")
+    # each sage run against the full run of its own seed, the other full run giving the run-to-run spread
+    for sage, same, other in (("sage", "full", "full1"), ("sage1", "full1", "full")):
+        if sage not in runs:
+            continue
+        sp = loss_spread(runs[sage]["losses"], runs[same]["losses"], runs[other]["losses"])
+        s_same, s_other = runs[same]["seed"], runs[other]["seed"]
+        sp["note"] = (f"full seed {s_other} differs from full seed {s_same} in LoRA initialization and batch order; "
+                      f"{sage} seed {runs[sage]['seed']} shares both with full seed {s_same}")
+        ppl_spread = abs(runs["full1"]["ppl_after"] - runs["full"]["ppl_after"])
+        sp["ppl_vs_same_seed_full"] = runs[sage]["ppl_after"] - runs[same]["ppl_after"]
+        sp["ppl_within_seeds_spread"] = abs(sp["ppl_vs_same_seed_full"]) <= ppl_spread
+        result["spread" if sage == "sage" else "spread_" + sage] = sp
+        print(f"mean |{sage} - full s{s_same}| {sp['candidate_vs_full_s0']:.4f} vs mean |full s{s_other} - full "
+              f"s{s_same}| {sp['full_s1_vs_full_s0']:.4f} (ratio {sp['ratio']:.3f}); after step {sp['after_step']}: "
+              f"{sp['candidate_vs_full_s0_after']:.4f} vs {sp['full_s1_vs_full_s0_after']:.4f} "
+              f"(ratio {sp['ratio_after']:.3f}); within the spread: {sp['within_spread']}; held-out perplexity "
+              f"{sp['ppl_vs_same_seed_full']:+.4f} vs the same seed's full (seeds' spread {ppl_spread:.4f})")
     for name, r in runs.items():
         own = f", {r['ppl_after_own_attention']:.3f} with its own attention" if "ppl_after_own_attention" in r else ""
         print(f"{name:6s} seed {r['seed']}: final loss {r['losses'][-1]:.4f}, held-out perplexity "
@@ -404,9 +455,8 @@ def main(argv=None) -> dict:
         summarize(result)
         write(result, args.out, png)
         return result
-    if torch.cuda.is_available():
-        raise SystemExit("finetune_smollm2.py runs the CPU reference simulation of SageBwd: on a GPU without the "
-                         "SageBwd kernel the trainable 8b runs full precision, which would compare full to full")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible to torch")
     import peft
     import transformers
 
@@ -417,19 +467,25 @@ def main(argv=None) -> dict:
     text_what = source if not args.tiny else f"UTF-8 bytes of {source}"
     software = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
     kept = kept_runs(args.out, args, software) if args.merge else []  # before training: fail fast
-    s0, s1 = args.seeds
-    plan = {"full": ("sdpa", s0), "full1": ("sdpa", s1), "sage": ("sage", s0)}
     runs = []
     for name in args.runs:
-        attn, seed = plan[name]
-        runs.append(train_run(name, attn, seed, args, text))
-    what = ("CPU, float32. full: attn_implementation='sdpa' (torch SDPA). sage: attn_implementation='sage', default "
-            "policy; training calls run the trainable 8b = the reference simulation of SageBwd on CPU "
-            f"(impl {TRAIN_IMPL}) with the numerics {DEFAULT_SAGEBWD_CONFIG}. LoRA r={args.lora_r} on "
-            f"{','.join(LORA_TARGETS)}, AdamW "
-            f"lr={args.lr}, {args.steps} steps x {args.batch} x {args.seq} tokens")
+        attn, which = PLAN[name]
+        runs.append(train_run(name, attn, args.seeds[which], args, text))
+    if args.device == "cpu":
+        what = ("CPU, float32. full: attn_implementation='sdpa' (torch SDPA). sage: attn_implementation='sage', "
+                "default policy; training calls run the trainable 8b = the reference simulation of SageBwd on CPU "
+                f"(impl {TRAIN_IMPL}) with the numerics {DEFAULT_SAGEBWD_CONFIG}.")
+        machine = f"CPU ({os.cpu_count()} cores)"
+    else:
+        impls = sorted({k for r in runs for k in r.get("training_impls", {})})
+        what = ("CUDA, float32 weights, bf16 autocast. full: attn_implementation='sdpa' (torch SDPA). sage: "
+                f"attn_implementation='sage', policy {CUDA_POLICY}; training calls ran the SageBwd kernels "
+                f"{impls} with the numerics {DEFAULT_SAGEBWD_CONFIG}.")
+        machine = torch.cuda.get_device_name()
+    what += (f" LoRA r={args.lora_r} on {','.join(LORA_TARGETS)}, AdamW lr={args.lr}, {args.steps} steps x "
+             f"{args.batch} x {args.seq} tokens")
     command = " ".join(["benchmarks/finetune_smollm2.py", *(sys.argv[1:] if argv is None else argv)])
-    meta = run_meta(command=command, machine=f"CPU ({os.cpu_count()} cores)", torch_threads=torch.get_num_threads(),
+    meta = run_meta(command=command, machine=machine, torch_threads=torch.get_num_threads(),
                     transformers=transformers.__version__, peft=peft.__version__, model=runs[0]["model"],
                     text=text_what, what_ran=what,
                     args={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()})
@@ -437,7 +493,8 @@ def main(argv=None) -> dict:
         check_same_start(kept, runs)
         for r in runs:
             r.update(date=meta["date"], command=command)
-        runs = sorted(kept + runs, key=lambda r: list(plan).index(r["name"]))
+        runs = sorted(kept + runs, key=lambda r: list(PLAN).index(r["name"]))
+    meta["png"] = png
     result = {"kind": "finetune", "meta": meta, "runs": runs}   # "kind": benchmarks/report.py renders it
     summarize(result)
     write(result, args.out, png)

@@ -268,7 +268,7 @@ def render_multigpu(data: dict) -> list:
 
 
 def render_finetune(data: dict) -> list:
-    meta, sp = data["meta"], data["spread"]
+    meta = data["meta"]
     out = [f"What ran: {meta['what_ran']}.", ""] + run_lines(meta)
     # runs kept from an earlier invocation by --merge carry the date and command that made them
     this_run, earlier = (meta.get("date"), meta.get("command")), {}
@@ -283,9 +283,19 @@ def render_finetune(data: dict) -> list:
     body = [[r["name"], r["attn_implementation"], r["seed"], f"{r['ppl_before']:.3f}", f"{r['ppl_after']:.3f}",
              f"{sum(r['losses'][-30:]) / len(r['losses'][-30:]):.3f}"] for r in data["runs"]]
     out += table(["run", "attention", "seed", "held-out ppl before", "after", "loss, mean of last 30 steps"], body)
-    out += ["", f"Mean per-step |loss - loss of full seed 0|: trainable 8b {sp['candidate_vs_full_s0']:.4f}, full seed 1 "
-                f"{sp['full_s1_vs_full_s0']:.4f} (after step {sp['after_step']}: {sp['candidate_vs_full_s0_after']:.4f} "
-                f"vs {sp['full_s1_vs_full_s0_after']:.4f}); {sp['note']}. Curves: `docs/img/finetune_smollm2_cpu.png`."]
+    png = meta.get("png", "docs/img/finetune_smollm2_cpu.png")   # the loss curves (finetune_smollm2.py --png)
+    out += [""]
+    for key, name in (("spread", "sage"), ("spread_sage1", "sage1")):
+        sp = data.get(key)
+        if sp is None:
+            continue
+        ppl = (f"; held-out perplexity {sp['ppl_vs_same_seed_full']:+.4f} vs the same seed's full attention "
+               f"(within the seeds' spread: {sp['ppl_within_seeds_spread']})" if "ppl_vs_same_seed_full" in sp else "")
+        out += [f"- {name}: mean per-step |loss - loss of full attention, same seed| {sp['candidate_vs_full_s0']:.4f}, "
+                f"full attention's other seed {sp['full_s1_vs_full_s0']:.4f} (after step {sp['after_step']}: "
+                f"{sp['candidate_vs_full_s0_after']:.4f} vs {sp['full_s1_vs_full_s0_after']:.4f}; within the spread: "
+                f"{sp['within_spread']}){ppl}; {sp['note']}."]
+    out += ["", f"Curves: `{png}`."]
     return out
 
 
