@@ -72,6 +72,9 @@ def hopper(fake_cuda, monkeypatch):
     fake = fake_cuda(["90a"])
     fake["cc"] = (9, 0)
     monkeypatch.setattr(K, "_TRITON_REASON", [None])
+    # the training variants narrowed to the Triton pair, whose decisions these tests spell out
+    monkeypatch.setattr(registry, "VARIANTS", tuple(v for v in registry.VARIANTS
+                                                    if not v.trains or v.key == "sagebwd-triton"))
     calls = []
 
     def run(variant, precision, q, *a, **kw):
@@ -91,7 +94,7 @@ def hopper(fake_cuda, monkeypatch):
 def _with_training_crossover(monkeypatch, table):
     """The registry with the training variant's crossover replaced (as a measured one would be)."""
     tv = dataclasses.replace(registry.get("sagebwd-triton"), sdpa_faster_below=table)
-    monkeypatch.setattr(registry, "VARIANTS", tuple(tv if v.trains else v for v in registry.VARIANTS))
+    monkeypatch.setattr(registry, "VARIANTS", tuple(tv if v.key == tv.key else v for v in registry.VARIANTS))
     return tv
 
 
@@ -155,3 +158,28 @@ def test_sagebwd_attention_launches_training_variants_only():
     for bad in ("wgmma-fp8", "sagebwd-nope"):
         with pytest.raises(ValueError, match=r"is not a training kernel; allowed: .*'sagebwd-triton'"):
             sagebwd_attention(q, k, v, is_causal=False, scale=None, attn_mask=None, kernel=bad)
+
+
+def test_a_second_training_variant_is_one_entry(hopper, monkeypatch):
+    """Room for the CUDA training kernel: one more KernelVariant(trains=True) ahead of the Triton pair, with its own
+    capability and crossover, is chosen where it serves and beats SDPA, and the Triton pair elsewhere."""
+    def sm90_only(t):
+        return None if t.cc == (9, 0) else f"sm_90 only (device is sm_{t.cc[0]}{t.cc[1]})"
+
+    second = registry.KernelVariant("sagebwd-second", "cuda-second-sagebwd", None, "wgmma", "int8", "input", ("8b",),
+                                    (sm90_only,), sdpa_faster_below={"sm_90": {(128, False): 4096}}, trains=True,
+                                    launch="sage_patch.kernels.sagebwd")
+    triton = registry.get("sagebwd-triton")
+    monkeypatch.setattr(registry, "VARIANTS", tuple(v for v in registry.VARIANTS if not v.trains) + (second, triton))
+    q = torch.empty(1, 2, 8192, 128, dtype=torch.float16, requires_grad=True)
+    d = R.resolve("8b", q, q, q, **CALL)
+    assert (d.path, d.variant, d.impl) == ("training-kernel", second, "cuda-second-sagebwd")
+    api.run_attention(q, q, q, precision="8b")
+    assert hopper == [("training", "sagebwd-second")]
+    short = torch.empty(1, 2, 2048, 128, dtype=torch.float16, requires_grad=True)
+    assert "SDPA is faster than cuda-second-sagebwd below 4096 tokens" in R.resolve("8b", short, short, short,
+                                                                                   **CALL).reason
+    t = registry.Target((8, 9), ("89",), "8b", 128, training=True, dtype=torch.float16)
+    assert registry.select(t)[0] is triton
+    v, why = registry.select(dataclasses.replace(t, triton="Triton is not installed"))
+    assert v is None and why == "sagebwd-second: sm_90 only (device is sm_89); sagebwd-triton: Triton is not installed"
