@@ -74,7 +74,9 @@ def test_info_on_cpu_shows_what_a_gradient_call_runs(capsys):
         assert f"as 8b: reference-sagebwd  -- {p} has no backward pass" in training[p], training[p]
     d = (main(["info", "--json"]), json.loads(capsys.readouterr().out))[1]
     t4 = d["training"]["4b"]
-    assert (t4["runs"], t4["impl"], t4["kernel"]) == ("8b", "reference-sagebwd", None)
+    assert (t4["runs"], t4["impl"], t4["kernel"], t4["path"]) == ("8b", "reference-sagebwd", None,
+                                                                  "training-reference")
+    assert (d["precisions"]["8b"]["path"], d["precisions"]["full"]["path"]) == ("reference", "sdpa")
     assert "4b has no backward pass" in t4["reason"]
     assert d["precisions"]["4b"]["runs"] == "4b"  # the forward rows are unchanged by the training ones
 
