@@ -37,13 +37,17 @@ allocated during the timed steps (weights, gradients, optimizer state, activatio
 
 Writes one JSON to --out (rewritten after every case, so a run cut short keeps what it measured):
 {"kind": "training", "meta": {...}, "attention": [...], "llama": [...], "flux": [...]}; benchmarks/report.py
-renders it (copy it to docs/data/<gpu>_training*.json). On a GPU, refuses to time sage when a training call would
+renders it (copy it to docs/data/<gpu>_training*.json). --training-routing off runs every sage row (sage_api and the
+models' sage) under its policy with options.training_speed_routing: false (the training kernel at every length, as
+sage8b; on: the resolver routes to SDPA below the training variant's measured crossover, the default). On a GPU,
+refuses to time sage when a training call would
 not run a SageBwd kernel (no kernel: the reference simulation or full precision) unless --allow-reference.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -61,6 +65,9 @@ from timing import Timer, counted_ms, forced_sdpa, run_meta, tops  # noqa: E402
 
 import sage_patch  # noqa: E402
 from sage_patch.accuracy import cosine  # noqa: E402
+from sage_patch.api import run_attention as sage_run_attention  # noqa: E402
+from sage_patch.lifecycle import family_policy  # noqa: E402
+from sage_patch.policy import Policy  # noqa: E402
 from sage_patch.report import GLOBAL_STATS  # noqa: E402
 from sage_patch.resolve import TRAINABLE_IMPL  # noqa: E402
 from sage_patch.trainable import sagebwd_attention  # noqa: E402
@@ -120,6 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Flux image side in pixels (default 1024: 4096 image tokens; 512 text tokens)")
     p.add_argument("--allow-reference", action="store_true",
                    help="on a GPU, time sage even when training calls would not run a SageBwd kernel")
+    p.add_argument("--training-routing", default="on", choices=("on", "off"),
+                   help="sage rows' policy options.training_speed_routing: on (default) routes training calls to "
+                        "SDPA below the training kernel's measured crossover, off runs the kernel at every length")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not a.smoke:
@@ -186,14 +196,20 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
-def sage_training_impl(device, dtype) -> dict:
+def routed(policy, routing: str):
+    """`policy` (a Policy; None: the default one) with options.training_speed_routing as --training-routing says."""
+    return dataclasses.replace(policy or Policy(), training_speed_routing=routing == "on")
+
+
+def sage_training_impl(device, dtype, routing: str = "on") -> dict:
     """What a training call of the public API runs here (inputs that require grad; long enough for any measured
-    crossover on a GPU): the implementation the report counted and why, e.g. {"impl": "triton-sagebwd"}."""
+    crossover on a GPU; --training-routing's policy): the implementation the report counted and why, e.g.
+    {"impl": "triton-sagebwd"}."""
     n = 16384 if device.type == "cuda" else 256
     x = torch.randn(1, 1, n, 128, device=device, dtype=dtype).requires_grad_()
     before = dict(GLOBAL_STATS.impls), dict(GLOBAL_STATS.fallbacks)
     with torch.enable_grad():
-        sage_patch.attention(x, x, x, layout="bhsd", precision="8b")
+        sage_run_attention(x, x, x, layout="bhsd", precision="8b", policy=routed(None, routing))
     impls = {k: v - before[0].get(k, 0) for k, v in GLOBAL_STATS.impls.items() if v != before[0].get(k, 0)}
     reasons = [k for k, v in GLOBAL_STATS.fallbacks.items() if v != before[1].get(k, 0)]
     return {"impl": next(iter(impls), None), "reason": reasons[0] if reasons else None,
@@ -214,12 +230,14 @@ def write_json(path: str, data: dict) -> None:
 
 # ---- attention ----------------------------------------------------------------------------------------------------
 
-def attention_call(name: str, causal: bool):
-    """f(q, k, v) -> out for one implementation, (B, H, N, D)."""
+def attention_call(name: str, causal: bool, routing: str = "on"):
+    """f(q, k, v) -> out for one implementation, (B, H, N, D); routing: --training-routing (sage_api's policy)."""
     if name == "sage8b":
         return lambda q, k, v: sagebwd_attention(q, k, v, is_causal=causal, scale=None, attn_mask=None)
     if name == "sage_api":
-        return lambda q, k, v: sage_patch.attention(q, k, v, layout="bhsd", is_causal=causal, precision="8b")
+        policy = routed(None, routing)
+        return lambda q, k, v: sage_run_attention(q, k, v, layout="bhsd", is_causal=causal, precision="8b",
+                                                  policy=policy)
 
     def sdpa(q, k, v):
         with forced_sdpa(name):
@@ -262,7 +280,7 @@ def measure_attention(call, q, k, v, do, device, warmup, reps) -> dict:
     return {"fwdbwd_ms": median(fb), "bwd_ms": median(bw), "peak_mib": peak}
 
 
-def attention_accuracy(q, k, v, do, causal, impls) -> dict:
+def attention_accuracy(q, k, v, do, causal, impls, routing: str = "on") -> dict:
     """Cosine of out, dq, dk, dv of each implementation to torch SDPA math in float64 (batch 0, first heads)."""
     h = min(q.shape[1], ACC_HEADS)
     part = lambda t: t[:1, :h]  # noqa: E731  (no statistic of any implementation spans heads or batches)
@@ -273,7 +291,7 @@ def attention_accuracy(q, k, v, do, causal, impls) -> dict:
     del o64, q64, k64, v64
     res = {"slice": f"batch 0, heads 0-{h - 1}"}
     for name in impls:
-        call = attention_call(name, causal)
+        call = attention_call(name, causal, routing)
 
         def one():
             out = call(q, k, v)
@@ -296,8 +314,8 @@ def attention_case(args, n, d, causal, accuracy: bool) -> dict:
     for name in args.impls:
         if name == "sage_api":
             GLOBAL_STATS.reset()
-        m, err = guarded(lambda: measure_attention(attention_call(name, causal), q, k, v, do, device, args.warmup,
-                                                   args.reps))
+        m, err = guarded(lambda: measure_attention(attention_call(name, causal, args.training_routing), q, k, v, do,
+                                                   device, args.warmup, args.reps))
         if err:
             row["impls"][name] = {"error": err}
             continue
@@ -313,7 +331,7 @@ def attention_case(args, n, d, causal, accuracy: bool) -> dict:
                 m[f"{mode}_vs_baseline"] = base[f"{mode}_ms"] / m[f"{mode}_ms"]
     if accuracy:
         if n <= ACC_MAX_N:
-            row["accuracy"] = attention_accuracy(q, k, v, do, causal, args.impls)
+            row["accuracy"] = attention_accuracy(q, k, v, do, causal, args.impls, args.training_routing)
         else:
             row["accuracy"] = {"skipped": f"N={n} > {ACC_MAX_N}: the float64 reference would not fit"}
     return row
@@ -357,10 +375,12 @@ def run_attention(args, result, save) -> None:
 # ---- training steps -----------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def llama_attention(model, impl):
-    """The model's attention for `impl`; yields a function giving the report's implementation counts (sage)."""
+def llama_attention(model, impl, routing: str = "on"):
+    """The model's attention for `impl`; yields a function giving the report's implementation counts (sage, under
+    the model family's policy with --training-routing's options.training_speed_routing)."""
     model.set_attn_implementation("sage" if impl == "sage" else "sdpa")
     if impl == "sage":
+        sage_patch.set_policy(model, routed(family_policy(model), routing))
         reset_stats(model)
         yield lambda: impl_counts(model)
     else:
@@ -369,9 +389,9 @@ def llama_attention(model, impl):
 
 
 @contextlib.contextmanager
-def flux_attention(model, impl):
+def flux_attention(model, impl, routing: str = "on"):
     if impl == "sage":
-        sage_patch.inject(model)   # shipped flux policy
+        sage_patch.inject(model, routed(family_policy(model), routing))   # shipped flux policy
         try:
             reset_stats(model)
             yield lambda: impl_counts(model)
@@ -447,7 +467,7 @@ def model_rows(model, opt, loss_fn, probe_param, attention, set_ckpt, tokens, ar
         set_ckpt(model, ckpt)
         probes = {}   # impl -> ((loss, grad), None) or (None, error)
         for impl in args.model_impls:   # all at the same weights: no optimizer step in between
-            with attention(model, impl):
+            with attention(model, impl, args.training_routing):
                 probes[impl] = guarded(lambda: probe(model, loss_fn, probe_param), cleanup)
         base_probe = probes.get(args.baseline, (None, None))[0]
         for impl in args.model_impls:
@@ -460,7 +480,7 @@ def model_rows(model, opt, loss_fn, probe_param, attention, set_ckpt, tokens, ar
             row["probe_loss"] = got[0]
             if base_probe is not None:
                 row["probe_grad_cos_vs_baseline"] = cosine(got[1], base_probe[1])
-            with attention(model, impl) as ran:
+            with attention(model, impl, args.training_routing) as ran:
                 res, err = guarded(lambda: timed_steps(model, opt, loss_fn, args.device, args.step_warmup,
                                                        args.step_reps), cleanup)
                 if ran is not None:
@@ -556,7 +576,7 @@ def run_flux(args, result, save) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = args.device
-    trainable = sage_training_impl(device, args.dtype)
+    trainable = sage_training_impl(device, args.dtype, args.training_routing)
     wants_sage = ("attention" in args.cases and any(i in OURS for i in args.impls)) or (
         {"llama", "flux"} & set(args.cases) and "sage" in args.model_impls)
     if device.type == "cuda" and wants_sage and not has_sagebwd_kernel(trainable) and not args.allow_reference:
@@ -567,7 +587,7 @@ def main(argv=None) -> dict:
         device=torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
         transformers=__import__("transformers").__version__, diffusers=__import__("diffusers").__version__,
         sage_patch=sage_patch.__version__, dtype=str(args.dtype)[6:], smoke=args.smoke, baseline=args.baseline,
-        trainable=trainable, cases=args.cases)
+        trainable=trainable, cases=args.cases, training_routing=args.training_routing)
     if argv is not None:   # called, not run: the command line is the arguments given, not the caller's sys.argv
         meta["command"] = " ".join(["benchmarks/bench_training.py"] + list(argv))
     if "attention" in args.cases:

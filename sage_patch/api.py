@@ -11,7 +11,7 @@ from .masks import classify_mask, window_left_of, window_mask
 from .precisions import check_precision
 from .reference import exact_attention, simulate
 from .report import GLOBAL_STATS, log_fallback_once
-from .resolve import TRAINABLE_IMPL, Decision, resolve
+from .resolve import Decision, resolve
 from .sdpa_semantics import from_torch_sdpa
 from .trainable import sagebwd_attention
 
@@ -73,24 +73,24 @@ def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_m
     decision = resolve(precision, q, k, v, layout=layout, is_causal=bool(is_causal), mask=mask,
                        dropout_p=dropout_p, return_lse=want_lse, smooth_v=smooth_v, policy=policy,
                        window_left=window_left)
-    use_full = decision.impl == "sdpa" and full is not None and not return_lse
+    path = decision.path  # what runs the call: the one thing dispatched on below
+    use_full = path == "sdpa" and full is not None and not return_lse
     if use_full and getattr(full, "impl", None):
         reason = "; ".join(r for r in (decision.reason, getattr(full, "reason", None)) if r) or None
-        decision = Decision(decision.requested, decision.precision, full.impl, reason)
+        decision = Decision(decision.requested, decision.precision, full.impl, reason, path="sdpa")
     (stats or GLOBAL_STATS).record(decision)
     if decision.reason and not torch.compiler.is_compiling():
         log_fallback_once(decision.reason)
 
     if use_full:
         return full()
-    trainable = decision.impl == TRAINABLE_IMPL or isinstance(decision.variant, kernels.registry.TrainingVariant)
-    if decision.impl in ("sdpa", "reference") or trainable:
+    if path != "kernel":
         qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if layout == "bshd" else (q, k, v)
-        if trainable:  # the resolver sends no LSE call (hence no sinks) here
+        if path in ("training-kernel", "training-reference"):  # the resolver sends no LSE call (hence no sinks) here
             out = sagebwd_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, attn_mask=mask.mask,
-                                    kernel=decision.variant is not None)
+                                    kernel=decision.variant.key if path == "training-kernel" else False)
             return out.transpose(1, 2) if layout == "bshd" else out
-        if decision.impl == "sdpa" and sinks is not None and (
+        if path == "sdpa" and sinks is not None and (
                 (dropout_p > 0 and not q.is_cuda) or (torch.is_grad_enabled() and (
                     q.requires_grad or k.requires_grad or v.requires_grad))):
             # The fused kernels' LSE has no gradient (the sigmoid correction would drop d lse), and the CPU one
@@ -99,10 +99,10 @@ def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_m
                                   return_lse=return_lse, dtype=torch.float32, sinks=sinks, dropout_p=dropout_p,
                                   window_left=window_left)
             sinks = None  # applied
-        elif decision.impl == "sdpa":
+        elif path == "sdpa":
             res = full_attention(qb, kb, vb, is_causal=bool(is_causal), scale=scale, mask=mask,
                                  dropout_p=dropout_p, return_lse=want_lse, window_left=window_left)
-        else:  # the kernels' numerics: a head dim they lack natively is simulated zero-padded, as they run it
+        else:  # "reference": the kernels' numerics; a head dim they lack natively is simulated zero-padded
             def sim(q_, k_, v_, scale_):
                 res = simulate(q_, k_, v_, decision.precision, is_causal=bool(is_causal), scale=scale_,
                                attn_mask=mask.mask, return_lse=want_lse, smooth_v=smooth_v, window_left=window_left)

@@ -168,7 +168,7 @@ class LayerBinding:
         """Record a call that this layer sent to `impl` in full precision instead of sage_patch's attention (the one
         way adapters report their own fallbacks); a reason is logged once per process. `context`: as in
         `attention`."""
-        self.stats.record(Decision(self.requested(), "full", impl, reason))
+        self.stats.record(Decision(self.requested(), "full", impl, reason, path="sdpa"))
         if context:
             self.stats.record_context(context)
         if reason and not torch.compiler.is_compiling():

@@ -97,26 +97,31 @@ def _precision_decisions(on_cuda: bool, needs_grad: bool = False) -> dict:
         for p in ("full",) + tuple(x for x in PRECISIONS if x != "full"):
             d = resolve(p, q, q, q, layout="bhsd", is_causal=False, mask=MaskInfo("none", None), dropout_p=0.0,
                         return_lse=False, smooth_v=False)
-            impl = "reference simulation (ground truth)" if d.impl == "reference" else d.impl
-            out[p] = {"runs": d.precision, "impl": impl, "kernel": d.variant.key if d.variant else None,
-                      "reason": d.reason}
+            impl = "reference simulation (ground truth)" if d.path == "reference" else d.impl
+            out[p] = {"runs": d.precision, "impl": impl, "path": d.path,
+                      "kernel": d.variant.key if d.variant else None, "reason": d.reason}
     return out
 
 
 def _speed_routing() -> list[str]:
     """One line per architecture and crossover table (the variants sharing it named together), marked measured
-    (registry.MEASURED_ARCHS) or assumed, then what the registry assumes where a variant has no crossover."""
+    (registry.MEASURED_ARCHS) or assumed, then what the registry assumes where a variant has no crossover, and the
+    switch of each: SAGE_PATCH_SPEED_ROUTING for inference calls, the policy's options.training_speed_routing for
+    training calls (on by default; a policy can turn it off)."""
     from . import kernels
 
     registry = kernels.registry
+    lines = []
     if not kernels.SPEED_ROUTING:
-        return ["speed routing: off (SAGE_PATCH_SPEED_ROUTING=0): the kernels run at every length"]
+        lines.append("speed routing: off (SAGE_PATCH_SPEED_ROUTING=0): the kernels run at every length (inference "
+                     "calls; training calls follow the policy's options.training_speed_routing)")
     groups: dict = {}
-    for variant in registry.VARIANTS + registry.TRAINING_VARIANTS:
-        calls = "training calls" if isinstance(variant, registry.TrainingVariant) else "calls"
+    for variant in registry.VARIANTS:
+        if not (variant.trains or kernels.SPEED_ROUTING):
+            continue
+        calls = "training calls" if variant.trains else "calls"
         for arch, table in variant.sdpa_faster_below.items():
             groups.setdefault((calls, arch, tuple(sorted(table.items()))), []).append(variant.key)
-    lines = []
     for (calls, arch, table), keys in groups.items():
         where = "every other GPU" if arch == registry.ANY_ARCH else arch
         how = "measured" if arch in registry.MEASURED_ARCHS else "assumed, not measured"
@@ -128,8 +133,11 @@ def _speed_routing() -> list[str]:
         else:
             rule = ", ".join(f"D={d}{' causal' if c else ''} < {n}" for (d, c), n in table)
             lines.append(f"speed routing: {who} run SDPA below the {how} crossover ({rule} tokens)")
-    lines.append(f"speed routing elsewhere: {registry.SPEED_ASSUMPTION}")
-    lines.append(f"speed routing of {registry.PADDED_SPEED_ASSUMPTION}")
+    if kernels.SPEED_ROUTING:
+        lines.append(f"speed routing elsewhere: {registry.SPEED_ASSUMPTION}")
+        lines.append(f"speed routing of {registry.PADDED_SPEED_ASSUMPTION}")
+    lines.append("speed routing of training calls: on unless the policy says options.training_speed_routing: false "
+                 "(then the training kernels run at every length; SAGE_PATCH_SPEED_ROUTING is inference's switch)")
     return lines
 
 
@@ -161,7 +169,7 @@ def _decision_row(precision: str, r: dict) -> str:
         what += f" [{r['kernel']}]"
     via = f"as {r['runs']}: " if r["runs"] != precision else ""
     reason = r["reason"] or ""
-    if r["impl"].startswith("reference simulation"):  # the forward's simulation: the impl already says it
+    if r["path"] == "reference":  # the forward's simulation: the impl already says it
         reason = reason.removeprefix("reference simulation ").strip("()")
     return f"  {precision:<4}  {via}{what}" + (f"  -- {reason}" if reason else "")
 

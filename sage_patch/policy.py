@@ -26,6 +26,9 @@ Schema (first matching layer rule wins; see sage_patch/configs/ for examples):
       exact_4b: false                # true: "4b" layers run 4b even without INT4 tensor cores (sm_90 and newer:
                                      # INT4 values in INT8 MMA, slower than 8b and than SDPA on Hopper); false:
                                      # there they run 8b, the faster and more accurate precision, with the reason
+      training_speed_routing: true   # calls that need a gradient run SDPA where it is faster than the training
+                                     # kernel (its measured crossover, per GPU, head dim and causal); false: the
+                                     # training kernel wherever it can run (SAGE_PATCH_SPEED_ROUTING is inference's)
     guard:                           # runtime guard (off unless given)
       every: 50                      # every 50th call of a layer, one sampled head is recomputed in full
       min_cos: 0.999                 # below this (or above max_rel_l1) the layer is demoted to a safer precision
@@ -48,7 +51,7 @@ _TOP_KEYS = {"default", "training", "layers", "steps", "fallback", "options", "g
 TRAINING = ("8b", "full")  # precisions with a backward pass
 _GUARD_KEYS = {"every", "min_cos", "max_rel_l1"}
 _FALLBACK_KEYS = {"min_seq_len", "head_dims", "dtypes"}
-_OPTION_KEYS = {"smooth_v", "exact_4b"}
+_OPTION_KEYS = {"smooth_v", "exact_4b", "training_speed_routing"}
 _DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -105,6 +108,7 @@ class Policy:
     full_dtypes: tuple[str, ...] = ()
     smooth_v: bool = False
     exact_4b: bool = False               # keep "4b" where only INT8 MMA carries it (resolve: otherwise 8b runs)
+    training_speed_routing: bool = True  # False: training calls keep the training kernel below its SDPA crossover
     guard_every: int = 0                 # 0: runtime guard off
     guard_min_cos: float = 0.999
     guard_max_rel_l1: float | None = None
@@ -229,6 +233,8 @@ class Policy:
         d["options"] = {"smooth_v": self.smooth_v}
         if self.exact_4b:
             d["options"]["exact_4b"] = True
+        if not self.training_speed_routing:
+            d["options"]["training_speed_routing"] = False
         if self.guard_every:
             d["guard"] = {"every": self.guard_every, "min_cos": self.guard_min_cos}
             if self.guard_max_rel_l1 is not None:
@@ -421,6 +427,12 @@ class _Parser:
             if not isinstance(opts["exact_4b"], bool):
                 self.fail("options.exact_4b", f"must be true or false; got {opts['exact_4b']!r}")
             kw["exact_4b"] = opts["exact_4b"]
+        if "training_speed_routing" in opts:
+            if not isinstance(opts["training_speed_routing"], bool):
+                self.fail("options.training_speed_routing",
+                          f"must be true (training calls run SDPA where it is faster than the training kernel) or "
+                          f"false (the training kernel wherever it can run); got {opts['training_speed_routing']!r}")
+            kw["training_speed_routing"] = opts["training_speed_routing"]
         if "guard" in data:
             g = self.mapping(data["guard"] or {}, "guard", _GUARD_KEYS)
             every = g.get("every", 50)

@@ -30,6 +30,8 @@ class LayerStats:
     calls: int = 0
     used: Counter = field(default_factory=Counter)       # precision actually used -> calls
     impls: Counter = field(default_factory=Counter)      # implementation ("cuda-mma", "reference", "sdpa") -> calls
+    variants: Counter = field(default_factory=Counter)   # kernel variant's unique registry key -> calls (an impl
+                                                         # name can cover several variants)
     fallbacks: Counter = field(default_factory=Counter)  # reason -> calls
     requested: Counter = field(default_factory=Counter)  # precision the policy asked for -> calls
     guard: Counter = field(default_factory=Counter)      # runtime-guard demotions (reason -> 1)
@@ -47,15 +49,19 @@ class LayerStats:
         """Count one call. Inside a torch.compile graph the decision is recorded once, when the graph is traced
         (the compiled graph runs without Python, and counting there would make dynamo guard on the counters and
         recompile at every call)."""
+        variant = None if decision.variant is None else decision.variant.key
         if torch.compiler.is_compiling():
-            _record_traced(self._key, decision.requested, decision.precision, decision.impl, decision.reason)
+            _record_traced(self._key, decision.requested, decision.precision, decision.impl, decision.reason,
+                           variant)
             return
-        self._add(decision.requested, decision.precision, decision.impl, decision.reason)
+        self._add(decision.requested, decision.precision, decision.impl, decision.reason, variant)
 
-    def _add(self, requested: str, precision: str, impl: str, reason: str | None) -> None:
+    def _add(self, requested: str, precision: str, impl: str, reason: str | None, variant: str | None = None) -> None:
         self.calls += 1
         self.used[precision] += 1
         self.impls[impl] += 1
+        if variant is not None:
+            self.variants[variant] += 1
         self.requested[requested] += 1
         if reason:
             self.fallbacks[reason] += 1
@@ -70,12 +76,14 @@ class LayerStats:
 
     def reset(self) -> None:
         self.calls = 0
-        for c in (self.used, self.impls, self.fallbacks, self.requested, self.guard, self.context):
+        for c in (self.used, self.impls, self.variants, self.fallbacks, self.requested, self.guard, self.context):
             c.clear()
 
     def to_dict(self) -> dict:
         d = {"calls": self.calls, "used": dict(self.used), "fallbacks": dict(self.fallbacks),
              "impl": dict(self.impls), "requested": dict(self.requested), "guard": dict(self.guard)}
+        if self.variants:
+            d["variant"] = dict(self.variants)
         if self.context:
             d["context"] = dict(self.context)
         return d
@@ -85,11 +93,12 @@ _keys = itertools.count()
 _BY_KEY: "weakref.WeakValueDictionary[int, LayerStats]" = weakref.WeakValueDictionary()
 
 
-def _record_traced(key: int, requested: str, precision: str, impl: str, reason: str | None) -> None:
+def _record_traced(key: int, requested: str, precision: str, impl: str, reason: str | None,
+                   variant: str | None = None) -> None:
     """Runs at trace time only: dynamo calls a function marked constant-result with constant arguments."""
     st = _BY_KEY.get(key)
     if st is not None:
-        st._add(requested, precision, impl, reason)
+        st._add(requested, precision, impl, reason, variant)
 
 
 _record_traced._dynamo_marked_constant = True  # what torch._dynamo.assume_constant_result sets, without importing dynamo
@@ -119,7 +128,8 @@ GLOBAL_STATS = LayerStats("<direct calls>")
 
 
 class Report:
-    """`to_dict()` -> {layer: {"calls", "used", "fallbacks", "impl", "requested", "guard"}}; `str()` is a table."""
+    """`to_dict()` -> {layer: {"calls", "used", "fallbacks", "impl", "requested", "guard"}, plus "variant" (the
+    kernel variants' registry keys -> calls) and "context" where there are any}; `str()` is a table."""
 
     def __init__(self, layers: dict[str, LayerStats]):
         self.layers = layers
@@ -137,7 +147,8 @@ class Report:
         for name, st in self.layers.items():
             notes = ([f"{r} (x{n})" for r, n in st.fallbacks.items()] + list(st.guard)
                      + [f"{c} (x{n})" for c, n in st.context.items()])
-            rows.append((name, str(st.calls), _fmt(st.used), _fmt(st.impls), "; ".join(notes) or "-"))
+            impls = _fmt(st.impls) + (f" [{_fmt(st.variants)}]" if st.variants else "")
+            rows.append((name, str(st.calls), _fmt(st.used), impls, "; ".join(notes) or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = []
         if any(st.context for st in self.layers.values()):

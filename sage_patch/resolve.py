@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
@@ -15,14 +15,35 @@ from .precisions import SAFER
 SIMULATE_ON_GPU = os.environ.get("SAGE_PATCH_SIMULATE_ON_GPU", "") not in ("", "0")
 
 
+# What runs a decided call, the one thing its consumers dispatch on (api.run_attention, varlen, the CLI):
+#   "sdpa"               full precision: torch SDPA (or the adapter's own full-precision function)
+#   "reference"          the PyTorch reference simulation of the precision's numerics (CPU; GPU only when asked)
+#   "kernel"             the inference kernel `variant` (kernels.run)
+#   "training-kernel"    the training variant `variant` (forward + backward, through autograd: trainable)
+#   "training-reference" the reference simulation of the trainable 8b (SageBwd) through autograd
+Path = Literal["sdpa", "reference", "kernel", "training-kernel", "training-reference"]
+PATHS: tuple[str, ...] = get_args(Path)
+
+
 @dataclass(frozen=True)
 class Decision:
     requested: str        # what the caller or policy asked for
     precision: str        # what runs
-    impl: str             # "sdpa" (full), "reference" (PyTorch simulation), "reference-sagebwd" (the trainable
-                          # 8b's simulation, through autograd) or a compiled kernel's name
+    impl: str             # the implementation's name in reports: "sdpa", "reference", "reference-sagebwd" or a
+                          # kernel variant's name (consumers dispatch on `path`, never on this string)
     reason: str | None    # why precision/impl differ from the request's fast path; None when as asked
-    variant: "kernels.KernelVariant | None" = None  # the compiled kernel that runs (kernels.registry), else None
+    variant: "kernels.KernelVariant | None" = None  # the kernel variant that runs (kernels.registry), else None
+    path: Path = field(kw_only=True)  # what runs it (PATHS): required, so no decision is dispatched by default
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise ValueError(f"Decision.path must be one of {PATHS}, got {self.path!r}")
+        kernel_path = self.path in ("kernel", "training-kernel")
+        if kernel_path != (self.variant is not None) or (
+                kernel_path and self.variant.trains != (self.path == "training-kernel")):
+            raise ValueError(f"Decision.path {self.path!r} does not match variant "
+                             f"{getattr(self.variant, 'key', None)!r} (a kernel path names the variant it runs, of "
+                             "its kind; the others none)")
 
     @property
     def is_fallback(self) -> bool:
@@ -51,7 +72,7 @@ def _next_precision(requested: str, precision: str) -> str:
 
 
 def _full(requested: str, reason: str | None) -> Decision:
-    return Decision(requested, "full", "sdpa", reason)
+    return Decision(requested, "full", "sdpa", reason, path="sdpa")
 
 
 def _policy_fallback(policy, q, k, layout: str, varlen) -> str | None:
@@ -66,8 +87,8 @@ def _policy_fallback(policy, q, k, layout: str, varlen) -> str | None:
     return policy.fallback_reason(sq, skv, q.shape[-1], q.dtype)
 
 
-# The one precision with a backward pass: SageBwd (sage_patch.trainable over sage_patch.kernels.sagebwd on a GPU,
-# the reference simulation sage_patch.reference.sagebwd on CPU).
+# The one precision with a backward pass: SageBwd (sage_patch.trainable over a training variant's kernels on a GPU,
+# the reference simulation sage_patch.reference.sagebwd on CPU, reported as TRAINABLE_IMPL).
 TRAINABLE = "8b"
 TRAINABLE_IMPL = "reference-sagebwd"
 
@@ -76,8 +97,9 @@ def _resolve_training(requested: str, q, k, v, *, layout, is_causal, mask, dropo
                       varlen, window_left=-1) -> Decision:
     """A call that needs a gradient. The policy's `training` key decides the precision ("8b" or "full"); without
     it, the layer's: full stays full, every quantized precision trains as the trainable 8b (4b and fp4 have no
-    backward pass). The trainable 8b runs its kernels on a GPU where they serve the call and are faster than SDPA
-    (the variant's measured crossover), the reference simulation on CPU (on a GPU only with
+    backward pass). The trainable 8b runs a training variant's kernels on a GPU where they serve the call and are
+    faster than SDPA (the variant's measured crossover; the policy's options.training_speed_routing: false keeps
+    the kernel at every length), the reference simulation on CPU (on a GPU only with
     SAGE_PATCH_SIMULATE_ON_GPU=1)."""
     training = getattr(policy, "training", None)
     wanted = training or ("full" if requested == "full" else TRAINABLE)
@@ -113,15 +135,18 @@ def _resolve_training(requested: str, q, k, v, *, layout, is_causal, mask, dropo
         if variant is None:
             return _full(requested, f"the trainable 8b (SageBwd) kernels cannot run this call: {why}")
         # unlike the forward-only kernels, key-padding calls are routed too: the crossover is measured without a
-        # mask, and the kernels are slower than cuDNN at every length there
-        slow = kernels.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal)
+        # mask, and the kernels are slower than cuDNN at every length there. The switch is the policy's, not
+        # SAGE_PATCH_SPEED_ROUTING (inference's): a training crossover is of forward + backward.
+        slow = kernels.sdpa_faster_reason(variant, q, k, layout=layout, is_causal=is_causal,
+                                          training_routing=getattr(policy, "training_speed_routing", True))
         if slow:
             return _full(requested, slow)
         reason = "; ".join(r for r in (why_8b, v_note) if r) or None
-        return Decision(requested, TRAINABLE, variant.name, reason, variant)
+        return Decision(requested, TRAINABLE, variant.name, reason, variant, path="training-kernel")
     where = ("on the GPU (SAGE_PATCH_SIMULATE_ON_GPU=1)" if q.is_cuda else "(tensors on CPU)")
     simulated = f"reference simulation of the trainable 8b (SageBwd) {where}"
-    return Decision(requested, TRAINABLE, TRAINABLE_IMPL, "; ".join(r for r in (why_8b, simulated, v_note) if r))
+    return Decision(requested, TRAINABLE, TRAINABLE_IMPL, "; ".join(r for r in (why_8b, simulated, v_note) if r),
+                    path="training-reference")
 
 
 class Varlen(NamedTuple):
@@ -200,12 +225,12 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
         return early
 
     if not q.is_cuda:
-        return Decision(requested, requested, "reference", "reference simulation (tensors on CPU)")
+        return Decision(requested, requested, "reference", "reference simulation (tensors on CPU)", path="reference")
     if not _kernels_loaded():
         if SIMULATE_ON_GPU:
             return Decision(requested, requested, "reference",
                             f"reference simulation on the GPU (SAGE_PATCH_SIMULATE_ON_GPU=1; compiled kernels not "
-                            f"loaded: {_kernels_reason()})")
+                            f"loaded: {_kernels_reason()})", path="reference")
         # The simulation is the slowest, most memory-hungry path: on a GPU it runs only when asked for.
         return _full(requested, f"{requested} needs a compiled kernel and none is usable here ({_kernels_reason()}): "
                                 "running full precision. Build the kernels for this GPU (SAGE_PATCH_CUDA_ARCHS, "
@@ -246,14 +271,15 @@ def resolve(requested: str, q, k, v, *, layout: str, is_causal: bool, mask, drop
                 # kernel runs, and the report says what it costs.
                 slow = slow.split(": running full precision")[0]
                 return Decision(requested, precision, variant.name, "; ".join(r for r in (
-                    f"policy options.exact_4b keeps the 4b kernel ({variant.key}) though {slow}", note) if r), variant)
+                    f"policy options.exact_4b keeps the 4b kernel ({variant.key}) though {slow}", note) if r), variant,
+                    path="kernel")
             if slow:
                 return _full(requested, slow)
             reason = None if precision == requested else (
                 f"{requested} unavailable ({first_why}); using {precision}"
                 + (", the fastest precision with a kernel here" if stand_in else ""))
             reason = "; ".join(r for r in (reason, note) if r) or None
-            return Decision(requested, precision, variant.name, reason, variant)
+            return Decision(requested, precision, variant.name, reason, variant, path="kernel")
         first_why = first_why or why
         precision = _next_precision(requested, precision)
     return _full(requested, f"{requested} unavailable: {first_why}")

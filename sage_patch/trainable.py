@@ -1,5 +1,6 @@
-"""The trainable 8b attention (SageBwd) through autograd: two torch.library custom ops over the GPU kernels
-(sage_patch.kernels.sagebwd, `kernel=True`) or the reference simulation (sage_patch.reference.sagebwd), with fake
+"""The trainable 8b attention (SageBwd) through autograd: two torch.library custom ops over a training variant's GPU
+kernels (registry.KernelVariant with trains=True, launched by its `launch` module, e.g. sage_patch.kernels.sagebwd;
+`kernel=` its key) or the reference simulation (sage_patch.reference.sagebwd, `kernel=""`), with fake
 implementations so torch.compile(fullgraph=True) traces a training step, and their autograd formula.
 
     sage_patch::sagebwd_fwd  (q, k, v, ...) -> out, lse, and what the backward needs (INT8 Q^/K^ and block scales,
@@ -11,6 +12,7 @@ gradient in full precision). Double backward raises: the backward is not itself 
 """
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Optional, Tuple
 
@@ -19,8 +21,25 @@ import torch
 from .kernels.sagebwd import KERNEL_LAYOUT
 from .reference.sagebwd import DEFAULT_SAGEBWD_CONFIG, SageBwdConfig, SageBwdSaved, sagebwd_backward, sagebwd_forward
 
-# What the GPU kernels compute, as the simulation's config (the CPU default is the same: tests/test_training.py)
+# What the Triton GPU kernels compute, as the simulation's config (the CPU default is the same:
+# tests/test_training.py); kernel_config(key) is any training variant's
 KERNEL_CONFIG = SageBwdConfig(**KERNEL_LAYOUT)
+
+
+def _launch(key: str):
+    """The module that launches training variant `key` (its forward, backward and KERNEL_LAYOUT)."""
+    from .kernels import registry
+
+    variant = registry.BY_KEY.get(key)
+    if variant is None or not variant.trains:
+        raise ValueError(f"kernel={key!r} is not a training kernel; allowed: the keys of the variants that train "
+                         f"{[v.key for v in registry.VARIANTS if v.trains]}, True, False or None")
+    return importlib.import_module(variant.launch)
+
+
+def kernel_config(key: str) -> SageBwdConfig:
+    """The numerics of training variant `key`, as the reference simulation's config (it simulates them exactly)."""
+    return SageBwdConfig(**_launch(key).KERNEL_LAYOUT)
 
 DOUBLE_BACKWARD_ERROR = (
     "sage_patch: double backward (a gradient of a gradient, e.g. create_graph=True followed by a second backward) "
@@ -35,16 +54,14 @@ def _cdiv(a, b):
 @torch.library.custom_op("sage_patch::sagebwd_fwd", mutates_args=())
 def sagebwd_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                 is_causal: bool, scale: float, groups: str, block_q: int, block_k: int, smooth_k: bool, dp: str,
-                p_scale: str, pv: str, kernel: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                p_scale: str, pv: str, kernel: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                      torch.Tensor, torch.Tensor, torch.Tensor]:
     """SageBwd training forward. Returns (out (B, Hq, Sq, Dv) in q's dtype, lse fp32 (B, Hq, Sq), lse of the
     smoothed scores, q_int int8, q_scale, k_int int8, k_scale); attn_mask: bool (B, Skv) or broadcastable 4-D
-    (the kernel: (B, Skv) only)."""
+    (the kernel: (B, Skv) only). kernel: a training variant's registry key, or "" for the reference simulation."""
     if kernel:
-        from .kernels import sagebwd
-
-        return sagebwd.forward(q, k, v, is_causal=is_causal, scale=scale, key_padding_mask=attn_mask,
-                               smooth_k=smooth_k)
+        return _launch(kernel).forward(q, k, v, is_causal=is_causal, scale=scale, key_padding_mask=attn_mask,
+                                       smooth_k=smooth_k)
     cfg = SageBwdConfig(groups, block_q, block_k, smooth_k, dp, p_scale, pv)
     out, lse, s = sagebwd_forward(q, k, v, is_causal=is_causal, scale=scale, attn_mask=attn_mask, config=cfg)
     # contiguous, as the fake implementation says (elementwise ops keep a transposed input's strides)
@@ -69,12 +86,10 @@ def sagebwd_bwd(dout: torch.Tensor, q_int: torch.Tensor, q_scale: torch.Tensor, 
                 k_scale: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse_smoothed: torch.Tensor,
                 attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, groups: str, block_q: int,
                 block_k: int, smooth_k: bool, dp: str, p_scale: str, pv: str,
-                kernel: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                kernel: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SageBwd backward from what sagebwd_fwd saved. Returns (dq, dk, dv) in the input dtype (v's)."""
     if kernel:
-        from .kernels import sagebwd
-
-        return sagebwd.backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, is_causal=is_causal,
+        return _launch(kernel).backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, is_causal=is_causal,
                                 scale=scale, key_padding_mask=attn_mask)
     cfg = SageBwdConfig(groups, block_q, block_k, smooth_k, dp, p_scale, pv)
     saved = SageBwdSaved(q_int, q_scale, k_int, k_scale, v, out, lse_smoothed, attn_mask, is_causal, scale, cfg)
@@ -122,21 +137,32 @@ sagebwd_bwd.register_autograd(_no_double_backward, setup_context=_bwd_setup_cont
 
 
 def sagebwd_attention(q, k, v, *, is_causal: bool, scale, attn_mask, config: SageBwdConfig | None = None,
-                      kernel: bool | None = None):
+                      kernel: bool | str | None = None):
     """Trainable 8b attention, (B, H, S, D) layout: the output (q's dtype) of sage_patch::sagebwd_fwd, differentiable
     through sage_patch::sagebwd_bwd. attn_mask: None or bool, (B, Skv) key padding or broadcastable 4-D (the kernel:
-    key padding only). kernel: the GPU kernels (numerics: KERNEL_CONFIG; `config` must be
-    None or that) or the reference simulation; None = the kernels for CUDA tensors."""
-    kernel = q.is_cuda if kernel is None else bool(kernel)
+    key padding only). kernel: a training variant's registry key (e.g. "sagebwd-triton"; numerics:
+    kernel_config(key), `config` must be None or that), True = the training variant that serves this call here
+    (kernels.can_run_training, no speed routing; an error says why none does), False = the reference simulation;
+    None = True for CUDA tensors."""
+    kernel = q.is_cuda if kernel is None else kernel
+    if kernel is True:
+        from . import kernels
+
+        variant, why = kernels.can_run_training(q, k, v, layout="bhsd", attn_mask=attn_mask)
+        if variant is None:
+            raise ValueError(f"kernel=True: no training kernel serves this call: {why}")
+        kernel = variant.key
     if kernel:
-        if config not in (None, KERNEL_CONFIG):
-            raise ValueError(f"config={config!r}: the SageBwd kernels compute {KERNEL_CONFIG!r} only (kernel=False "
-                             f"runs the reference simulation of any config)")
+        kcfg = kernel_config(kernel)
+        if config not in (None, kcfg):
+            raise ValueError(f"config={config!r}: the {kernel} kernels compute {kcfg!r} only (kernel=False runs the "
+                             f"reference simulation of any config)")
         if attn_mask is not None and attn_mask.dim() != 2:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)}: the SageBwd kernels take a (B, Skv) key "
                              f"padding mask only")
-        config = KERNEL_CONFIG
+        config = kcfg
     cfg = DEFAULT_SAGEBWD_CONFIG if config is None else config
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.sage_patch.sagebwd_fwd(q, k, v, attn_mask, bool(is_causal), scale, cfg.groups, cfg.block_q,
-                                            cfg.block_k, cfg.smooth_k, cfg.dp, cfg.p_scale, cfg.pv, kernel)[0]
+                                            cfg.block_k, cfg.smooth_k, cfg.dp, cfg.p_scale, cfg.pv,
+                                            kernel or "")[0]

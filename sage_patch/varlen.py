@@ -95,7 +95,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         mk = _max_len(cu_k) if max_seqlen_k is None else int(max_seqlen_k)
         decision = resolve(precision, q, k, v, layout="varlen", is_causal=bool(is_causal), mask=MaskInfo("none", None),
                            dropout_p=0.0, return_lse=return_lse, smooth_v=False, varlen=Varlen(cu_q, cu_k, mq, mk))
-        if decision.variant is not None:  # the loop below records each sequence's own decision instead
+        if decision.path == "kernel":  # else the loop below records each sequence's own decision
             GLOBAL_STATS.record(decision)
             if decision.reason and not torch.compiler.is_compiling():
                 log_fallback_once(decision.reason)

@@ -108,9 +108,23 @@ def test_arguments():
     assert (a.baseline, a.batch, a.heads, a.seqs, a.dims) == ("math", 1, 2, [128, 256], [64, 128])
     assert a.dtype == torch.bfloat16 and a.flux_blocks == (1, 1) and a.cases == ["attention", "llama", "flux"]
     for bad in (["--impls", "sage8b,fa3"], ["--model-impls", "sage,sage8b"], ["--baseline", "sage8b"],
-                ["--seqs", "0"], ["--warmup", "-1"], ["--flux-size", "100"], ["--cases", "gemma"]):
+                ["--seqs", "0"], ["--warmup", "-1"], ["--flux-size", "100"], ["--cases", "gemma"],
+                ["--training-routing", "0"]):
         with pytest.raises(SystemExit):
             bt.parse_args(["--smoke"] + bad)
+
+
+def test_training_routing_is_the_sage_rows_policy_option():
+    """--training-routing sets options.training_speed_routing of the policy the sage rows run under (the training
+    kernel at every length with off), keeping the rest of the policy."""
+    assert bt.parse_args(["--smoke"]).training_routing == "on"
+    assert bt.parse_args(["--smoke", "--training-routing", "off"]).training_routing == "off"
+    from sage_patch.policy import Policy
+
+    base = Policy(default="4b", min_seq_len=128)
+    off = bt.routed(base, "off")
+    assert off.training_speed_routing is False and (off.default, off.min_seq_len) == ("4b", 128)
+    assert bt.routed(None, "on") == Policy() and bt.routed(off, "on").training_speed_routing is True
 
 
 def test_sagebwd_kernel_check():
@@ -132,7 +146,7 @@ def test_auto_checkpointing_reruns_every_implementation_after_an_oom():
         return model(x).pow(2).mean()
 
     @contextlib.contextmanager
-    def attention(m, impl):
+    def attention(m, impl, routing):
         state["impl"] = impl
         yield None
 
@@ -140,7 +154,7 @@ def test_auto_checkpointing_reruns_every_implementation_after_an_oom():
         state["ckpt"] = on
 
     args = types.SimpleNamespace(grad_ckpt="auto", model_impls=["sage", "math"], baseline="math", optim="sgd",
-                                 device=torch.device("cpu"), step_warmup=0, step_reps=2)
+                                 device=torch.device("cpu"), step_warmup=0, step_reps=2, training_routing="on")
     opt = bt.make_optimizer(model, "sgd")
     rows = bt.model_rows(model, opt, loss_fn, model.weight, attention, set_ckpt, 8, args)
     assert [(r["impl"], r["grad_ckpt"]) for r in rows] == [("sage", False), ("math", False), ("sage", True),

@@ -1,4 +1,5 @@
 """The sage-patch command line."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -73,7 +74,9 @@ def test_info_on_cpu_shows_what_a_gradient_call_runs(capsys):
         assert f"as 8b: reference-sagebwd  -- {p} has no backward pass" in training[p], training[p]
     d = (main(["info", "--json"]), json.loads(capsys.readouterr().out))[1]
     t4 = d["training"]["4b"]
-    assert (t4["runs"], t4["impl"], t4["kernel"]) == ("8b", "reference-sagebwd", None)
+    assert (t4["runs"], t4["impl"], t4["kernel"], t4["path"]) == ("8b", "reference-sagebwd", None,
+                                                                  "training-reference")
+    assert (d["precisions"]["8b"]["path"], d["precisions"]["full"]["path"]) == ("reference", "sdpa")
     assert "4b has no backward pass" in t4["reason"]
     assert d["precisions"]["4b"]["runs"] == "4b"  # the forward rows are unchanged by the training ones
 
@@ -136,7 +139,18 @@ def test_info_on_hopper_training_rows(fake_gpu, capsys, monkeypatch):
     assert training["full"].split()[1:] == ["torch", "SDPA"]
     for p in ("8b", "4b", "fp4"):  # the SageBwd kernels are slower than cuDNN at every measured length
         assert "as full: torch SDPA  -- SDPA is faster than triton-sagebwd at every measured length" in training[p]
-    monkeypatch.setattr(K, "SPEED_ROUTING", False)
+    monkeypatch.setattr(K, "SPEED_ROUTING", False)  # inference's switch: training keeps routing
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    rows, training = _sections(out)
+    assert "speed routing: off (SAGE_PATCH_SPEED_ROUTING=0)" in out and "--" not in rows["8b"]
+    assert "as full: torch SDPA  -- SDPA is faster than triton-sagebwd" in training["8b"]
+    assert "(policy options.training_speed_routing: false keeps the kernel)" in training["8b"]
+    assert "speed routing: sagebwd-triton training calls on sm_90 run SDPA at every length (measured" in out
+    assert "speed routing of training calls: on unless the policy says options.training_speed_routing: false" in out
+    # the variant's crossover decides: where it has none (as a measured-faster kernel would), the kernel trains
+    monkeypatch.setattr(K.registry, "VARIANTS", tuple(
+        dataclasses.replace(v, sdpa_faster_below={}) if v.trains else v for v in K.registry.VARIANTS))
     assert main(["info"]) == 0
     _, training = _sections(capsys.readouterr().out)
     assert "8b    triton-sagebwd [sagebwd-triton]" in training["8b"] and "--" not in training["8b"]

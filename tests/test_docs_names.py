@@ -494,7 +494,7 @@ def test_the_check_can_fail(tree, tmp_path):
         assert check_span(tree, s, doc), s
     fine = ["sage_patch.kernels.registry.select", "KernelVariant.sdpa_faster_below", "SageAttnParams.qk_bits",
             "F.scaled_dot_product_attention", "torch.compile", "set_attention_backend", "sage_patch.route_sdpa",
-            "registry.TrainingVariant(\"sagebwd-triton\")", "sage_patch/integrations/generic.py", "hopper/",
+            "registry.KernelVariant(\"sagebwd-triton\")", "sage_patch/integrations/generic.py", "hopper/",
             "libsage_kernels.so", "pydoc_data/topics.py", "full", "8b", "min(Sq, Skv)", "q.shape",
             "SAGE_PATCH_SPEED_ROUTING=0", "sage_patch::sagebwd_fwd", "--min-cos 0.999"]
     for s in fine:

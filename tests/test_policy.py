@@ -76,6 +76,17 @@ def test_training_key_parses_round_trips_and_defaults_to_none():
     assert "training" not in Policy().to_dict()
 
 
+def test_training_speed_routing_option_parses_round_trips_and_defaults_to_true():
+    assert Policy().training_speed_routing is True and Policy.from_yaml("default: 8b\n").training_speed_routing
+    assert "training_speed_routing" not in Policy().to_dict()["options"]
+    p = Policy.from_yaml("options:\n  training_speed_routing: false\n")
+    assert p.training_speed_routing is False and p.to_dict()["options"]["training_speed_routing"] is False
+    assert Policy.from_yaml(p.to_yaml()) == p and Policy.from_dict(p.to_dict()) == p
+    assert Policy.from_dict({"options": {"training_speed_routing": True}}).training_speed_routing is True
+    with pytest.raises(PolicyError, match=r"'options.training_speed_routing'.*got 1"):
+        Policy.from_dict({"options": {"training_speed_routing": 1}})
+
+
 def test_from_any_accepts_every_form(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text(EXAMPLE)
@@ -97,8 +108,11 @@ def test_from_any_accepts_every_form(tmp_path):
     ("fallback:\n  min_seq_len: -3\n", "fallback.min_seq_len", 2, "non-negative integer"),
     ("fallback:\n  dtypes: [float64]\n", "fallback.dtypes", 2, "float16, bfloat16, float32"),
     ("options:\n  smooth_v: maybe\n", "options.smooth_v", 2, "true or false"),
-    ("options:\n  smooth_q: true\n", "options.smooth_q", 2, "allowed: exact_4b, smooth_v"),
+    ("options:\n  smooth_q: true\n", "options.smooth_q", 2, "allowed: exact_4b, smooth_v, training_speed_routing"),
     ("options:\n  exact_4b: 1\n", "options.exact_4b", 2, "true or false"),
+    ("options:\n  smooth_v: false\n  training_speed_routing: 'off'\n", "options.training_speed_routing", 3,
+     "must be true (training calls run SDPA where it is faster than the training kernel) or false (the training "
+     "kernel wherever it can run); got 'off'"),
     ("default: 8b\ntraining: 4b\n", "training", 2, "8b, full"),
 ])
 def test_validation_errors_name_file_key_line_and_allowed(tmp_path, text, key, line, allowed):

@@ -70,8 +70,18 @@ def test_explicit_variants_of_direct_calls():
 
 
 def test_descriptors_are_unique_and_frozen():
-    assert len({v.key for v in registry.VARIANTS}) == len({v.kernel_id for v in registry.VARIANTS}) == 7
-    assert {v.name for v in registry.VARIANTS} == {K.IMPL_FP8PV, K.IMPL_FP16PV, K.IMPL_WGMMA}
+    """One registry of one variant type: inference kernels (a C id each) and training pairs (trains), every key
+    unique (the name reports show beside the implementation: Report's "variant")."""
+    inference = [v for v in registry.VARIANTS if not v.trains]
+    training = [v for v in registry.VARIANTS if v.trains]
+    assert len({v.key for v in registry.VARIANTS}) == len(registry.VARIANTS) == 8
+    assert len({v.kernel_id for v in inference}) == len(inference) == 7
+    assert {v.name for v in inference} == {K.IMPL_FP8PV, K.IMPL_FP16PV, K.IMPL_WGMMA}
+    assert [(v.key, v.name, v.launch) for v in training] == [
+        ("sagebwd-triton", registry.IMPL_SAGEBWD, "sage_patch.kernels.sagebwd")]
+    assert not {v.name for v in training} & {v.name for v in inference}
+    assert all(type(v) is registry.KernelVariant for v in registry.VARIANTS)
+    assert not hasattr(registry, "TrainingVariant") and not hasattr(registry, "select_training")
     with pytest.raises(Exception):
         registry.VARIANTS[0].kernel_id = 5  # frozen
 
@@ -82,7 +92,7 @@ def test_kernel_ids_match_the_c_header():
     want = {"MMA_FP8": "mma-fp8", "MMA_FP16": "mma-fp16", "MMA_FP8F16": "mma-fp8f16", "WGMMA_FP8": "wgmma-fp8",
             "MMA_FP8_QK4": "mma-fp8-qk4", "MMA_FP16_QK4": "mma-fp16-qk4", "MMA_FP8F16_QK4": "mma-fp8f16-qk4"}
     assert {c: ids[c] for c in want} == {c: registry.get(k).kernel_id for c, k in want.items()}
-    assert ids["COUNT"] == len(registry.VARIANTS)
+    assert ids["COUNT"] == len([v for v in registry.VARIANTS if v.kernel_id is not None])
 
 
 def test_reference_config_per_variant():
@@ -134,6 +144,70 @@ def test_every_variant_that_runs_on_hopper_has_a_crossover_there(cc):
                     assert n == (float("inf") if cc[0] == 10 else None), (v.key, cc)
     assert registry.arch_key((10, 3)) == "sm_100" and registry.arch_key((8, 7)) == "sm_87"
     assert "sm_80/86/89/120" in registry.SPEED_ASSUMPTION and "sm_100" in registry.SPEED_ASSUMPTION
+
+
+# ---- training variants: the same type, the same select ---------------------------------------------------------
+
+def _training(cc=(9, 0), d=128, dtype=torch.float16, triton=None):
+    return Target(cc, ALL, "8b", d, training=True, dtype=dtype, triton=triton)
+
+
+def test_one_select_serves_inference_and_training_targets(monkeypatch):
+    v, why = registry.select(_training((8, 0), 64, torch.bfloat16))
+    assert (v.key, why, v.trains) == ("sagebwd-triton", "ok", True)
+    assert registry.select(Target((9, 0), ALL, "8b", 128))[0].key == "wgmma-fp8"
+    # the Triton pair's own reasons (the registry narrowed to it: another training variant may serve some of these)
+    monkeypatch.setattr(registry, "VARIANTS", tuple(v for v in registry.VARIANTS
+                                                    if not v.trains or v.key == "sagebwd-triton"))
+    assert registry.select(_training())[0].key == "sagebwd-triton"
+    for t, why in ((_training(triton="Triton is not installed"), "Triton is not installed"),
+                   (_training((7, 5)), "the SageBwd Triton kernels need sm_80+ (device is sm_75)"),
+                   (_training(d=96), "head_dim 96: the SageBwd Triton kernels have head dims (64, 128) only"),
+                   (_training(dtype=torch.float32), "dtype float32: the SageBwd Triton kernels take float16 or "
+                                                    "bfloat16")):
+        assert registry.select(t) == (None, why)
+    with pytest.raises(ValueError, match="a training target takes neither"):
+        registry.select(_training(), pv="wgmma")
+    # each kind serves its own calls only: forced modes and direct calls never reach a training variant
+    assert "trains (forward + backward)" in registry.get("sagebwd-triton").why_not(Target((9, 0), ALL, "8b", 128))
+    assert "has no backward pass" in registry.get("wgmma-fp8").why_not(_training())
+    for cc in ((8, 0), (8, 9), (9, 0)):
+        for pv in registry.PV_MODES:
+            v, _ = registry.select(Target(cc, ALL, "8b"), pv=pv)
+            assert v is None or not v.trains
+        assert not registry.explicit(Target(cc, ALL, "8b"), "fp8").trains
+
+
+def test_training_capability_is_the_sagebwd_packages_own(monkeypatch):
+    """The training family checks its own head dims and dtypes (sagebwd.HEAD_DIMS, sagebwd.DTYPES), not the
+    inference kernels' NATIVE_HEAD_DIMS."""
+    from sage_patch.kernels import sagebwd
+
+    monkeypatch.setattr(registry, "VARIANTS", tuple(v for v in registry.VARIANTS
+                                                    if not v.trains or v.key == "sagebwd-triton"))
+    monkeypatch.setattr(registry, "NATIVE_HEAD_DIMS", (64,))
+    assert registry.select(_training(d=128))[0].key == "sagebwd-triton"
+    monkeypatch.setattr(sagebwd, "HEAD_DIMS", (64,))
+    assert registry.select(_training(d=128)) == (
+        None, "head_dim 128: the SageBwd Triton kernels have head dims (64,) only")
+    monkeypatch.setattr(sagebwd, "DTYPES", (torch.bfloat16,))
+    assert registry.select(_training(d=64))[1] == "dtype float16: the SageBwd Triton kernels take bfloat16"
+
+
+def test_training_crossover_is_the_variants_own_table():
+    """A training variant's crossover is its table as it stands (per arch, head dim and causal), without the
+    inference kernels' padded-head-dim assumption."""
+    import dataclasses
+    import math
+
+    tv = registry.get("sagebwd-triton")
+    assert tv.crossover((9, 0), 128, True) == math.inf and tv.crossover((8, 6), 64, False) == math.inf
+    custom = dataclasses.replace(tv, sdpa_faster_below={"sm_90": {(128, False): 4096, (96, False): 1024}})
+    assert custom.crossover((9, 0), 128, False) == 4096 and custom.crossover((9, 0), 128, True) is None
+    assert custom.crossover((8, 9), 128, False) is None
+    assert custom.crossover((9, 0), 96, False) == 1024  # an inference table reads inf here (padded on sm_90)
+    assert dataclasses.replace(registry.get("wgmma-fp8"), sdpa_faster_below=custom.sdpa_faster_below).crossover(
+        (9, 0), 96, False) == math.inf
 
 
 # ---- resolve hands the descriptor to the launch ---------------------------------------------------------------

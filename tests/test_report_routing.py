@@ -37,8 +37,8 @@ class TinyNet(torch.nn.Module):
 
 def test_report_dict_and_table():
     st = LayerStats("blocks.0.attn")
-    st.record(Decision("8b", "8b", "reference", "reference simulation (tensors on CPU)"))
-    st.record(Decision("8b", "full", "sdpa", "sequence length 1 < policy min_seq_len 128"))
+    st.record(Decision("8b", "8b", "reference", "reference simulation (tensors on CPU)", path="reference"))
+    st.record(Decision("8b", "full", "sdpa", "sequence length 1 < policy min_seq_len 128", path="sdpa"))
     d = Report({"blocks.0.attn": st}).to_dict()
     assert d["blocks.0.attn"]["calls"] == 2
     assert d["blocks.0.attn"]["used"] == {"8b": 1, "full": 1}

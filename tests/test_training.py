@@ -91,6 +91,7 @@ def test_on_a_gpu_gradients_take_the_kernel_where_it_serves_and_is_faster(fake_c
     import sage_patch.kernels as K
     from sage_patch import resolve as R
     from sage_patch.masks import MaskInfo
+    from sage_patch.policy import Policy
 
     fake = fake_cuda(["90a"])
     fake["cc"] = (9, 0)
@@ -104,23 +105,29 @@ def test_on_a_gpu_gradients_take_the_kernel_where_it_serves_and_is_faster(fake_c
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     d = R.resolve("8b", q, q, q, **call)  # slower than cuDNN at every measured length: SDPA, with the reason
     assert (d.precision, d.impl) == ("full", "sdpa") and "SDPA is faster than triton-sagebwd at every" in d.reason
+    assert "policy options.training_speed_routing: false keeps the kernel" in d.reason
     kp = MaskInfo("key_padding", torch.ones(1, 4096, dtype=torch.bool))
     assert R.resolve("8b", q, q, q, **{**call, "mask": kp}).impl == "sdpa"  # key padding is routed too
-    monkeypatch.setattr(K, "SPEED_ROUTING", False)
+    no_routing = Policy(training_speed_routing=False)
+    call = {**call, "policy": no_routing}
     d = R.resolve("8b", q, q, q, **call)
     assert (d.precision, d.impl, d.reason) == ("8b", "triton-sagebwd", None) and d.variant.key == "sagebwd-triton"
+    assert d.path == "training-kernel"
     d = R.resolve("4b", q, q, q, **call)
     assert (d.precision, d.impl) == ("8b", "triton-sagebwd") and "4b has no backward pass" in d.reason
     assert R.resolve("8b", q, q, q, **{**call, "mask": kp}).impl == "triton-sagebwd"
     dense = MaskInfo("dense", torch.ones(1, 1, 4096, 4096, dtype=torch.bool))
     assert "key-padding masks only" in R.resolve("8b", q, q, q, **{**call, "mask": dense}).reason
-    q64 = torch.empty(1, 2, 4096, 96, dtype=torch.float16, requires_grad=True)
-    assert "head_dim 96" in R.resolve("8b", q64, q64, q64, **call).reason
+    q96 = torch.empty(1, 2, 4096, 96, dtype=torch.float16, requires_grad=True)
+    assert "head_dim 96: the SageBwd Triton kernels have head dims (64, 128)" in R.resolve("8b", q96, q96, q96,
+                                                                                          **call).reason
     q32 = q.detach().float().requires_grad_()
-    assert "fp16 or bf16" in R.resolve("8b", q32, q32, q32, **call).reason
+    assert "dtype float32: the SageBwd Triton kernels take float16 or bfloat16" in R.resolve("8b", q32, q32, q32,
+                                                                                             **call).reason
     monkeypatch.setattr(R, "SIMULATE_ON_GPU", True)
     d = R.resolve("8b", q, q, q, **call)
     assert (d.precision, d.impl) == ("8b", "reference-sagebwd") and "SAGE_PATCH_SIMULATE_ON_GPU=1" in d.reason
+    assert d.path == "training-reference" and d.variant is None
     with torch.no_grad():  # the forward path is unchanged: the kernel
         assert R.resolve("8b", q, q, q, **call).impl != "sdpa"
 
@@ -159,12 +166,12 @@ def test_custom_ops_pass_opcheck():
 
     q, k, v = _leaves(*structured_qkv(b=1, h=4, hkv=2, sq=40, skv=48, d=16, dtype=torch.float16, seed=8))
     kp = torch.rand(1, 48, generator=torch.Generator().manual_seed(0)) > 0.2
-    args = (q, k, v, kp, True, 0.25, "token", 16, 16, True, "input", "rowmax", "input", False)
+    args = (q, k, v, kp, True, 0.25, "token", 16, 16, True, "input", "rowmax", "input", "")
     torch.library.opcheck(torch.ops.sage_patch.sagebwd_fwd.default, args)
     outs = torch.ops.sage_patch.sagebwd_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     dout = torch.randn(1, 4, 40, 16).half()
     bwd = (dout, outs[3], outs[4], outs[5], outs[6], v.detach(), outs[0], outs[2], kp, True, 0.25, "token", 16, 16,
-           True, "input", "rowmax", "input", False)
+           True, "input", "rowmax", "input", "")
     torch.library.opcheck(torch.ops.sage_patch.sagebwd_bwd.default, bwd,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 

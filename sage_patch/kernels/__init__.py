@@ -1,8 +1,8 @@
 """Compiled kernels (kernels_cuda/): loading, capability checks and launch.
 
-The kernel variants and the choice between them live in ``registry`` (one frozen ``KernelVariant`` per compiled
-kernel: name, C kernel id, Q K^T and P~V modes, precisions, numerics layout for the reference, constraints, SDPA
-crossover).
+The kernel variants and the choice between them live in ``registry`` (one frozen ``KernelVariant`` per kernel:
+name, C kernel id, Q K^T and P~V modes, precisions, numerics layout for the reference, constraints, SDPA
+crossover; ``trains`` for the forward + backward pairs that serve calls needing a gradient).
 Contract used by sage_patch.resolve:
 
 - ``status() -> dict``: {"loaded": bool, "reason": str, "path": str | None, "archs": list[str]}.
@@ -12,7 +12,11 @@ Contract used by sage_patch.resolve:
   key-padding mask (B, Skv), True = attend (resolve normalizes masks first).
   A call of head dims (D, Dv) that are not native (D, Dv <= the largest native head dim) is served zero-padded to
   the next native one (``head_dims``): the reason is then the padding's note instead of "ok".
-- ``sdpa_faster_reason(variant, q, k, *, layout, is_causal)``: why SDPA should run instead (speed routing).
+- ``can_run_training(q, k, v, *, layout, attn_mask) -> (variant | None, reason)``: the training variant
+  (``trains``) that runs forward + backward of a call needing a gradient.
+- ``sdpa_faster_reason(variant, q, k, *, layout, is_causal, training_routing)``: why SDPA should run instead (speed
+  routing: SAGE_PATCH_SPEED_ROUTING for inference variants, the policy's options.training_speed_routing for
+  training ones).
 - ``run(variant, precision, q, k, v, *, layout, is_causal, scale, attn_mask, return_lse, smooth_v)`` and
   ``run_varlen(variant, precision, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``: launch
   exactly that variant; ``out`` or ``(out, lse)``, lse fp32 natural log ((B, H, Sq), varlen (Hq, total_q)).
@@ -44,16 +48,19 @@ from .registry import (DISABLED, HOPPER_BLOCK_K, HOPPER_K_GROUPING_ARGS,  # noqa
 
 _STATUS_CACHE: dict = {}
 QK_BITS = {"8b": 8, "4b": 4}
-# Speed routing (the measured crossovers are each variant's sdpa_faster_below): SAGE_PATCH_SPEED_ROUTING=0 (or
-# SPEED_ROUTING = False) turns it off.
+# Speed routing of inference calls (the measured crossovers are each variant's sdpa_faster_below):
+# SAGE_PATCH_SPEED_ROUTING=0 (or SPEED_ROUTING = False) turns it off. Training calls have their own switch, the
+# policy's options.training_speed_routing (sdpa_faster_reason's training_routing).
 SPEED_ROUTING = os.environ.get("SAGE_PATCH_SPEED_ROUTING", "1") != "0"
 
 
 def sdpa_faster_reason(variant, q, k, *, layout: str, is_causal: bool, key_padding: bool = False,
                        window_left: int = -1, cc: tuple[int, int] | None = None,
-                       head_dim_v: int | None = None) -> str | None:
-    """Why SDPA should run this call instead of `variant` (a KernelVariant or TrainingVariant): it is faster at
+                       head_dim_v: int | None = None, training_routing: bool = True) -> str | None:
+    """Why SDPA should run this call instead of `variant` (a registry.KernelVariant): it is faster at
     min(Sq, Skv) of q, k on this GPU (the variant's crossover for the device's architecture), or None.
+    Whether speed routing is on: SPEED_ROUTING (SAGE_PATCH_SPEED_ROUTING) for an inference variant,
+    `training_routing` (the policy's options.training_speed_routing) for a training one (variant.trains).
     key_padding: the call has a key-padding mask. The crossovers are measured against unmasked SDPA (cuDNN); with a
     mask SDPA runs its memory-efficient kernel, about 0.6x of cuDNN on Hopper (FlashAttention-2 class: 320-346 vs
     547-582 TOPS, D=128), so a finite crossover does not apply to it (the wgmma kernel is at 0.8-0.97x of cuDNN
@@ -63,13 +70,13 @@ def sdpa_faster_reason(variant, q, k, *, layout: str, is_causal: bool, key_paddi
     cc: the device's compute capability (None: q's). head_dim_v: v's head dim (None: q's). A call whose head dims
     are not native runs zero-padded (head_dims): its crossover is registry.PADDED_SPEED_ASSUMPTION's, masked or not
     (the padded kernel does more work than the mask-free comparison it was scaled from)."""
-    if not SPEED_ROUTING:
+    if not (training_routing if variant.trains else SPEED_ROUTING):
         return None
     cc = cc or _ops_cc(q)
     d = q.shape[-1]
     dv = d if head_dim_v is None else head_dim_v
     below = variant.crossover(cc, d, bool(is_causal), dv)
-    pad_to = head_dims.padding(d, dv)
+    pad_to = None if variant.trains else head_dims.padding(d, dv)  # training variants run their own head dims
     if below is None or ((key_padding or window_left >= 0) and below != math.inf and pad_to is None):
         return None
     sdim = 1 if str(layout).lower() == "bshd" else 2
@@ -89,9 +96,10 @@ def sdpa_faster_reason(variant, q, k, *, layout: str, is_causal: bool, key_paddi
     else:
         where += f" on {arch}" if measured else f" (assumed on {arch}: not measured there)"
     dims = f"head dim {d}" if dv == d else f"head dims {d}/{dv}"
+    keep = ("policy options.training_speed_routing: false keeps the kernel" if variant.trains else
+            "SAGE_PATCH_SPEED_ROUTING=0 keeps the kernel")
     return (f"SDPA is faster than {variant.name} {where} ({dims}, "
-            f"causal={bool(is_causal)}; this call {n}): running full precision (SAGE_PATCH_SPEED_ROUTING=0 keeps "
-            "the kernel)")
+            f"causal={bool(is_causal)}; this call {n}): running full precision ({keep})")
 
 
 def _torch():
@@ -284,8 +292,11 @@ def triton_reason() -> str | None:
 
 
 def can_run_training(q, k, v, *, layout, attn_mask):
-    """The training variant (registry.TrainingVariant) that runs forward + backward of this call, or None and why.
-    attn_mask: None or a bool (B, Skv) key-padding mask (resolve normalizes masks first)."""
+    """The training variant (a registry.KernelVariant that trains) that runs forward + backward of this call, or
+    None and why: the checks every training kernel shares here (CUDA, layout, one head dim, GQA, 32-bit offsets),
+    then registry.select over a training Target, whose variants check the device, head dim, dtype and Triton
+    themselves (their own capability checks). attn_mask: None or a bool (B, Skv) key-padding mask (resolve
+    normalizes masks first)."""
     torch = _torch()
     dev = q.device
     if not (q.is_cuda and k.is_cuda and v.is_cuda) or not (dev == k.device == v.device):
@@ -296,15 +307,18 @@ def can_run_training(q, k, v, *, layout, attn_mask):
     d = q.shape[-1]
     if k.shape[-1] != d or v.shape[-1] != d:
         return None, f"head dims differ (q {d}, k {k.shape[-1]}, v {v.shape[-1]}): the SageBwd kernels need one"
-    why = _dtype_dim_gqa_reason(q, k, v, 2 if bshd else 1, torch)
-    if why:
-        return None, why
+    hdim = 2 if bshd else 1
+    if not (q.dtype == k.dtype == v.dtype):
+        return None, f"dtypes {q.dtype}/{k.dtype}/{v.dtype} differ: the SageBwd kernels take one"
+    if k.shape[hdim] == 0 or q.shape[hdim] % k.shape[hdim]:
+        return None, f"GQA needs Hq % Hkv == 0 (Hq={q.shape[hdim]}, Hkv={k.shape[hdim]})"
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.numel() >= 2**31:
             return None, f"{name} has 2**31 or more elements (32-bit offsets in the SageBwd kernels)"
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    t = registry.TrainingTarget(_ops.device_cc(idx), int(d), triton_reason())
-    return registry.select_training(t)
+    t = Target(_ops.device_cc(idx), tuple(_lib.get().archs), "8b", int(d), training=True, dtype=q.dtype,
+               triton=triton_reason())
+    return registry.select(t)
 
 
 def _target(precision, q, *, varlen=False, smooth_v=False, lse=True, cc=None, head_dim=None) -> Target:

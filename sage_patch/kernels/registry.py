@@ -1,16 +1,20 @@
-"""The compiled kernel variants: one frozen descriptor per kernel the library can launch (kernels_cuda/, C ids
-SAGE_KERNEL_* in sage_kernels.h), and the one place that decides which of them serves a call.
+"""The kernel variants: one frozen descriptor per kernel the package can launch, inference (the compiled library,
+kernels_cuda/, C ids SAGE_KERNEL_* in sage_kernels.h) and training (forward + backward pairs: SageBwd,
+sage_patch/kernels/sagebwd), and the one place that decides which of them serves a call.
 
 Each descriptor carries everything the rest of the package needs to know about its kernel: the name reports show
 (``name``), the C kernel id (``kernel_id``), the Q K^T and P~V modes, the precisions it serves, its numerics layout
 (``reference_config``: a ``KernelLayout``, data the reference simulation interprets to simulate it exactly), its
 capability constraints (small predicates, each returning the reason it cannot run a call or None) and the measured
 SDPA crossover (``sdpa_faster_below``).
-``select`` walks ``VARIANTS`` in order of preference and returns the first whose constraints all pass;
-``sage_patch.resolve`` gets that descriptor and ``kernels.run(variant, ...)`` launches exactly it.
+``select`` walks ``VARIANTS`` in order of preference and returns the first of the call's kind (``Target.training``:
+a call that needs a gradient; ``KernelVariant.trains``) whose constraints all pass; ``sage_patch.resolve`` gets that
+descriptor and ``kernels.run(variant, ...)`` (inference) or ``trainable.sagebwd_attention(kernel=variant.key)``
+(training: the variant's ``launch`` module's forward and backward) launches exactly it.
 
-Adding a kernel (a backward, a Blackwell fp4 kernel) = its source files under kernels_cuda/ with a new C id, plus
-one ``KernelVariant`` here.
+Adding a kernel (a Blackwell fp4 kernel) = its source files under kernels_cuda/ with a new C id, plus one
+``KernelVariant`` here; adding a training kernel = its launch module (``forward``, ``backward``, ``KERNEL_LAYOUT``,
+as sage_patch/kernels/sagebwd) and its capability check, plus one ``KernelVariant(..., trains=True)`` here.
 
 Environment (read once): ``SAGE_PATCH_PV=fp16|fp8-mma|fp8-f16|wgmma`` and ``SAGE_PATCH_QK_MMA=int4|int8`` prefer the
 variants with that P~V / "4b" Q K^T mode wherever they can run (tests, e.g. the sm_80 path on newer GPUs).
@@ -22,6 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple
 
+from . import sagebwd
 from ._lib import arch_supported, target_cc
 
 # C kernel ids (kernels_cuda/sage_kernels.h, SAGE_KERNEL_*)
@@ -31,6 +36,7 @@ KERNEL_MMA_FP8_QK4, KERNEL_MMA_FP16_QK4, KERNEL_MMA_FP8F16_QK4 = 4, 5, 6
 IMPL_FP8PV = "cuda-mma-fp8pv"
 IMPL_FP16PV = "cuda-mma-fp16pv"
 IMPL_WGMMA = "cuda-wgmma-fp8pv"
+IMPL_SAGEBWD = "triton-sagebwd"
 
 NATIVE_HEAD_DIMS = (64, 128)  # ascending
 # the portable kernels' per-thread quantization groups: Q rows with equal r % 8 inside each warp tile of
@@ -54,7 +60,8 @@ DISABLED: dict[str, str] = {}
 
 @dataclass(frozen=True)
 class Target:
-    """What a variant's constraints look at: the device, the build, and the call's features."""
+    """What a variant's constraints look at: the device, the build, and the call's features. training: the call
+    needs a gradient (only variants that train serve it, and they look at dtype and triton too)."""
     cc: tuple[int, int]                # the tensors' device compute capability
     # targets compiled into the library: SASS "80", "90a", "120", ... and PTX "compute_120" (JIT-compiled on any
     # newer device: a device is served where _lib.arch_image finds either)
@@ -64,6 +71,10 @@ class Target:
     varlen: bool = False
     smooth_v: bool = False
     lse: bool = True
+    training: bool = False
+    dtype: object = None               # the inputs' torch dtype (training variants check it; can_run checks it for
+                                       # the inference kernels)
+    triton: str | None = None          # why Triton cannot be used here, None when it can (training variants)
 
 
 Constraint = Callable[[Target], "str | None"]  # the reason the variant cannot run the target, or None
@@ -147,12 +158,14 @@ PREFER_INT4_NATIVE = ("qk", _int4_native)
 
 @dataclass(frozen=True)
 class KernelVariant:
-    key: str                          # unique registry key
+    key: str                          # unique registry key (reports show it beside the name: Decision.variant)
     name: str                         # implementation name in decisions and reports
-    kernel_id: int                    # SageAttnParams.kernel
-    family: str                       # "mma" (portable mma.sync, kernels_cuda/portable) or "wgmma" (kernels_cuda/hopper)
+    kernel_id: int | None             # SageAttnParams.kernel (None: a training variant, launched by `launch`)
+    family: str                       # "mma" (portable mma.sync, kernels_cuda/portable), "wgmma" (kernels_cuda/hopper)
+                                      # or "triton" (training: sage_patch/kernels/sagebwd)
     qk: str                           # Q K^T: "int8" (INT8 values; "4b": INT4 values carried in INT8 MMA) or "int4"
-    pv: str                           # P~V: "fp8-mma", "fp8-f16", "fp16" or "wgmma"
+    pv: str                           # P~V: "fp8-mma", "fp8-f16", "fp16" or "wgmma"; "input" (training: the input
+                                      # dtype)
     precisions: tuple[str, ...]       # the precisions it serves ("8b", "4b")
     constraints: tuple[Constraint, ...] = ()   # hard: it cannot run where one fails
     preferences: tuple[tuple[str, Constraint], ...] = ()  # soft, per mode ("pv"/"qk"): not the default where one fails
@@ -160,16 +173,28 @@ class KernelVariant:
     # (arch_key; ANY_ARCH: every other one) and (head dim, causal); shorter calls without a key-padding mask run SDPA
     # instead. Measured on MEASURED_ARCHS (docs/benchmarks.md), assumed elsewhere (SPEED_ASSUMPTION)
     sdpa_faster_below: Mapping[str, Mapping[tuple[int, bool], float]] = field(default_factory=dict)
+    # a training variant: a forward + backward pair that serves calls needing a gradient (Target.training), launched
+    # by the module `launch` names (its forward, backward and KERNEL_LAYOUT, the numerics as
+    # reference.sagebwd.SageBwdConfig fields: sage_patch.trainable); its crossover is of forward + backward
+    trains: bool = False
+    launch: str | None = None
 
     def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool,
                   head_dim_v: int | None = None) -> float | None:
         """sdpa_faster_below on a device of capability `cc` (None: no crossover, the kernel runs at every length);
-        a call padded to a native head dim (head_dim, head_dim_v not native) gets PADDED_SPEED_ASSUMPTION's."""
+        a call padded to a native head dim (head_dim, head_dim_v not native) gets PADDED_SPEED_ASSUMPTION's.
+        A training variant runs its own head dims only (no padding): its table's entry as it stands."""
+        if self.trains:
+            per_arch = self.sdpa_faster_below.get(arch_key(cc), self.sdpa_faster_below.get(ANY_ARCH))
+            return None if per_arch is None else per_arch.get((head_dim, bool(causal)))
         return _crossover(self.sdpa_faster_below, cc, head_dim, causal, head_dim_v)
 
     def why_not(self, t: Target, *, ignore: tuple[str, ...] = ()) -> str | None:
         """The reason this variant does not serve `t` (None: it does); preferences of the modes in `ignore` skipped,
         ignore=("pv", "qk"): hard constraints only."""
+        if t.training != self.trains:
+            return (f"{self.name} ({self.key}) " + ("trains (forward + backward)" if self.trains else
+                                                    "has no backward pass"))
         if t.precision not in self.precisions:
             return f"{self.name} ({self.key}) does not run precision {t.precision!r}"
         for c in self.constraints:
@@ -185,6 +210,9 @@ class KernelVariant:
     def reference_config(self, head_dim: int = 128) -> "KernelLayout":
         """This kernel's numerics layout (groupings, block, P~V operands), as data that the reference simulation
         takes as its config (`simulate(..., config=layout)`: reference.SimConfig.of) to simulate it exactly."""
+        if self.trains:
+            raise ValueError(f"{self.key} is a training variant: its numerics are its launch module's KERNEL_LAYOUT "
+                             "(sage_patch.trainable.kernel_config)")
         if self.family == "wgmma":  # 64-row warpgroup tiles (rows g, g+8 of each warp's 16), 128-key blocks
             return KernelLayout(block_k=HOPPER_BLOCK_K, q_group=Groups(*HOPPER_Q_GROUPING_ARGS),
                                 k_group=Groups(*HOPPER_K_GROUPING_ARGS), pv="fp8", row_sum="operand",
@@ -218,7 +246,14 @@ class KernelLayout:
 # ---- speed routing: where SDPA is faster than a kernel ---------------------------------------------------------
 ANY_ARCH = "*"               # a crossover table's entry for every architecture it does not name
 MEASURED_ARCHS = ("sm_90",)  # the only architecture we can measure (an H200); every other entry is an assumption
-EVERY_LENGTH = {(d, c): math.inf for d in NATIVE_HEAD_DIMS for c in (False, True)}  # SDPA is faster at any length
+
+
+def every_length(head_dims) -> dict:
+    """A per-arch crossover table saying SDPA is faster at any length, for each of `head_dims`, causal or not."""
+    return {(d, c): math.inf for d in head_dims for c in (False, True)}
+
+
+EVERY_LENGTH = every_length(NATIVE_HEAD_DIMS)
 # What the tables assume where nothing was measured (`sage-patch info` shows it):
 SPEED_ASSUMPTION = (
     "sm_80/86/89/120 (not measured): the mma.sync kernels are assumed faster than SDPA at every length (they are "
@@ -270,6 +305,7 @@ def _crossover(table, cc, head_dim, causal, head_dim_v=None):
 _PORTABLE_CROSSOVER = {"sm_90": EVERY_LENGTH, "sm_100": EVERY_LENGTH}
 
 _COMMON = (_head_dim,)
+_SAGEBWD_SLOWER = every_length(sagebwd.HEAD_DIMS)
 _FP8 = (_needs_cc((8, 9), "FP8 P~V"), _needs_fp8_build)
 _INT4 = (_needs_int4_mma,)
 
@@ -298,10 +334,23 @@ VARIANTS: tuple[KernelVariant, ...] = (
     # ... and FP16 P~V (SageAttention1-style) for sm_80/86
     KernelVariant("mma-fp16", IMPL_FP16PV, KERNEL_MMA_FP16, "mma", "int8", "fp16", ("8b", "4b"),
                   _COMMON + (_needs_cc((8, 0), "the kernels"),), (), _PORTABLE_CROSSOVER),
+    # Training (forward + backward, trains=True; select() offers them to calls needing a gradient only).
+    # SageBwd in Triton (sm_80+: Triton emits wgmma on sm_90, mma.sync below): INT8 Q K^T, P~ V, P^T dO, dS^T Q,
+    # dS K; dO V^T in the input dtype. Its capability check is its package's (sagebwd.unsupported_reason: sm_80+,
+    # Triton, sagebwd.HEAD_DIMS, sagebwd.DTYPES).
+    # Slower than cuDNN forward + backward at every measured length on sm_90, D 64 and 128, causal or not
+    # (0.13-0.59x, docs/benchmarks.md "Training"), so every length trains with SDPA by default; assumed the same on
+    # every other architecture (not measured).
+    KernelVariant("sagebwd-triton", IMPL_SAGEBWD, None, "triton", "int8", "input", ("8b",),
+                  (sagebwd.unsupported_reason,),
+                  sdpa_faster_below={"sm_90": _SAGEBWD_SLOWER, ANY_ARCH: _SAGEBWD_SLOWER},
+                  trains=True, launch="sage_patch.kernels.sagebwd"),
 )
 
 BY_KEY: dict[str, KernelVariant] = {v.key: v for v in VARIANTS}
-assert len(BY_KEY) == len(VARIANTS) and len({v.kernel_id for v in VARIANTS}) == len(VARIANTS)
+_IDS = [v.kernel_id for v in VARIANTS if v.kernel_id is not None]
+assert len(BY_KEY) == len(VARIANTS) and len(set(_IDS)) == len(_IDS)
+assert all(v.launch for v in VARIANTS if v.trains)
 PV_MODES = ("fp8-mma", "fp8-f16", "fp16", "wgmma")
 QK_MODES = ("int4", "int8")
 
@@ -313,7 +362,21 @@ def get(key: str) -> KernelVariant:
 def select(t: Target, *, pv: str | None = None, qk: str | None = None) -> tuple[KernelVariant | None, str]:
     """The variant that serves `t` and "ok", or None and the reason none does: the first of VARIANTS that can run it
     and is preferred here. pv / qk ("4b" only): a forced P~V / Q K^T mode (None: SAGE_PATCH_PV / SAGE_PATCH_QK_MMA)
-    wins wherever a variant with it can run; where none can, the defaults apply."""
+    wins wherever a variant with it can run; where none can, the defaults apply. A training target
+    (t.training) is served by the variants that train only, in their order (the forced modes are the inference
+    kernels')."""
+    family = tuple(v for v in VARIANTS if v.trains == t.training)
+    if t.training:
+        if pv is not None or qk is not None:
+            raise ValueError(f"pv / qk pick inference kernels; a training target takes neither (got pv={pv!r}, "
+                             f"qk={qk!r})")
+        whys = []
+        for v in family:
+            why = v.why_not(t)
+            if why is None:
+                return v, "ok"
+            whys.append(f"{v.key}: {why}" if len(family) > 1 else why)  # each family's own reason
+        return None, "; ".join(whys) or "no trainable kernel"
     pv = pv or FORCE_PV
     qk = (qk or FORCE_QK) if t.precision == "4b" else None
     if pv is not None and pv not in PV_MODES:
@@ -323,9 +386,9 @@ def select(t: Target, *, pv: str | None = None, qk: str | None = None) -> tuple[
     tries = []
     if pv or qk:
         ignore = tuple(m for m, f in (("pv", pv), ("qk", qk)) if f)
-        tries.append(([v for v in VARIANTS if (pv is None or v.pv == pv) and (qk is None or v.qk == qk)], ignore))
-    tries.append((VARIANTS, ()))
-    tries.append((VARIANTS, ("pv", "qk")))  # nothing preferred (a disabled mode): anything that can run
+        tries.append(([v for v in family if (pv is None or v.pv == pv) and (qk is None or v.qk == qk)], ignore))
+    tries.append((family, ()))
+    tries.append((family, ("pv", "qk")))  # nothing preferred (a disabled mode): anything that can run
     first = None
     for cands, ignore in tries:
         for v in cands:
@@ -339,8 +402,9 @@ def select(t: Target, *, pv: str | None = None, qk: str | None = None) -> tuple[
 def explicit(t: Target, pv: str, qk: str | None = None) -> KernelVariant:
     """Direct calls (kernels.attention(pv=...)): the variant with P~V mode `pv` ("fp8": the preferred FP8 one) and,
     for "4b", Q K^T mode `qk` (None: SAGE_PATCH_QK_MMA, else INT4 MMA on sm_80-89). Arch checks are the library's."""
+    inference = [v for v in VARIANTS if not v.trains]
     if pv == "fp8":
-        fp8 = [v for v in VARIANTS if v.pv != "fp16"]
+        fp8 = [v for v in inference if v.pv != "fp16"]
         for ignore in ((), ("pv", "qk")):
             for v in fp8:
                 if v.why_not(t, ignore=ignore) is None and (qk is None or v.qk == qk or t.precision != "4b"):
@@ -352,80 +416,7 @@ def explicit(t: Target, pv: str, qk: str | None = None) -> KernelVariant:
         qk = qk or FORCE_QK or ("int4" if t.cc[0] == 8 and "4b-int4" not in DISABLED else "int8")
     else:
         qk = "int8"
-    for v in VARIANTS:
+    for v in inference:
         if v.pv == pv and v.qk == qk and t.precision in v.precisions:
             return v
     raise RuntimeError(f"no compiled kernel with pv={pv!r}, qk={qk!r} for precision {t.precision!r}")
-
-
-# --- training (forward + backward) kernels ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TrainingTarget:
-    """What a training kernel's constraints look at: the device, the call's features, and Triton's availability."""
-    cc: tuple[int, int]
-    head_dim: int
-    triton: str | None                 # why Triton cannot be used here, None when it can
-
-
-@dataclass(frozen=True)
-class TrainingVariant:
-    """A trainable kernel pair (forward saving what its backward reads, and that backward), e.g. SageBwd's Triton
-    kernels (sage_patch/kernels/sagebwd). Its numerics are sage_patch.kernels.sagebwd.KERNEL_CONFIG (a SageBwdConfig
-    the reference simulation takes as its config)."""
-    key: str
-    name: str
-    family: str                       # "triton"
-    precisions: tuple[str, ...]
-    constraints: tuple[Callable[[TrainingTarget], "str | None"], ...] = ()
-    # the shortest sequence (min of Sq, Skv) at which forward + backward beats torch SDPA (cuDNN), per architecture
-    # and (head dim, causal), as KernelVariant's; shorter calls, key-padding ones included, train with SDPA instead
-    sdpa_faster_below: Mapping[str, Mapping[tuple[int, bool], float]] = field(default_factory=dict)
-
-    def crossover(self, cc: tuple[int, int], head_dim: int, causal: bool,
-                  head_dim_v: int | None = None) -> float | None:
-        return _crossover(self.sdpa_faster_below, cc, head_dim, causal, head_dim_v)
-
-    def why_not(self, t: TrainingTarget) -> str | None:
-        for c in self.constraints:
-            why = c(t)
-            if why:
-                return why
-        return None
-
-
-def _training_cc(t: TrainingTarget):
-    return None if t.cc >= (8, 0) else f"the SageBwd kernels need sm_80+ (device is sm_{t.cc[0]}{t.cc[1]})"
-
-
-def _training_triton(t: TrainingTarget):
-    return t.triton
-
-
-def _training_head_dim(t: TrainingTarget):
-    return None if t.head_dim in NATIVE_HEAD_DIMS else (
-        f"head_dim {t.head_dim}: the SageBwd kernels have head dims {NATIVE_HEAD_DIMS} only")
-
-
-IMPL_SAGEBWD = "triton-sagebwd"
-TRAINING_VARIANTS: tuple[TrainingVariant, ...] = (
-    # SageBwd in Triton (sm_80+: Triton emits wgmma on sm_90, mma.sync below): INT8 Q K^T, P~ V, P^T dO, dS^T Q,
-    # dS K; dO V^T in the input dtype.
-    # Slower than cuDNN forward + backward at every measured length on sm_90, D 64 and 128, causal or not
-    # (0.13-0.59x, docs/benchmarks.md "Training"), so every length trains with SDPA by default; assumed the same on
-    # every other architecture (not measured).
-    TrainingVariant("sagebwd-triton", IMPL_SAGEBWD, "triton", ("8b",),
-                    (_training_cc, _training_triton, _training_head_dim),
-                    sdpa_faster_below={"sm_90": EVERY_LENGTH, ANY_ARCH: EVERY_LENGTH}),
-)
-
-
-def select_training(t: TrainingTarget) -> tuple[TrainingVariant | None, str]:
-    """The training variant that serves `t` and "ok", or None and the reason none does."""
-    first = None
-    for v in TRAINING_VARIANTS:
-        why = v.why_not(t)
-        if why is None:
-            return v, "ok"
-        first = first or why
-    return None, first or "no trainable kernel"

@@ -25,8 +25,26 @@ import torch
 
 # SageBwdConfig's fields (the kernels describe their numerics as data; the reference layer interprets them)
 KERNEL_LAYOUT = {"groups": "token", "block_q": 64, "block_k": 64, "pv": "input", "smooth_k": True, "dp": "input"}
+# What the kernels serve (this family's own constants: the training capability check, `unsupported_reason`, reads
+# these, not the inference kernels' registry.NATIVE_HEAD_DIMS)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
+MIN_CC = (8, 0)  # Triton emits mma.sync from sm_80 (wgmma on sm_90)
+
+
+def unsupported_reason(t) -> str | None:
+    """Why these kernels cannot run a training call of `t` (a registry.Target with training=True), None when they
+    can: the device (sm_80+), Triton (t.triton), the head dim (HEAD_DIMS) and the dtype (DTYPES)."""
+    if t.cc < MIN_CC:
+        return f"the SageBwd Triton kernels need sm_{MIN_CC[0]}{MIN_CC[1]}+ (device is sm_{t.cc[0]}{t.cc[1]})"
+    if t.triton:
+        return t.triton
+    if t.head_dim not in HEAD_DIMS:
+        return f"head_dim {t.head_dim}: the SageBwd Triton kernels have head dims {HEAD_DIMS} only"
+    if t.dtype not in DTYPES:
+        names = " or ".join(str(x).removeprefix("torch.") for x in DTYPES)
+        return f"dtype {str(t.dtype).removeprefix('torch.')}: the SageBwd Triton kernels take {names}"
+    return None
 
 # Free tile sizes and launch settings per head dim (measured on the H200, docs/design/tried_and_rejected.md): forward
 # query rows, keys, warps and pipeline stages; dK/dV keys and warps, and whether dK and dV share one launch
