@@ -54,7 +54,7 @@ TRAIN_IMPL = "reference-sagebwd"  # what every training call of the sage run mus
 # The sage runs' policy on CUDA: the trainable 8b's kernels for every training call (inference calls: 8b, the
 # shipped policy's min_seq_len), whatever their measured speed against SDPA
 CUDA_POLICY = {"name": "finetune-sagebwd-kernels", "default": "8b", "training": "8b",
-               "fallback": {"min_seq_len": 128}}
+               "fallback": {"min_seq_len": 128}, "options": {"training_speed_routing": False}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -248,7 +248,7 @@ def training_impls_ok(impls: dict, device: str) -> bool:
     kernel (a training variant of the registry) on CUDA."""
     from sage_patch.kernels import registry
 
-    wanted = {TRAIN_IMPL} if device == "cpu" else {v.name for v in registry.TRAINING_VARIANTS}
+    wanted = {TRAIN_IMPL} if device == "cpu" else {v.name for v in registry.VARIANTS if v.trains}
     return bool(impls) and set(impls) <= wanted
 
 

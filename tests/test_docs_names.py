@@ -61,7 +61,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP_DIRS = {".git", "build", "dist", "__pycache__", ".pytest_cache", "node_modules", ".venv", "venv"}
+SKIP_DIRS = {".git", "build", "dist", "__pycache__", ".pytest_cache", "node_modules", ".venv", "venv",
+             "out", ".whl", ".gl"}  # the last three: scratch folders .gitignore keeps out of the tree
 ROOT_DIRS = ("sage_patch/", "kernels_cuda/", "benchmarks/", "tools/", "tests/", "docs/", ".ci/")
 FILE_EXTS = (".py", ".cu", ".cuh", ".h", ".cpp", ".yaml", ".yml", ".json", ".md", ".png", ".toml", ".so", ".sh")
 PY_DIRS = ("sage_patch", "benchmarks", "tools", "tests", "kernels_cuda")
