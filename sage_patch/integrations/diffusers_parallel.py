@@ -45,11 +45,16 @@ def context_config(parallel_config):
     return getattr(parallel_config, "context_parallel_config", None)
 
 
-@torch.compiler.assume_constant_result   # fixed per config; torch.compile takes it as a constant, not an f-string
 def describe(cp) -> str:
     """The report's note for a call run under `cp` on this rank."""
-    return (f"context parallel (ulysses {cp.ulysses_degree} x ring {cp.ring_degree}) on rank {cp._rank} "
-            f"of {cp._world_size}")
+    return _note(cp.ulysses_degree, cp.ring_degree, cp._rank, cp._world_size)
+
+
+# Fixed per config: torch.compile takes the note as a constant, not an f-string. Called with the config's ints, which
+# dynamo makes constants (torch 2.11's dynamo cannot hand the config object itself to such a function).
+@torch.compiler.assume_constant_result
+def _note(ulysses: int, ring: int, rank: int, world_size: int) -> str:
+    return f"context parallel (ulysses {ulysses} x ring {ring}) on rank {rank} of {world_size}"
 
 
 # ---- the model check -------------------------------------------------------------------------------------------
