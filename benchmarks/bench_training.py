@@ -8,7 +8,8 @@ forward + backward and backward alone, and whole training steps of two architect
 
 Cases (--cases, default all three):
 - attention: B=4 H=32 (--batch, --heads), --dtype (bf16), D in --dims, causal and not, N in --seqs. Implementations
-  (--impls): sage8b = `sage_patch.trainable.sagebwd_attention` (the SageBwd kernel, no routing), sage_api =
+  (--impls): sage8b = `sage_patch.trainable.sagebwd_attention` (the SageBwd kernel, no routing), sage8b_hopper =
+  the same with dK/dV from the sm_90a CUDA kernel (sage_patch.kernels.sagebwd.hopper; H100/H200), sage_api =
   `sage_patch.attention(..., precision="8b")` (the resolver: may run SDPA below a measured crossover; what it ran is
   recorded per case), and torch SDPA with one backend forced (cudnn, flash; on CPU math and flash, the backends
   torch has there). Every implementation gets the same inputs (randn; K and V with a per-channel bias of 4 sigma,
@@ -66,7 +67,7 @@ from sage_patch.resolve import TRAINABLE_IMPL  # noqa: E402
 from sage_patch.trainable import sagebwd_attention  # noqa: E402
 
 CASES = ("attention", "llama", "flux")
-OURS = ("sage8b", "sage_api")
+OURS = ("sage8b", "sage8b_hopper", "sage_api")
 PEERS = ("cudnn", "flash", "math", "efficient")   # torch SDPA with that one backend forced (timing.forced_sdpa)
 MODEL_OURS = ("sage",)
 FLOP_FACTOR = {"fwdbwd": 3.5, "bwd": 2.5}        # x the forward's 4*B*H*N*N*D (halved when causal)
@@ -138,7 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.step_warmup = pick(a.step_warmup, SMOKE["warmup"], 2)
     a.step_reps = pick(a.step_reps, SMOKE["reps"], 5)
     peers = ("cudnn", "flash") if cuda else ("math", "flash")
-    a.impls = a.impls.split(",") if a.impls else list(OURS + peers)
+    hopper = ("sage8b_hopper",) if cuda and torch.cuda.get_device_capability() == (9, 0) else ()
+    a.impls = a.impls.split(",") if a.impls else [x for x in OURS if x != "sage8b_hopper" or hopper] + list(peers)
     a.model_impls = a.model_impls.split(",") if a.model_impls else list(MODEL_OURS + peers)
     a.baseline = a.baseline or peers[0]
     for name in a.impls:
@@ -214,9 +216,31 @@ def write_json(path: str, data: dict) -> None:
 
 # ---- attention ----------------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def backward_of(name: str):
+    """sage8b_hopper: the SageBwd autograd backward through the sm_90a kernel (sagebwd.hopper.backward) while the
+    block runs (the backward runs at autograd.grad time, after the call returned); other implementations as they
+    are."""
+    if name != "sage8b_hopper":
+        yield
+        return
+    from sage_patch.kernels import sagebwd
+    from sage_patch.kernels.sagebwd import hopper
+
+    ok, why = hopper.supported(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128)
+    if not ok:
+        raise RuntimeError(f"sage8b_hopper: {why}")
+    keep = sagebwd.backward
+    sagebwd.backward = hopper.backward
+    try:
+        yield
+    finally:
+        sagebwd.backward = keep
+
+
 def attention_call(name: str, causal: bool):
     """f(q, k, v) -> out for one implementation, (B, H, N, D)."""
-    if name == "sage8b":
+    if name in ("sage8b", "sage8b_hopper"):
         return lambda q, k, v: sagebwd_attention(q, k, v, is_causal=causal, scale=None, attn_mask=None)
     if name == "sage_api":
         return lambda q, k, v: sage_patch.attention(q, k, v, layout="bhsd", is_causal=causal, precision="8b")
@@ -280,7 +304,11 @@ def attention_accuracy(q, k, v, do, causal, impls) -> dict:
             got = (out.detach(),) + torch.autograd.grad(out, (q, k, v), do)
             return {key: cosine(part(t), r) for key, t, r in zip(("out", "dq", "dk", "dv"), got, ref)}
 
-        m, err = guarded(one)
+        def one_of(name=name, one=one):
+            with backward_of(name):
+                return one()
+
+        m, err = guarded(one_of)
         res[name] = m if err is None else {"error": err}
     return res
 
@@ -296,8 +324,11 @@ def attention_case(args, n, d, causal, accuracy: bool) -> dict:
     for name in args.impls:
         if name == "sage_api":
             GLOBAL_STATS.reset()
-        m, err = guarded(lambda: measure_attention(attention_call(name, causal), q, k, v, do, device, args.warmup,
-                                                   args.reps))
+        def measure(name=name):
+            with backward_of(name):
+                return measure_attention(attention_call(name, causal), q, k, v, do, device, args.warmup, args.reps)
+
+        m, err = guarded(measure)
         if err:
             row["impls"][name] = {"error": err}
             continue
