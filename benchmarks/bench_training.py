@@ -184,6 +184,14 @@ def guarded(fn, cleanup=None):
     return None, err
 
 
+def _version(module: str):
+    """The module's version, None where it is not installed (the attention case needs neither library)."""
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
 def median(xs) -> float:
     return float(statistics.median(xs))
 
@@ -596,7 +604,7 @@ def main(argv=None) -> dict:
                  "(--impls cudnn,flash --model-impls cudnn,flash)")
     meta = run_meta(
         device=torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
-        transformers=__import__("transformers").__version__, diffusers=__import__("diffusers").__version__,
+        transformers=_version("transformers"), diffusers=_version("diffusers"),
         sage_patch=sage_patch.__version__, dtype=str(args.dtype)[6:], smoke=args.smoke, baseline=args.baseline,
         trainable=trainable, cases=args.cases)
     if argv is not None:   # called, not run: the command line is the arguments given, not the caller's sys.argv

@@ -9,13 +9,15 @@
 //   dV  += q8(P^T s_dO) dO^       INT8, A from registers: quantized per key row over the tile's 64 queries (a row
 //   dS^T = P^T o (dP^T - Delta)                 lives in the 4 lanes of a quad), B = the transposed dO^ image
 //   dK  += q8(dS^T s_Q) Q^        likewise with the transposed Q^ image; dK is scaled by tau at the end
-// The transposed INT8 images store query c of a 32-query group at hop_slot_of_key(c): the order in which the
-// accumulator fragment of a lane is directly its A fragment (the forward's V^T trick). The numerics are those of
+// Query order: row c of the Q^ and dO images (the N dimension of S^T and dP^T) holds query hop_slot_of_key(c) of
+// its 32-query group, so the accumulator fragment of a lane is directly its A fragment for the transposed INT8
+// images in natural query order (the forward's V^T trick, applied to the other operand): every tile is copied
+// with 16-byte cp.async into its swizzled place, no byte shuffles. The numerics are those of
 // sage_patch/kernels/sagebwd/bwd.py's dkdv_kernel (SageBwdConfig(**KERNEL_LAYOUT)): the same products, scale
 // foldings, per-row quantization (127 / amax, round half to even, NaN amax -> NaN scale) and accumulation order.
 //
-// This first version loads each tile with plain loads by all 128 threads and runs the products serially (no
-// producer warp, no stage ring): correctness first; the warp-specialized pipeline is the next step.
+// Tiles are double-buffered: all 128 threads issue the next tile's cp.async copies before computing this one (no
+// producer warp yet; the products run serially within the warpgroup, two CTAs per SM overlap each other).
 #pragma once
 #include "pipeline.cuh"
 #include "../common/ptx.cuh"
@@ -33,13 +35,20 @@ struct BwdSmem {
     static constexpr int I8 = 64 * D, H16 = 128 * D;
     static constexpr int K_OFF = 0;
     static constexpr int V_OFF = K_OFF + I8;
-    static constexpr int Q_OFF = V_OFF + H16;
-    static constexpr int QT_OFF = Q_OFF + I8;
-    static constexpr int DO_OFF = QT_OFF + I8;
-    static constexpr int DOT_OFF = DO_OFF + H16;
-    static constexpr int ST_OFF = DOT_OFF + I8;  // 64 queries x 4 floats (bwd.row_stats)
-    static constexpr int TOTAL = ST_OFF + 64 * 16 + 1024;  // + slack to align the base to 1024 bytes
+    static constexpr int STAGE0 = V_OFF + H16;
+    // per stage (query tile): Q^, Q^T, dO, dO^T images and the 64 x 4 floats of bwd.row_stats
+    static constexpr int Q_OFF = 0, QT_OFF = Q_OFF + I8, DO_OFF = QT_OFF + I8, DOT_OFF = DO_OFF + H16,
+                         ST_OFF = DOT_OFF + I8;
+    static constexpr int STAGE = ST_OFF + 1024;  // a multiple of 1024: every stage's images stay aligned
+    static constexpr int TOTAL = STAGE0 + 2 * STAGE + 1024;  // + slack to align the base to 1024 bytes
 };
+
+// 16 bytes global -> shared, zero-filled where !ok (src is then not read)
+__device__ __forceinline__ void bwd_cp16(uint8_t* dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(ok ? 16 : 0));
+}
+// query of row / column c of a tile in the permuted order (hop_slot_of_key within each 32)
+__host__ __device__ constexpr int bwd_query_of(int c) { return (c & ~31) | hop_slot_of_key(c & 31); }
 
 // byte offset of the 16-byte chunk c8 (8 16-bit channels 8 c8..) of row r in a 16-bit image
 __device__ __forceinline__ int bwd_h16_off(int r, int c8) { return (c8 >> 3) * 8192 + hop_img_off(r, 16 * (c8 & 7), 128); }
@@ -142,31 +151,37 @@ __device__ __forceinline__ void bwd_int8_update(float (&acc)[D / 2], const uint3
     }
 }
 
-// rows m0.. (64) of a transposed INT8 operand (BH, D, t_stride) into the image at img: channel rows, query c at
-// slot (c & ~31) | hop_slot_of_key(c & 31); queries past sq are 0
-template <int D>
-__device__ __forceinline__ void bwd_load_transposed(uint8_t* img, const int8_t* src, int64_t t_stride, int m0, int sq,
-                                                    int tid) {
-#pragma unroll 2
+// one query tile's operands into stage memory st (cp.async, one commit group): rows m0.. of query head bh
+template <int D, typename T>
+__device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* st, int64_t bh, const T* dop, int m0,
+                                               int tid) {
+    using S = BwdSmem<D>;
+    const int sq = p.Sq;
+    const int8_t* qp = p.q_int + bh * sq * D;
+#pragma unroll 1
+    for (int i = tid; i < 64 * D / 16; i += 128) {  // Q^: row c = query m0 + bwd_query_of(c)
+        const int r = i / (D / 16), c = i % (D / 16), qi = m0 + bwd_query_of(r);
+        bwd_cp16(st + S::Q_OFF + hop_img_off(r, 16 * c, D), qp + (int64_t)min(qi, sq - 1) * D + 16 * c, qi < sq);
+    }
+#pragma unroll 1
+    for (int i = tid; i < 64 * D / 8; i += 128) {   // dO (16-bit): the same row order
+        const int r = i / (D / 8), c = i % (D / 8), qi = m0 + bwd_query_of(r);
+        bwd_cp16(st + S::DO_OFF + bwd_h16_off(r, c), dop + (int64_t)min(qi, sq - 1) * p.do_ss + 8 * c, qi < sq);
+    }
+    // Q^T and dO^T: channel rows of 64 query bytes in natural order (a row is padded to 16 bytes: a chunk that
+    // starts below sq stays inside it; its bytes past sq meet zero P / dS entries)
+    const int64_t toff = bh * D * p.t_stride;
+#pragma unroll 1
     for (int i = tid; i < D * 4; i += 128) {
         const int ch = i >> 2, c0 = 16 * (i & 3);
-        uint4 x = make_uint4(0, 0, 0, 0);
-        // a row is padded to a multiple of 16 bytes: 16 queries from one below sq stay inside it
-        if (m0 + c0 < sq) x = *reinterpret_cast<const uint4*>(src + ch * t_stride + m0 + c0);
-        if (m0 + c0 + 16 > sq) {  // zero the queries past sq (padding bytes are not written by anyone)
-            uint8_t* xb = reinterpret_cast<uint8_t*>(&x);
-#pragma unroll
-            for (int e = 0; e < 16; ++e)
-                if (m0 + c0 + e >= sq) xb[e] = 0;
-        }
-        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {  // query pairs c, c + 1 (c even) land in adjacent slots
-            const int c = c0 + 2 * j;
-            const int slot = (c & ~31) | hop_slot_of_key(c & 31);
-            *reinterpret_cast<uint16_t*>(img + hop_img_off(ch, slot, 64)) = (uint16_t)(w[j >> 1] >> (16 * (j & 1)));
-        }
+        const bool ok = m0 + c0 < sq;
+        const int64_t src = toff + ch * p.t_stride + (ok ? m0 + c0 : 0);
+        bwd_cp16(st + S::QT_OFF + hop_img_off(ch, c0, 64), p.q_t + src, ok);
+        bwd_cp16(st + S::DOT_OFF + hop_img_off(ch, c0, 64), p.do_t + src, ok);
     }
+    if (tid < 64)  // stats in natural query order
+        bwd_cp16(st + S::ST_OFF + 16 * tid, p.stats + 4 * (bh * sq + min(m0 + tid, sq - 1)), m0 + tid < sq);
+    cp_async_commit();
 }
 
 template <int D, typename T>
@@ -175,7 +190,9 @@ __global__ void __launch_bounds__(128, 1) hopper_bwd_dkdv_kernel(const __grid_co
     extern __shared__ __align__(1024) uint8_t bsmem_raw[];
     const uint32_t spad = (1024u - (smem_u32(bsmem_raw) & 1023u)) & 1023u;
     uint8_t* sm = bsmem_raw + spad;
-    const uint32_t sb = smem_u32(sm);
+    // through __shfl_sync ptxas knows the shared base is warp-uniform and keeps the wgmma descriptors in uniform
+    // registers (as the forward's consumer does)
+    const uint32_t sb = __shfl_sync(0xffffffffu, smem_u32(sm), 0);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int n0 = blockIdx.x * kBwdKeys;
     const int bkv = blockIdx.y, b = bkv / p.Hkv, hkv = bkv % p.Hkv;
@@ -209,45 +226,44 @@ __global__ void __launch_bounds__(128, 1) hopper_bwd_dkdv_kernel(const __grid_co
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
     const int lo = p.causal ? max(n0 - diag, 0) / kBwdQueries * kBwdQueries : 0;
-    const float4* st = reinterpret_cast<const float4*>(sm + S::ST_OFF);
-    for (int gi = 0; gi < group; ++gi) {
-        const int h = hkv * group + gi;
-        const int64_t bh = (int64_t)b * p.Hq + h;
-        const T* dop = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh;
-        for (int m0 = lo; m0 < sq; m0 += kBwdQueries) {
-            __syncthreads();  // every wgmma of the previous tile has completed (each thread waited on its own)
-            const int8_t* qp = p.q_int + (bh * sq) * D;
-            // (bounded unrolling: the dK and dV accumulators are live here, a fully unrolled load loop spills)
-#pragma unroll 2
-            for (int i = tid; i < 64 * D / 16; i += 128) {
-                const int r = i / (D / 16), c = i % (D / 16);
-                uint4 x = make_uint4(0, 0, 0, 0);
-                if (m0 + r < sq) x = *reinterpret_cast<const uint4*>(qp + (int64_t)(m0 + r) * D + 16 * c);
-                *reinterpret_cast<uint4*>(sm + S::Q_OFF + hop_img_off(r, 16 * c, D)) = x;
-            }
-#pragma unroll 2
-            for (int i = tid; i < 64 * D / 8; i += 128) {
-                const int r = i / (D / 8), c = i % (D / 8);
-                uint4 x = make_uint4(0, 0, 0, 0);
-                if (m0 + r < sq) x = *reinterpret_cast<const uint4*>(dop + (int64_t)(m0 + r) * p.do_ss + 8 * c);
-                *reinterpret_cast<uint4*>(sm + S::DO_OFF + bwd_h16_off(r, c)) = x;
-            }
-            bwd_load_transposed<D>(sm + S::QT_OFF, p.q_t + bh * D * p.t_stride, p.t_stride, m0, sq, tid);
-            bwd_load_transposed<D>(sm + S::DOT_OFF, p.do_t + bh * D * p.t_stride, p.t_stride, m0, sq, tid);
-            if (tid < 64) {
-                float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (m0 + tid < sq) x = reinterpret_cast<const float4*>(p.stats)[bh * sq + m0 + tid];
-                reinterpret_cast<float4*>(sm + S::ST_OFF)[tid] = x;
-            }
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma (async proxy)
-            __syncthreads();
-
+    // the tiles: (query head gi of the group, query tile) pairs, gi outer (the Triton kernel's summation order)
+    const int ntq = lo < sq ? (sq - lo + kBwdQueries - 1) / kBwdQueries : 0, ntiles = group * ntq;
+    auto tile_of = [&](int t, int64_t& bh, const T*& dop) {
+        const int h = hkv * group + t / ntq;
+        bh = (int64_t)b * p.Hq + h;
+        dop = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh;
+        return lo + (t % ntq) * kBwdQueries;
+    };
+    if (ntiles > 0) {
+        int64_t bh;
+        const T* dop;
+        const int m0 = tile_of(0, bh, dop);
+        bwd_issue_tile<D, T>(p, sm + S::STAGE0, bh, dop, m0, tid);
+    }
+    for (int t = 0; t < ntiles; ++t) {
+        int64_t bh;
+        const T* dop;
+        const int m0 = tile_of(t, bh, dop);
+        if (t + 1 < ntiles) {  // the next tile's copies, in flight during this one
+            int64_t bh1;
+            const T* dop1;
+            const int m1 = tile_of(t + 1, bh1, dop1);
+            bwd_issue_tile<D, T>(p, sm + S::STAGE0 + ((t + 1) & 1) * S::STAGE, bh1, dop1, m1, tid);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma (async proxy)
+        __syncthreads();
+        const uint32_t sst = __shfl_sync(0xffffffffu, sb + S::STAGE0 + (t & 1) * S::STAGE, 0);
+        const float4* st = reinterpret_cast<const float4*>(sm + S::STAGE0 + (t & 1) * S::STAGE + S::ST_OFF);
+        {
             // S^T = K^ Q^^T and dP^T = V dO^T, in flight together
             int sacc[32];
             float dpt[32];
             wg_fence();
             {
-                const uint32_t ka = hop_desc_lo(sb + S::K_OFF), qa = hop_desc_lo(sb + S::Q_OFF);
+                const uint32_t ka = hop_desc_lo(sb + S::K_OFF), qa = hop_desc_lo(sst + S::Q_OFF);
                 bwd_s8_ss<false>(sacc, hop_desc_make(ka, hop_desc_hi(D)), hop_desc_make(qa, hop_desc_hi(D)));
 #pragma unroll
                 for (int k = 1; k < D / 32; ++k)
@@ -256,7 +272,8 @@ __global__ void __launch_bounds__(128, 1) hopper_bwd_dkdv_kernel(const __grid_co
                 wg_commit();
 #pragma unroll
                 for (int cc = 0; cc < D / 64; ++cc) {
-                    const uint32_t va = hop_desc_lo(sb + S::V_OFF + cc * 8192), da = hop_desc_lo(sb + S::DO_OFF + cc * 8192);
+                    const uint32_t va = hop_desc_lo(sb + S::V_OFF + cc * 8192),
+                                   da = hop_desc_lo(sst + S::DO_OFF + cc * 8192);
 #pragma unroll
                     for (int kk = 0; kk < 4; ++kk) {
                         const uint64_t x = hop_desc_make(va + hop_desc_step(32 * kk), hop_desc_hi(128));
@@ -275,8 +292,8 @@ __global__ void __launch_bounds__(128, 1) hopper_bwd_dkdv_kernel(const __grid_co
             for (int i = 0; i < 8; ++i) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int col = 8 * i + 2 * t4 + e, qi = m0 + col;
-                    const float4 s4 = st[col];  // q scale, LSE (log2), Delta, dO scale
+                    const int qc = bwd_query_of(8 * i + 2 * t4 + e), qi = m0 + qc;
+                    const float4 s4 = st[qc];  // q scale, LSE (log2), Delta, dO scale
                     const bool qok = qi < sq;
                     const bool v0 = qok && kok0 && (!p.causal || key0 <= qi + diag);
                     const bool v1 = qok && kok1 && (!p.causal || key1 <= qi + diag);
@@ -294,7 +311,7 @@ __global__ void __launch_bounds__(128, 1) hopper_bwd_dkdv_kernel(const __grid_co
             for (int i = 0; i < 8; ++i)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float4 s4 = st[8 * i + 2 * t4 + e];
+                    const float4 s4 = st[bwd_query_of(8 * i + 2 * t4 + e)];
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
                         const int j = 4 * i + 2 * hh + e;
@@ -306,9 +323,10 @@ __global__ void __launch_bounds__(128, 1) hopper_bwd_dkdv_kernel(const __grid_co
             float pv0, pv1, pk0, pk1;
             bwd_quantize_rows(pt, adv, pv0, pv1);
             bwd_quantize_rows(dpt, adk, pk0, pk1);
-            bwd_int8_update<D>(dv, adv, sb + S::DOT_OFF, pv0, pv1);   // dV += q8(P^T s_dO) dO^
-            bwd_int8_update<D>(dk, adk, sb + S::QT_OFF, pk0, pk1);    // dK += q8(dS^T s_Q) Q^
+            bwd_int8_update<D>(dv, adv, sst + S::DOT_OFF, pv0, pv1);   // dV += q8(P^T s_dO) dO^
+            bwd_int8_update<D>(dk, adk, sst + S::QT_OFF, pk0, pk1);    // dK += q8(dS^T s_Q) Q^
         }
+        __syncthreads();  // every wgmma on this stage has completed before the next issue overwrites it
     }
     // epilogue: rows key0 / key1, channels 64 nh + 8 i + 2 t4 (+1); dK times tau
     T* dkp = static_cast<T*>(p.dk) + ((int64_t)bkv * skv) * D;
