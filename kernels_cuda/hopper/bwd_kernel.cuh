@@ -1,6 +1,6 @@
 // Hopper (sm_90a) SageBwd training backward, dK and dV: INT8 and 16-bit wgmma on the transposed problem.
 //
-// One CTA (one warpgroup, 128 threads) per 64 keys of one (batch, KV head); it walks the query heads of the GQA
+// One CTA per 64 kBwdNwg keys of one (batch, KV head), one warpgroup per 64 keys; it walks the query heads of the GQA
 // group and their 64-query tiles (the numerics' block_q) that see its keys (causal: from the first visible tile),
 // so dK and dV are summed over the group in registers. Per query tile, with the keys as the wgmma M dimension:
 //   S^T  = K^ Q^^T                INT8 m64n64k32, both operands K-major shared-memory images (hop_img_off)
@@ -16,8 +16,9 @@
 // sage_patch/kernels/sagebwd/bwd.py's dkdv_kernel (SageBwdConfig(**KERNEL_LAYOUT)): the same products, scale
 // foldings, per-row quantization (127 / amax, round half to even, NaN amax -> NaN scale) and accumulation order.
 //
-// Tiles are double-buffered: all 128 threads issue the next tile's cp.async copies before computing this one (no
-// producer warp yet; the products run serially within the warpgroup, two CTAs per SM overlap each other).
+// Tiles are double-buffered and shared by the CTA's warpgroups: all threads issue the next tile's cp.async copies
+// before computing this one (no producer warp yet; the products run serially within a warpgroup, the other
+// warpgroup keeps the tensor cores busy meanwhile).
 #pragma once
 #include "pipeline.cuh"
 #include "../common/ptx.cuh"
@@ -25,7 +26,9 @@
 
 namespace sage {
 
-constexpr int kBwdKeys = 64;     // keys per CTA (wgmma M)
+constexpr int kBwdKeys = 64;     // keys per warpgroup (wgmma M)
+constexpr int kBwdNwg = 2;       // warpgroups per CTA: they share each query tile's loads (half the traffic per key)
+constexpr int kBwdThreads = 128 * kBwdNwg;
 constexpr int kBwdQueries = 64;  // queries per tile: SageBwd's block_q (the P s_dO / dS s_Q quantization groups)
 
 // shared-memory images, 1024-byte aligned: INT8 ones K-major with rows of D bytes (K^, Q^) or 64 bytes (the
@@ -33,9 +36,9 @@ constexpr int kBwdQueries = 64;  // queries per tile: SageBwd's block_q (the P s
 template <int D>
 struct BwdSmem {
     static constexpr int I8 = 64 * D, H16 = 128 * D;
-    static constexpr int K_OFF = 0;
-    static constexpr int V_OFF = K_OFF + I8;
-    static constexpr int STAGE0 = V_OFF + H16;
+    // per warpgroup w: its K^ image at KV_OFF + w KV_STRIDE, its V image I8 further
+    static constexpr int KV_OFF = 0, KV_STRIDE = I8 + H16, V_IN_KV = I8;
+    static constexpr int STAGE0 = KV_OFF + kBwdNwg * KV_STRIDE;
     // per stage (query tile): Q^, Q^T, dO, dO^T images and the 64 x 4 floats of bwd.row_stats
     static constexpr int Q_OFF = 0, QT_OFF = Q_OFF + I8, DO_OFF = QT_OFF + I8, DOT_OFF = DO_OFF + H16,
                          ST_OFF = DOT_OFF + I8;
@@ -159,12 +162,12 @@ __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* 
     const int sq = p.Sq;
     const int8_t* qp = p.q_int + bh * sq * D;
 #pragma unroll 1
-    for (int i = tid; i < 64 * D / 16; i += 128) {  // Q^: row c = query m0 + bwd_query_of(c)
+    for (int i = tid; i < 64 * D / 16; i += kBwdThreads) {  // Q^: row c = query m0 + bwd_query_of(c)
         const int r = i / (D / 16), c = i % (D / 16), qi = m0 + bwd_query_of(r);
         bwd_cp16(st + S::Q_OFF + hop_img_off(r, 16 * c, D), qp + (int64_t)min(qi, sq - 1) * D + 16 * c, qi < sq);
     }
 #pragma unroll 1
-    for (int i = tid; i < 64 * D / 8; i += 128) {   // dO (16-bit): the same row order
+    for (int i = tid; i < 64 * D / 8; i += kBwdThreads) {   // dO (16-bit): the same row order
         const int r = i / (D / 8), c = i % (D / 8), qi = m0 + bwd_query_of(r);
         bwd_cp16(st + S::DO_OFF + bwd_h16_off(r, c), dop + (int64_t)min(qi, sq - 1) * p.do_ss + 8 * c, qi < sq);
     }
@@ -172,7 +175,7 @@ __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* 
     // starts below sq stays inside it; its bytes past sq meet zero P / dS entries)
     const int64_t toff = bh * D * p.t_stride;
 #pragma unroll 1
-    for (int i = tid; i < D * 4; i += 128) {
+    for (int i = tid; i < D * 4; i += kBwdThreads) {
         const int ch = i >> 2, c0 = 16 * (i & 3);
         const bool ok = m0 + c0 < sq;
         const int64_t src = toff + ch * p.t_stride + (ok ? m0 + c0 : 0);
@@ -185,7 +188,7 @@ __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* 
 }
 
 template <int D, typename T>
-__global__ void __launch_bounds__(128, 1) hopper_bwd_dkdv_kernel(const __grid_constant__ SageBwdParams p) {
+__global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_dkdv_kernel(const __grid_constant__ SageBwdParams p) {
     using S = BwdSmem<D>;
     extern __shared__ __align__(1024) uint8_t bsmem_raw[];
     const uint32_t spad = (1024u - (smem_u32(bsmem_raw) & 1023u)) & 1023u;
@@ -193,27 +196,30 @@ __global__ void __launch_bounds__(128, 1) hopper_bwd_dkdv_kernel(const __grid_co
     // through __shfl_sync ptxas knows the shared base is warp-uniform and keeps the wgmma descriptors in uniform
     // registers (as the forward's consumer does)
     const uint32_t sb = __shfl_sync(0xffffffffu, smem_u32(sm), 0);
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const int n0 = blockIdx.x * kBwdKeys;
+    const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), ltid = tid & 127;
+    const int warp = ltid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int ncta = blockIdx.x * kBwdKeys * kBwdNwg, n0 = ncta + wg * kBwdKeys;  // the CTA's / warpgroup's keys
     const int bkv = blockIdx.y, b = bkv / p.Hkv, hkv = bkv % p.Hkv;
     const int group = p.Hq / p.Hkv;
     const int sq = p.Sq, skv = p.Skv, diag = skv - sq;
     const float tau_log2e = p.sm_scale * kLog2e;
 
-    // K^ and V of this CTA's keys, once (0 past skv)
+    // K^ and V of this warpgroup's keys, once (0 past skv)
+    uint8_t* skv_img = sm + S::KV_OFF + wg * S::KV_STRIDE;
+    const uint32_t kimg = sb + S::KV_OFF + wg * S::KV_STRIDE, vimg = kimg + S::V_IN_KV;
     const int8_t* kp = p.k_int + ((int64_t)bkv * skv) * D;
-    for (int i = tid; i < 64 * D / 16; i += 128) {
+    for (int i = ltid; i < 64 * D / 16; i += 128) {
         const int r = i / (D / 16), c = i % (D / 16);
         uint4 x = make_uint4(0, 0, 0, 0);
         if (n0 + r < skv) x = *reinterpret_cast<const uint4*>(kp + (int64_t)(n0 + r) * D + 16 * c);
-        *reinterpret_cast<uint4*>(sm + S::K_OFF + hop_img_off(r, 16 * c, D)) = x;
+        *reinterpret_cast<uint4*>(skv_img + hop_img_off(r, 16 * c, D)) = x;
     }
     const T* vp = static_cast<const T*>(p.v) + b * p.v_sb + hkv * p.v_sh;
-    for (int i = tid; i < 64 * D / 8; i += 128) {
+    for (int i = ltid; i < 64 * D / 8; i += 128) {
         const int r = i / (D / 8), c = i % (D / 8);
         uint4 x = make_uint4(0, 0, 0, 0);
         if (n0 + r < skv) x = *reinterpret_cast<const uint4*>(vp + (int64_t)(n0 + r) * p.v_ss + 8 * c);
-        *reinterpret_cast<uint4*>(sm + S::V_OFF + bwd_h16_off(r, c)) = x;
+        *reinterpret_cast<uint4*>(skv_img + S::V_IN_KV + bwd_h16_off(r, c)) = x;
     }
     // this lane's keys (rows of the transposed tiles): g and g + 8 of its warp's 16
     const int key0 = n0 + 16 * warp + g, key1 = key0 + 8;
@@ -225,7 +231,9 @@ __global__ void __launch_bounds__(128, 1) hopper_bwd_dkdv_kernel(const __grid_co
     float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-    const int lo = p.causal ? max(n0 - diag, 0) / kBwdQueries * kBwdQueries : 0;
+    // causal: from the first tile that sees the CTA's first key (a warpgroup's tiles before its own first visible
+    // one are wholly masked: they add exact zeros)
+    const int lo = p.causal ? max(ncta - diag, 0) / kBwdQueries * kBwdQueries : 0;
     // the tiles: (query head gi of the group, query tile) pairs, gi outer (the Triton kernel's summation order)
     const int ntq = lo < sq ? (sq - lo + kBwdQueries - 1) / kBwdQueries : 0, ntiles = group * ntq;
     auto tile_of = [&](int t, int64_t& bh, const T*& dop) {
@@ -263,7 +271,7 @@ __global__ void __launch_bounds__(128, 1) hopper_bwd_dkdv_kernel(const __grid_co
             float dpt[32];
             wg_fence();
             {
-                const uint32_t ka = hop_desc_lo(sb + S::K_OFF), qa = hop_desc_lo(sst + S::Q_OFF);
+                const uint32_t ka = hop_desc_lo(kimg), qa = hop_desc_lo(sst + S::Q_OFF);
                 bwd_s8_ss<false>(sacc, hop_desc_make(ka, hop_desc_hi(D)), hop_desc_make(qa, hop_desc_hi(D)));
 #pragma unroll
                 for (int k = 1; k < D / 32; ++k)
@@ -272,7 +280,7 @@ __global__ void __launch_bounds__(128, 1) hopper_bwd_dkdv_kernel(const __grid_co
                 wg_commit();
 #pragma unroll
                 for (int cc = 0; cc < D / 64; ++cc) {
-                    const uint32_t va = hop_desc_lo(sb + S::V_OFF + cc * 8192),
+                    const uint32_t va = hop_desc_lo(vimg + cc * 8192),
                                    da = hop_desc_lo(sst + S::DO_OFF + cc * 8192);
 #pragma unroll
                     for (int kk = 0; kk < 4; ++kk) {

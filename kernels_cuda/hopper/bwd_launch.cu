@@ -13,8 +13,9 @@ int hop_bwd_launch(const SageBwdParams& p, cudaStream_t st) {
     static bool done[64] = {};
     cudaError_t e = opt_in_dynamic_smem(kern, S::TOTAL, done, p.device);
     if (e != cudaSuccess) return (int)e;
-    const dim3 grid((p.Skv + kBwdKeys - 1) / kBwdKeys, p.B * p.Hkv);
-    kern<<<grid, 128, S::TOTAL, st>>>(p);
+    constexpr int keys = kBwdKeys * kBwdNwg;
+    const dim3 grid((p.Skv + keys - 1) / keys, p.B * p.Hkv);
+    kern<<<grid, kBwdThreads, S::TOTAL, st>>>(p);
     return (int)cudaGetLastError();
 }
 
