@@ -32,11 +32,14 @@ IMPL_FP8PV = "cuda-mma-fp8pv"
 IMPL_FP16PV = "cuda-mma-fp16pv"
 IMPL_WGMMA = "cuda-wgmma-fp8pv"
 
-NATIVE_HEAD_DIMS = (64, 128)  # ascending
+NATIVE_HEAD_DIMS = (64, 128, 256)  # ascending
 # the portable kernels' per-thread quantization groups: Q rows with equal r % 8 inside each warp tile of
-# PORTABLE_Q_GROUP_ROWS rows (Grouping(32, 8, 1): kernels_cuda/portable/traits.cuh warp_rows(), checked against
-# the source by tests/test_kernels_build.py), keys with equal (c % 8) // 2 in each 64-key block
+# PORTABLE_Q_GROUP_ROWS rows (Grouping(32, 8, 1); PORTABLE_Q_GROUP_ROWS_WIDE = 16 at head dims above
+# PORTABLE_WIDE_ABOVE: kernels_cuda/portable/traits.cuh warp_rows(), checked against the source by
+# tests/test_kernels_build.py), keys with equal (c % 8) // 2 in each 64-key block
 PORTABLE_Q_GROUP_ROWS = 32
+PORTABLE_Q_GROUP_ROWS_WIDE = 16
+PORTABLE_WIDE_ABOVE = 128
 KERNEL_K_GROUPING_ARGS = (64, 8, 2)
 KERNEL_BLOCK_K = 64
 HOPPER_Q_GROUPING_ARGS = (16, 8, 1)
@@ -90,6 +93,35 @@ def _needs_hopper(t: Target):
 
 def _needs_int4_mma(t: Target):
     return DISABLED.get("4b-int4")
+
+
+def portable_q_group_rows(head_dim: int) -> int:
+    """The portable attention kernel's rows per warp (its Q scale group tile) at native head dim `head_dim`."""
+    return PORTABLE_Q_GROUP_ROWS_WIDE if head_dim > PORTABLE_WIDE_ABOVE else PORTABLE_Q_GROUP_ROWS
+
+
+# Devices whose shared memory per block (opt-in) is 227 KB (sm_90, sm_100) or 163 KB (sm_80, sm_87); every other
+# one (sm_86, sm_89, sm_120) has 99 KB
+_LARGE_SMEM_CCS = ((8, 0), (8, 7), (9, 0), (10, 0), (10, 3))
+
+
+def _fp16_pv_smem(t: Target):
+    # the fp16-carried P~V modes double-buffer V^T in fp16: at head dim 256 the attention CTA takes 123 KB of shared
+    # memory (AttnSmem in kernels_cuda/portable/attn_body.cuh); the FP8 mode's 91 KB fits everywhere, and so does
+    # the packed INT4 Q/K (*-qk4) variants' 99 KB (half-width K and Q rows)
+    if t.head_dim > PORTABLE_WIDE_ABOVE and t.cc not in _LARGE_SMEM_CCS:
+        return (f"head_dim {t.head_dim} with fp16 P~V needs 123 KB of shared memory per block (sm_"
+                f"{t.cc[0]}{t.cc[1]} has 99 KB)")
+    return None
+
+
+# the Hopper kernel's head dims (the portable kernels have every one of NATIVE_HEAD_DIMS)
+HOPPER_HEAD_DIMS = (64, 128)
+
+
+def _hopper_head_dim(t: Target):
+    return None if t.head_dim in HOPPER_HEAD_DIMS else (
+        f"head_dim {t.head_dim}: the wgmma kernel has head dims {HOPPER_HEAD_DIMS} only")
 
 
 def head_dim_reason(d: int, dv: int | None = None) -> str | None:
@@ -189,7 +221,7 @@ class KernelVariant:
             return KernelLayout(block_k=HOPPER_BLOCK_K, q_group=Groups(*HOPPER_Q_GROUPING_ARGS),
                                 k_group=Groups(*HOPPER_K_GROUPING_ARGS), pv="fp8", row_sum="operand",
                                 stats_sample=HOPPER_STATS_SAMPLE)
-        rows = PORTABLE_Q_GROUP_ROWS
+        rows = portable_q_group_rows(head_dim)
         return KernelLayout(block_k=KERNEL_BLOCK_K, q_group=Groups(rows, 8, 1), k_group=Groups(*KERNEL_K_GROUPING_ARGS),
                             q_smooth_block=4 * rows, pv="fp16" if self.pv == "fp16" else "fp8")
 
@@ -277,11 +309,12 @@ _INT4 = (_needs_int4_mma,)
 VARIANTS: tuple[KernelVariant, ...] = (
     # sm_90a Hopper kernel ("8b"): INT8 + FP8 wgmma, warp-specialized, 128-key blocks (kernels_cuda/hopper). Speed
     # routing measured on the H200 (B=4 H=32 fp16: D=128 non-causal 0.97x at 1.75K, 1.15x at 2K; causal 0.98x at 2K,
-    # 1.06x at 2.5K; D=64 non-causal 0.98x at 1.75K, 1.02x at 2K; causal 0.98x at 3.5K, 1.02x at 4K).
+    # 1.06x at 2.5K; D=64 non-causal 0.98x at 1.75K, 1.02x at 2K; causal 0.98x at 3.5K, 1.02x at 4K). D=256: SDPA at
+    # every length until measured.
     KernelVariant("wgmma-fp8", IMPL_WGMMA, KERNEL_WGMMA_FP8, "wgmma", "int8", "wgmma", ("8b",),
-                  _COMMON + (_needs_hopper,),
+                  _COMMON + (_needs_hopper, _hopper_head_dim),
                   sdpa_faster_below={"sm_90": {(128, False): 2048, (128, True): 2560, (64, False): 2048,
-                                               (64, True): 4096}}),
+                                               (64, True): 4096, (256, False): math.inf, (256, True): math.inf}}),
     # portable mma.sync kernels (kernels_cuda/portable): "4b" on packed INT4 MMA where it is native (sm_80-89) ...
     KernelVariant("mma-fp8-qk4", IMPL_FP8PV, KERNEL_MMA_FP8_QK4, "mma", "int4", "fp8-mma", ("4b",),
                   _COMMON + _FP8 + _INT4, (PREFER_NOT_SM90, PREFER_INT4_NATIVE), _PORTABLE_CROSSOVER),
@@ -294,10 +327,10 @@ VARIANTS: tuple[KernelVariant, ...] = (
                   _COMMON + _FP8, (PREFER_NOT_SM90,), _PORTABLE_CROSSOVER),
     # ... the same e4m3 values carried in fp16 MMAs (sm_90: identical numerics, fewer instructions) ...
     KernelVariant("mma-fp8f16", IMPL_FP8PV, KERNEL_MMA_FP8F16, "mma", "int8", "fp8-f16", ("8b", "4b"),
-                  _COMMON + _FP8, (PREFER_SM90,), _PORTABLE_CROSSOVER),
+                  _COMMON + _FP8 + (_fp16_pv_smem,), (PREFER_SM90,), _PORTABLE_CROSSOVER),
     # ... and FP16 P~V (SageAttention1-style) for sm_80/86
     KernelVariant("mma-fp16", IMPL_FP16PV, KERNEL_MMA_FP16, "mma", "int8", "fp16", ("8b", "4b"),
-                  _COMMON + (_needs_cc((8, 0), "the kernels"),), (), _PORTABLE_CROSSOVER),
+                  _COMMON + (_needs_cc((8, 0), "the kernels"), _fp16_pv_smem), (), _PORTABLE_CROSSOVER),
 )
 
 BY_KEY: dict[str, KernelVariant] = {v.key: v for v in VARIANTS}
@@ -402,9 +435,12 @@ def _training_triton(t: TrainingTarget):
     return t.triton
 
 
+TRAINING_HEAD_DIMS = (64, 128)  # the SageBwd kernels' head dims (no 256)
+
+
 def _training_head_dim(t: TrainingTarget):
-    return None if t.head_dim in NATIVE_HEAD_DIMS else (
-        f"head_dim {t.head_dim}: the SageBwd kernels have head dims {NATIVE_HEAD_DIMS} only")
+    return None if t.head_dim in TRAINING_HEAD_DIMS else (
+        f"head_dim {t.head_dim}: the SageBwd kernels have head dims {TRAINING_HEAD_DIMS} only")
 
 
 IMPL_SAGEBWD = "triton-sagebwd"
