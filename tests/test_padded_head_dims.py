@@ -101,15 +101,14 @@ def test_can_run_serves_every_head_dim_up_to_128(hopper, d):
 
 
 @pytest.mark.parametrize("d", [129, 160, 192, 255, 256])
-def test_can_run_serves_head_dims_up_to_256_on_the_portable_kernel(hopper, d):
-    """129..256 run at 256; the Hopper kernel lacks 256 (registry.HOPPER_HEAD_DIMS), the portable one has it."""
+def test_can_run_serves_head_dims_up_to_256(hopper, d):
+    """129..256 run at 256, on the Hopper kernel there (the portable kernels have 256 too)."""
     q = _t(d)
     variant, why = _can_run(q, q, q)
-    assert variant is registry.get("mma-fp8f16")
+    assert variant is registry.get("wgmma-fp8")
     assert why == ("ok" if d == 256 else f"head dim {d} zero-padded to 256, the kernels' next native head dim "
                                          "(exact; the work of 256)")
-    assert registry.get("wgmma-fp8").why_not(K._target("8b", q, cc=(9, 0))) == (
-        "head_dim 256: the wgmma kernel has head dims (64, 128) only")
+    assert registry.get("mma-fp8f16").why_not(K._target("8b", q, cc=(9, 0)), ignore=("pv",)) is None
 
 
 @pytest.mark.parametrize("d, dv", [(257, 257), (320, 320), (64, 320), (320, 128)])
@@ -161,7 +160,7 @@ def test_resolve_runs_the_kernel_and_says_it_padded(hopper, monkeypatch):
     d = R.resolve("8b", _t(128, s=64), _t(128, s=64), _t(128, s=64), layout="bhsd", **CALL)
     assert d.reason is None  # native: nothing to say
     d = R.resolve("8b", _t(192, s=64), _t(192, s=64), _t(192, s=64), layout="bhsd", **CALL)
-    assert d.impl == K.IMPL_FP8PV and d.reason.startswith("head dim 192 zero-padded to 256")
+    assert d.impl == K.IMPL_WGMMA and d.reason.startswith("head dim 192 zero-padded to 256")
     d = R.resolve("8b", _t(320, s=64), _t(320, s=64), _t(320, s=64), layout="bhsd", **CALL)
     assert d.impl == "sdpa" and "head_dim 320: the kernel has head dims (64, 128, 256) only" in d.reason
 

@@ -68,8 +68,9 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float
     __syncthreads();
 #pragma unroll
     for (int u = 0; u < kChanPasses<D>; ++u) {  // (D = 256: two channels per thread)
-        const int d = threadIdx.x + u * kThreads;
-        if (d >= D) break;
+        const unsigned du = threadIdx.x + u * kThreads;
+        if (du >= D) break;
+        const int d = du;
         if (z == 0) {
             float r = 0.f;
             for (int j = 0; j < NR; ++j) r += red[0][j][d];
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) quant_q_kernel(SageAttnParams p, int
     if (blockIdx.x * BQ >= sq) return;  // varlen: past this sequence's end (never read)
 #pragma unroll
     for (int u = 0; u < kChanPasses<D>; ++u) {
-        const int d = threadIdx.x + u * kThreads;
+        const unsigned d = threadIdx.x + u * kThreads;
         if (d < D) {
             const int64_t bhk = (int64_t)b * p.Hkv + h / (p.Hq / p.Hkv);
             smean[d] = kmean[bhk * D + d];
@@ -281,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, con
     if (kb * kBK >= skv) return;  // varlen: past this sequence's end (never read)
 #pragma unroll
     for (int u = 0; u < kChanPasses<D>; ++u) {
-        const int d = threadIdx.x + u * kThreads;
+        const unsigned d = threadIdx.x + u * kThreads;
         if (d < D) smean[d] = kmean[(int64_t)bh * D + d];
     }
     __syncthreads();
@@ -344,7 +345,7 @@ __global__ void __launch_bounds__(kThreads) quant_v_kernel(SageAttnParams p, con
     if (kb > 0 && kb * kBK >= skv) return;  // varlen: past this sequence's end (block 0 always writes vscale)
 #pragma unroll
     for (int u = 0; u < kChanPasses<D>; ++u) {
-        const int d = threadIdx.x + u * kThreads;
+        const unsigned d = threadIdx.x + u * kThreads;
         if (d >= D) break;
         if (PV != PV_FP16) {
             const float sc = vmax[(int64_t)bh * D + d] / kFp8Max;
@@ -435,7 +436,7 @@ __global__ void __launch_bounds__(kThreads) delta_s_kernel(SageAttnParams p, con
     if (kb * kBK >= skv) return;
 #pragma unroll
     for (int u = 0; u < kChanPasses<D>; ++u) {
-        const int d = threadIdx.x + u * kThreads;
+        const unsigned d = threadIdx.x + u * kThreads;
         if (d < D) smean[d] = kmean[bhk * D + d];
     }
     __syncthreads();

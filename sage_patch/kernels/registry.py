@@ -115,14 +115,6 @@ def _fp16_pv_smem(t: Target):
     return None
 
 
-# the Hopper kernel's head dims (the portable kernels have every one of NATIVE_HEAD_DIMS)
-HOPPER_HEAD_DIMS = (64, 128)
-
-
-def _hopper_head_dim(t: Target):
-    return None if t.head_dim in HOPPER_HEAD_DIMS else (
-        f"head_dim {t.head_dim}: the wgmma kernel has head dims {HOPPER_HEAD_DIMS} only")
-
 
 def head_dim_reason(d: int, dv: int | None = None) -> str | None:
     """Why no compiled kernel serves q/k head dim d and v head dim dv (None: one does, natively or zero-padded to
@@ -312,7 +304,7 @@ VARIANTS: tuple[KernelVariant, ...] = (
     # 1.06x at 2.5K; D=64 non-causal 0.98x at 1.75K, 1.02x at 2K; causal 0.98x at 3.5K, 1.02x at 4K). D=256: SDPA at
     # every length until measured.
     KernelVariant("wgmma-fp8", IMPL_WGMMA, KERNEL_WGMMA_FP8, "wgmma", "int8", "wgmma", ("8b",),
-                  _COMMON + (_needs_hopper, _hopper_head_dim),
+                  _COMMON + (_needs_hopper,),
                   sdpa_faster_below={"sm_90": {(128, False): 2048, (128, True): 2560, (64, False): 2048,
                                                (64, True): 4096, (256, False): math.inf, (256, True): math.inf}}),
     # portable mma.sync kernels (kernels_cuda/portable): "4b" on packed INT4 MMA where it is native (sm_80-89) ...
