@@ -6,6 +6,7 @@ cuDNN and flash backends, in the same run. Writes bench.md, bench.json and bench
     python benchmarks/bench_kernel.py --out out/bench --quick    # a few sizes
     python benchmarks/bench_kernel.py --out out/win --window 4096 --ns 8192,16384,32768   # sliding window, causal
     python benchmarks/bench_kernel.py --out out/padded --ds 80,96,112 --impls sage8b,sage_api,flash,cudnn --no-flux
+    python benchmarks/bench_kernel.py --out out/d256 --ds 256 --heads 16,18 --no-flux   # Gemma / Ideogram 4 shapes
         # head dims the kernels lack: ours runs zero-padded to the next native head dim, SDPA at the real one
 
 TOPS = 4*B*H*N*N*D / time, halved for causal, with the call's real D (a padded call is charged the real work, so
@@ -157,21 +158,22 @@ def write_outputs(out_dir, rows, acc, meta, impls):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        combos = [(d, c) for d in dict.fromkeys(r["D"] for r in rows if r["B"] == 4) for c in (False, True)]
+        combos = [(d, h, c) for d in dict.fromkeys(r["D"] for r in rows if r["B"] == 4)
+                  for h in dict.fromkeys(r["H"] for r in rows if r["B"] == 4 and r["D"] == d) for c in (False, True)]
         fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4), squeeze=False)
-        for ax, (d, c) in zip(axes[0], combos):
-            sub = [r for r in rows if r["D"] == d and r["causal"] == c and r["B"] == 4]
+        for ax, (d, h, c) in zip(axes[0], combos):
+            sub = [r for r in rows if r["D"] == d and r["H"] == h and r["causal"] == c and r["B"] == 4]
             for i in impls:
                 pts = [(r["N"], r[i]) for r in sub if r.get(i)]
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=i)
             ax.set_xscale("log", base=2)
-            ax.set_title(f"D={d} {'causal' if c else 'non-causal'}")
+            ax.set_title(f"D={d} H={h} {'causal' if c else 'non-causal'}")
             ax.set_xlabel("N")
             ax.set_ylabel("TOPS")
             ax.grid(alpha=0.3)
             ax.legend()
-        fig.suptitle(f"{meta['gpu']}: B=4 H=32 fp16, whole call")
+        fig.suptitle(f"{meta['gpu']}: B=4 fp16, whole call")
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "bench.png"), dpi=110)
     except Exception as e:  # matplotlib missing: md/json still written
@@ -190,6 +192,7 @@ def main():
     ap.add_argument("--ds", default="128,64",
                     help="comma list of head dims; one the kernels lack natively (e.g. 80,96,112) runs zero-padded "
                          "to the next native one, SDPA at the real one (accuracy: at the first)")
+    ap.add_argument("--heads", default="32", help="comma list of head counts H (B=4), e.g. 16,18 (Gemma, Ideogram 4)")
     ap.add_argument("--no-flux", action="store_true")
     ap.add_argument("--profile", default=None, metavar="N",
                     help="also profile one call at B=4 H=32 D=128 N (comma list; torch.profiler): time per kernel of our "
@@ -215,12 +218,13 @@ def main():
             json.dump({"kind": "window", "meta": meta, "rows": rows}, f, indent=1)
         return
     for d in [int(x) for x in a.ds.split(",")]:
-        for causal in (False, True):
-            for n in ns:
-                r = run_one(4, 32, n, d, causal, impls)
-                rows.append(r)
-                print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}),
-                      flush=True)
+        for h in [int(x) for x in a.heads.split(",")]:
+            for causal in (False, True):
+                for n in ns:
+                    r = run_one(4, h, n, d, causal, impls)
+                    rows.append(r)
+                    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}),
+                          flush=True)
     if not a.no_flux:
         rows.append(run_one(1, 24, 4608, 128, False, impls))  # Flux
         print(json.dumps(rows[-1]), flush=True)

@@ -79,7 +79,7 @@ const char* sage_error_string(int code) {
         case 0: return "ok";
         case SAGE_E_BADARG: return "bad argument";
         case SAGE_E_ARCH: return "device compute capability not supported by this kernel variant";
-        case SAGE_E_HEADDIM: return "head dim not supported (64 and 128 only)";
+        case SAGE_E_HEADDIM: return "head dim not supported (64, 128 and 256 only)";
         default: return cudaGetErrorString(static_cast<cudaError_t>(code));
     }
 }

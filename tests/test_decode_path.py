@@ -156,7 +156,7 @@ def test_compile_fullgraph_decode_steps_with_the_shipped_policy():
 
 
 def test_head_dim_without_a_kernel_is_decided_by_rule_on_a_gpu(monkeypatch):
-    """On a GPU with the kernels loaded, a head dim no kernel has (Gemma's 256) is full by rule, with the reason
+    """On a GPU with the kernels loaded, a head dim no kernel has (above 256) is full by rule, with the reason
     resolve's kernel check gives, so such a layer's calls skip the rest of the decision; never on CPU (the reference
     runs any head dim), for float32 (its own reason) or without kernels (resolve's own path decides)."""
     import types
@@ -171,15 +171,15 @@ def test_head_dim_without_a_kernel_is_decided_by_rule_on_a_gpu(monkeypatch):
 
     monkeypatch.setattr(R, "_kernels_loaded", lambda: True)
     for prec in ("8b", "4b"):
-        d = R.resolve_by_rule(prec, fake(256), fake(256), layout="bhsd", float_mask=False, dropout_p=0.0)
+        d = R.resolve_by_rule(prec, fake(320), fake(320), layout="bhsd", float_mask=False, dropout_p=0.0)
         assert d.precision == "full" and d.impl == "sdpa"
-        assert d.reason == f"{prec} unavailable: {K.registry.head_dim_reason(256)}"
-        assert d.reason.startswith(f"{prec} unavailable: head_dim 256: the kernel has head dims")
+        assert d.reason == f"{prec} unavailable: {K.registry.head_dim_reason(320)}"
+        assert d.reason.startswith(f"{prec} unavailable: head_dim 320: the kernel has head dims")
     # the reason is the one can_run's own check gives
-    q = torch.zeros(1, 8, 4, 256, dtype=torch.bfloat16)
-    assert K._dtype_dim_gqa_reason(q, q, q, 1, torch) == K.registry.head_dim_reason(256)
-    for q_, why in ((fake(128), "a native head dim"), (fake(96), "a padded head dim"), (fake(256, cuda=False), "CPU"),
-                    (fake(256, torch.float32), "float32")):
+    q = torch.zeros(1, 8, 4, 320, dtype=torch.bfloat16)
+    assert K._dtype_dim_gqa_reason(q, q, q, 1, torch) == K.registry.head_dim_reason(320)
+    for q_, why in ((fake(128), "a native head dim"), (fake(96), "a padded head dim"), (fake(320, cuda=False), "CPU"),
+                    (fake(320, torch.float32), "float32")):
         assert R.resolve_by_rule("8b", q_, q_, layout="bhsd", float_mask=False, dropout_p=0.0) is None, why
     monkeypatch.setattr(R, "_kernels_loaded", lambda: False)
-    assert R.resolve_by_rule("8b", fake(256), fake(256), layout="bhsd", float_mask=False, dropout_p=0.0) is None
+    assert R.resolve_by_rule("8b", fake(320), fake(320), layout="bhsd", float_mask=False, dropout_p=0.0) is None

@@ -379,10 +379,15 @@ def test_workspace_layout_sizes_pinned():
 
 
 def test_portable_q_group_rows_is_the_kernels_warp_rows():
-    """The reference layout's Q groups (registry.PORTABLE_Q_GROUP_ROWS) are the portable kernel's warp tile: the
-    constant warp_rows() returns in kernels_cuda/portable/traits.cuh (the library no longer exports it)."""
+    """The reference layout's Q groups (registry.portable_q_group_rows) are the portable kernel's warp tile: what
+    warp_rows() returns in kernels_cuda/portable/traits.cuh (the library no longer exports it), per head dim."""
     import re
 
     src = open(os.path.join(ROOT, "kernels_cuda", "portable", "traits.cuh")).read()
-    m = re.search(r"constexpr int warp_rows\(int /\*D\*/\) \{ return (\d+); \}", src)
-    assert m and int(m.group(1)) == K.registry.PORTABLE_Q_GROUP_ROWS
+    m = re.search(r"constexpr int warp_rows\(int D\) \{ return D > (\d+) \? (\d+) : (\d+); \}", src)
+    assert m, "warp_rows() changed form: update registry.portable_q_group_rows and this test"
+    above, wide, narrow = (int(x) for x in m.groups())
+    for d in K.registry.NATIVE_HEAD_DIMS:
+        assert K.registry.portable_q_group_rows(d) == (wide if d > above else narrow), d
+        assert K.reference_config(K.IMPL_FP8PV, d).q_group.tile == K.registry.portable_q_group_rows(d)
+    assert K.registry.portable_q_group_rows(256) == 16  # one m16 tile per warp at head dim 256

@@ -25,47 +25,67 @@ CALL = dict(is_causal=False, mask=MaskInfo("none", None), dropout_p=0.0, return_
 
 def test_native_head_dim_and_work_ratio():
     assert [registry.native_head_dim(d) for d in (1, 48, 63, 64, 65, 96, 127, 128)] == [64] * 4 + [128] * 4
-    assert registry.native_head_dim(129) is None and registry.native_head_dim(256) is None
+    assert registry.native_head_dim(129) == 256 and registry.native_head_dim(256) == 256
+    assert registry.native_head_dim(257) is None and registry.native_head_dim(64, 300) is None
     assert registry.native_head_dim(64, 128) == 128 and registry.native_head_dim(128, 80) == 128
-    assert registry.native_head_dim(96, 192) is None
+    assert registry.native_head_dim(96, 192) == 256
     assert head_dims.padding(128, 128) is None and head_dims.padding(64, 64) is None
     assert head_dims.padding(96, 96) == 128 and head_dims.padding(128, 80) == 128 and head_dims.padding(1, 1) == 64
-    assert head_dims.padding(192, 192) is None  # no native head dim fits: no kernel, nothing to pad
+    assert head_dims.padding(192, 192) == 256 and head_dims.padding(160, 128) == 256
+    assert head_dims.padding(256, 256) is None and head_dims.padding(320, 320) is None  # native / none fits
     assert registry.work_ratio(128) == 1.0 and registry.work_ratio(96) == pytest.approx(4 / 3)
     assert registry.work_ratio(96, 64) == pytest.approx(256 / 160) and registry.work_ratio(16) == 4.0
 
 
-def test_padded_calls_run_sdpa_where_crossovers_are_measured_until_they_are():
-    """sm_90's native crossovers are measured, padded calls are not: SDPA at every length there (never slower)."""
+def test_padded_calls_take_the_measured_padded_crossover_at_or_below_their_work():
+    """sm_90's table names measured padded head dims: a padded call takes the largest measured one <= (D + Dv) / 2
+    padded to the same native dim (its work ratio is that one's or more), SDPA at every length where none is."""
     w = registry.get("wgmma-fp8")
     assert w.crossover((9, 0), 128, False) == 2048 and w.crossover((9, 0), 64, True) == 4096  # native: as measured
-    assert w.crossover((9, 0), 96, False) == math.inf and w.crossover((9, 0), 128, True, 80) == math.inf
-    assert w.crossover((9, 0), 192, False) is None                             # no kernel at all
+    assert w.crossover((9, 0), 256, False) == 2048 and w.crossover((9, 0), 256, True) == 4096
+    assert w.crossover((9, 0), 96, False) == 8192 and w.crossover((9, 0), 96, True) == 16384  # measured
+    assert w.crossover((9, 0), 100, False) == 8192                              # 96's: more work than 96 has
+    assert w.crossover((9, 0), 72, False) == math.inf                           # below every measured one: SDPA
+    assert w.crossover((9, 0), 48, True) == math.inf                            # none measured padded to 64
+    assert w.crossover((9, 0), 192, False) == 16384 and w.crossover((9, 0), 192, True) == math.inf
+    assert w.crossover((9, 0), 150, False) == math.inf                          # below 160 in 256's bucket
+    assert w.crossover((9, 0), 192, False, 128) == 16384                        # MLA 192/128: work of 160
+    assert w.crossover((9, 0), 128, True, 80) == 16384                          # (128 + 80) / 2 = 104 -> 96's, causal
+    assert registry.padded_measurement(w.sdpa_faster_below, (9, 0), 128, False, 80) == (96, 8192)
+    assert registry.padded_measurement(w.sdpa_faster_below, (9, 0), 128, False) is None      # native
+    assert w.crossover((9, 0), 320, False) is None                             # no kernel at all
 
 
 def test_padded_crossover_is_the_native_one_times_the_work_ratio(monkeypatch):
-    """Where padded calls follow the assumption (an architecture whose crossovers are not measured; here sm_90's
-    table read as if it were not)."""
+    """Where padded calls follow the assumption: an architecture whose crossovers are not measured and whose table
+    names no padded head dim (here a table of sm_90's native entries, read as if sm_90 were not measured)."""
     monkeypatch.setattr(registry, "MEASURED_ARCHS", ())
-    w = registry.get("wgmma-fp8")
-    assert w.crossover((9, 0), 96, False) == math.ceil(2048 * 128 / 96)
-    assert w.crossover((9, 0), 96, True) == math.ceil(2560 * 128 / 96)
-    assert w.crossover((9, 0), 48, True) == math.ceil(4096 * 64 / 48)
-    assert w.crossover((9, 0), 96, False, 64) == math.ceil(2048 * 256 / 160)   # Dv != D: (n + n) / (D + Dv)
-    assert w.crossover((9, 0), 128, False, 80) == math.ceil(2048 * 256 / 208)
-    assert w.crossover((9, 0), 192, False) is None                             # no kernel at all
+    native = {k: v for k, v in registry.get("wgmma-fp8").sdpa_faster_below["sm_90"].items()
+              if k[0] in registry.NATIVE_HEAD_DIMS}
+    table = {"sm_90": native}
+
+    def crossover(*a):
+        return registry._crossover(table, (9, 0), *a)
+
+    assert crossover(96, False) == math.ceil(2048 * 128 / 96)
+    assert crossover(96, True) == math.ceil(2560 * 128 / 96)
+    assert crossover(48, True) == math.ceil(4096 * 64 / 48)
+    assert crossover(96, False, 64) == math.ceil(2048 * 256 / 160)   # Dv != D: (n + n) / (D + Dv)
+    assert crossover(128, False, 80) == math.ceil(2048 * 256 / 208)
+    assert crossover(192, False) == math.ceil(2048 * 256 / 192)
+    assert crossover(320, False) is None                             # no kernel at all
     portable = registry.get("mma-fp8")
     assert portable.crossover((9, 0), 96, False) == math.inf                   # slower at every length stays so
     # no table (sm_89: assumed faster at every length, 2-3x): padding with at most 2x the work keeps that
     assert portable.crossover((8, 9), 96, False) is None and portable.crossover((8, 9), 32, True) is None
     assert portable.crossover((8, 9), 31, False) == math.inf and portable.crossover((8, 9), 1, False) == math.inf
-    assert "padded head dims (not measured on any GPU yet)" in registry.PADDED_SPEED_ASSUMPTION
+    assert "measured for 80, 96, 112" in registry.PADDED_SPEED_ASSUMPTION
 
 
 def test_info_prints_the_padded_assumption():
     from sage_patch.cli import _speed_routing
 
-    assert any("padded head dims (not measured on any GPU yet)" in line for line in _speed_routing())
+    assert any("padded head dims: on sm_90 measured for 80, 96, 112" in line for line in _speed_routing())
 
 
 # ---- can_run / resolve on a faked sm_90 device ------------------------------------------------------------------
@@ -96,11 +116,22 @@ def test_can_run_serves_every_head_dim_up_to_128(hopper, d):
     assert K.variant_for(q) is variant  # direct calls (kernels.attention) pick at the padded head dim too
 
 
-@pytest.mark.parametrize("d, dv", [(129, 129), (192, 192), (256, 256), (64, 192), (192, 128)])
+@pytest.mark.parametrize("d", [129, 160, 192, 255, 256])
+def test_can_run_serves_head_dims_up_to_256(hopper, d):
+    """129..256 run at 256, on the Hopper kernel there (the portable kernels have 256 too)."""
+    q = _t(d)
+    variant, why = _can_run(q, q, q)
+    assert variant is registry.get("wgmma-fp8")
+    assert why == ("ok" if d == 256 else f"head dim {d} zero-padded to 256, the kernels' next native head dim "
+                                         "(exact; the work of 256)")
+    assert registry.get("mma-fp8f16").why_not(K._target("8b", q, cc=(9, 0)), ignore=("pv",)) is None
+
+
+@pytest.mark.parametrize("d, dv", [(257, 257), (320, 320), (64, 320), (320, 128)])
 def test_can_run_refuses_above_the_largest_native_head_dim(hopper, d, dv):
     variant, why = _can_run(_t(d), _t(d), _t(dv))
     assert variant is None
-    assert why.startswith(f"head_dim {max(d, dv)}: the kernel has head dims (64, 128) only")
+    assert why.startswith(f"head_dim {max(d, dv)}: the kernel has head dims (64, 128, 256) only")
 
 
 @pytest.mark.parametrize("d, dv, n", [(96, 64, 128), (128, 80, 128), (64, 128, 128), (48, 32, 64), (80, 96, 128)])
@@ -131,7 +162,7 @@ def test_can_run_varlen_pads_too(hopper):
     assert variant is registry.get("wgmma-fp8") and why.startswith("head dim 96 zero-padded to 128")
     variant, why = K.can_run_varlen("8b", q, kv, kv[..., :64].contiguous(), cu_q, cu_k)
     assert variant is not None and why.startswith("head dims 96 (q, k) / 64 (v) zero-padded to 128")
-    assert K.can_run_varlen("8b", q, kv, torch.zeros(60, 2, 192, dtype=torch.float16), cu_q, cu_k)[0] is None
+    assert K.can_run_varlen("8b", q, kv, torch.zeros(60, 2, 320, dtype=torch.float16), cu_q, cu_k)[0] is None
 
 
 def test_resolve_runs_the_kernel_and_says_it_padded(hopper, monkeypatch):
@@ -145,22 +176,31 @@ def test_resolve_runs_the_kernel_and_says_it_padded(hopper, monkeypatch):
     d = R.resolve("8b", _t(128, s=64), _t(128, s=64), _t(128, s=64), layout="bhsd", **CALL)
     assert d.reason is None  # native: nothing to say
     d = R.resolve("8b", _t(192, s=64), _t(192, s=64), _t(192, s=64), layout="bhsd", **CALL)
-    assert d.impl == "sdpa" and "head_dim 192: the kernel has head dims (64, 128) only" in d.reason
+    assert d.impl == K.IMPL_WGMMA and d.reason.startswith("head dim 192 zero-padded to 256")
+    d = R.resolve("8b", _t(320, s=64), _t(320, s=64), _t(320, s=64), layout="bhsd", **CALL)
+    assert d.impl == "sdpa" and "head_dim 320: the kernel has head dims (64, 128, 256) only" in d.reason
 
 
-def test_padded_calls_on_sm90_run_sdpa_with_the_reason(hopper, monkeypatch):
+def test_padded_calls_on_sm90_follow_the_measured_padded_crossover_with_the_reason(hopper, monkeypatch):
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
-    q = _t(96, s=16384, h=1)
+    q = _t(96, s=4096, h=1)
     d = R.resolve("8b", q, q, q, layout="bhsd", **CALL)
-    assert d.impl == "sdpa" and "at every length on sm_90 until padded head dims are measured" in d.reason
+    assert d.impl == "sdpa" and "below 8192 tokens on sm_90 (measured with head dim 96 zero-padded to 128" in d.reason
+    q = _t(96, s=8192, h=1)
+    assert R.resolve("8b", q, q, q, layout="bhsd", **CALL).impl == K.IMPL_WGMMA
+    q = _t(72, s=16384, h=1)   # more padding work than any measured head dim: SDPA
+    d = R.resolve("8b", q, q, q, layout="bhsd", **CALL)
+    assert d.impl == "sdpa" and "no padded head dim at or below this one's is measured" in d.reason
     monkeypatch.setattr(K, "SPEED_ROUTING", False)  # SAGE_PATCH_SPEED_ROUTING=0 runs the padded kernel
     assert R.resolve("8b", q, q, q, layout="bhsd", **CALL).impl == K.IMPL_WGMMA
 
 
 def test_speed_routing_of_padded_calls(hopper, monkeypatch):
-    """The assumption's routing (sm_90's table read as not measured)."""
+    """The assumption's routing (sm_90's table read as not measured, without its padded entries)."""
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     monkeypatch.setattr(registry, "MEASURED_ARCHS", ())
+    table = registry.get("wgmma-fp8").sdpa_faster_below
+    monkeypatch.setitem(table, "sm_90", {k: v for k, v in table["sm_90"].items() if k[0] in registry.NATIVE_HEAD_DIMS})
     below = math.ceil(2048 * 128 / 96)
     q = _t(96, s=below - 1, h=1)
     d = R.resolve("8b", q, q, q, layout="bhsd", **CALL)
@@ -181,14 +221,26 @@ def test_speed_routing_of_padded_calls(hopper, monkeypatch):
     assert d.impl == "sdpa" and "head dims 96/64" in d.reason and "below 3277 tokens" in d.reason
 
 
-def test_adding_a_native_head_dim_is_all_it_takes(hopper, monkeypatch):
-    """What 256 on the kernels will need from the Python side: NATIVE_HEAD_DIMS, nothing else, for 129..256 to pad."""
-    monkeypatch.setattr(registry, "NATIVE_HEAD_DIMS", (64, 128, 256))
+def test_head_dims_above_128_pad_to_256(hopper):
+    """NATIVE_HEAD_DIMS has 256: 129..256 pad to it, Dv != D too (MLA-style 192 / 128)."""
     assert registry.native_head_dim(192) == 256 and registry.native_head_dim(192, 128) == 256
     variant, why = _can_run(_t(192), _t(192), _t(128))
-    assert variant is registry.get("wgmma-fp8") and why.startswith("head dims 192 (q, k) / 128 (v) zero-padded to 256")
+    assert variant is not None and why.startswith("head dims 192 (q, k) / 128 (v) zero-padded to 256")
     variant, why = _can_run(_t(256), _t(256), _t(256))
     assert variant is not None and why == "ok"
+
+
+def test_fp16_pv_at_256_needs_the_large_shared_memory():
+    """The fp16-carried P~V modes need 123 KB of shared memory at head dim 256: sm_86 (99 KB) gets no kernel, the
+    reason naming it; sm_80 (163 KB) and sm_89 (FP8 P~V: 91 KB) do."""
+    archs = ("80", "86", "89", "90a")
+    t86 = registry.Target((8, 6), archs, head_dim=256)
+    assert registry.select(t86)[0] is None
+    assert registry.get("mma-fp16").why_not(t86) == (
+        "head_dim 256 with fp16 P~V needs 123 KB of shared memory per block (sm_86 has 99 KB)")
+    assert registry.select(registry.Target((8, 6), archs, head_dim=128))[0] is registry.get("mma-fp16")
+    assert registry.select(registry.Target((8, 0), archs, head_dim=256))[0] is registry.get("mma-fp16")
+    assert registry.select(registry.Target((8, 9), archs, head_dim=256))[0] is registry.get("mma-fp8")
 
 
 # ---- the launch: padded copies in, the caller's Dv out ---------------------------------------------------------
@@ -282,9 +334,10 @@ def test_cpu_reference_simulates_the_padded_layout(monkeypatch):
     assert dims[-1] == (128, 128, 128, 0.2)
     sage_patch.attention(q[..., :64], k[..., :64], v, precision="8b")
     assert dims[-1][:3] == (64, 64, 64)                           # native: as it is
-    big = torch.randn(1, 2, 50, 192)
-    sage_patch.attention(big, big, big, precision="8b")
-    assert dims[-1][:3] == (192, 192, 192)                        # no native head dim fits: the real one
+    wide = torch.randn(1, 2, 50, 192)
+    sage_patch.attention(wide, wide, wide[..., :128], precision="8b")
+    assert dims[-1][:3] == (256, 256, 256)                        # above 128: padded to 256 (the public API's
+                                                                  # largest head dim, api.MAX_HEAD_DIM)
 
 
 def test_public_api_end_to_end_on_cpu():
@@ -331,6 +384,10 @@ CASES = [
     (1, 4, 4, 300, 150, 112, 112, True, True, 30),    # Sq > Skv: empty rows; key padding and window
     (1, 2, 1, 90, 333, 96, 64, False, True, -1),      # Dv != D
     (2, 2, 2, 65, 191, 128, 80, True, False, -1),
+    (1, 4, 2, 150, 211, 160, 160, True, True, -1),    # padded to 256
+    (1, 2, 2, 97, 140, 192, 128, False, False, 40),   # MLA-style 192 / 128, window
+    (2, 4, 1, 130, 257, 256, 256, True, True, -1),    # native 256
+    (1, 2, 2, 200, 200, 256, 256, False, False, 64),
 ]
 
 

@@ -205,9 +205,10 @@ def test_training_crossover_is_the_variants_own_table():
     custom = dataclasses.replace(tv, sdpa_faster_below={"sm_90": {(128, False): 4096, (96, False): 1024}})
     assert custom.crossover((9, 0), 128, False) == 4096 and custom.crossover((9, 0), 128, True) is None
     assert custom.crossover((8, 9), 128, False) is None
-    assert custom.crossover((9, 0), 96, False) == 1024  # an inference table reads inf here (padded on sm_90)
-    assert dataclasses.replace(registry.get("wgmma-fp8"), sdpa_faster_below=custom.sdpa_faster_below).crossover(
-        (9, 0), 96, False) == math.inf
+    assert custom.crossover((9, 0), 96, False) == 1024 and custom.crossover((9, 0), 100, False) is None
+    # an inference table reads padded head dims through the measured stand-in (96 for 100), SDPA below it (72)
+    inference = dataclasses.replace(registry.get("wgmma-fp8"), sdpa_faster_below=custom.sdpa_faster_below)
+    assert inference.crossover((9, 0), 100, False) == 1024 and inference.crossover((9, 0), 72, False) == math.inf
 
 
 # ---- resolve hands the descriptor to the launch ---------------------------------------------------------------

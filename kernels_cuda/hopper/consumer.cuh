@@ -20,10 +20,14 @@ __device__ __forceinline__ void hop_q_prologue(const SageAttnParams& p, const Ho
                                                float& qshift1) {
     constexpr bool kQShift = LSE;
     constexpr int QC = D / 4;  // Q channels per lane
-    if (ltid < D) {
-        se[ltid] = pf.vsc;
-        se[D + ltid] = pf.vmn;
-        if constexpr (kQShift) se[2 * D + ltid] = pf.km;
+#pragma unroll
+    for (int u = 0; u < hop_chan_per_thread(D); ++u) {
+        const int ch = ltid + 128 * u;
+        if (ch < D) {
+            se[ch] = pf.vsc[u];
+            se[D + ch] = pf.vmn[u];
+            if constexpr (kQShift) se[2 * D + ch] = pf.km[u];
+        }
     }
     named_sync(1 + cw, 128);  // (also: every warp's last wgmma on the previous Q image is complete)
     float x0[QC], x1[QC];
@@ -144,6 +148,27 @@ struct HopBlockStep {
             reg_fence(pa);
             if (lane == 0) mbar_arrive(bar_empty + 8 * s);
             merge_b();
+        } else if constexpr (D == 256) {
+            // P~V in four 64-column quarters, one after the other (32, 32, 32, 36 accumulator registers: O takes 128)
+            HopPVHalf issue_half{pa};
+#pragma unroll
+            for (int q = 0; q < 3; ++q) {
+                float ba[32];
+                issue_half(ba, dv + (uint32_t)q * ((64 * kHopBN) >> 4));
+                wg_wait<0>();
+                reg_fence(ba);
+                fold(ba, 8 * q, 8, al0, al1);
+            }
+            float bb[36];  // V^T rows 192..263: the last 64 channels and the 8 rows of ones (the row sums)
+            issue_half(bb, dv + 3u * ((64 * kHopBN) >> 4));
+            wg_wait<0>();
+            reg_fence(bb);
+            reg_fence(pa);
+            if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+            const float vinv = pow2_inv(vfac_prev);
+            l0 = l0 * al0 + bb[32] * vinv;
+            l1 = l1 * al1 + bb[34] * vinv;
+            fold(bb, 24, 8, al0, al1);
         } else {
             float blk[kBlk];
             wg_fence();

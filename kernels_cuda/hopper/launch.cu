@@ -108,7 +108,7 @@ bool hopper_supported(const SageAttnParams& p) {
     // the epilogue stores 16 bytes per lane: O rows 16-byte aligned (as the Python side allocates them)
     const bool o16 = reinterpret_cast<uintptr_t>(p.o) % 16 == 0 && p.o_ss % 8 == 0 && p.o_sh % 8 == 0 &&
                      p.o_sb % 8 == 0;
-    return p.device_cc == 90 && (p.D == 64 || p.D == 128) && p.qk_bits != 4 && o16;
+    return p.device_cc == 90 && (p.D == 64 || p.D == 128 || p.D == 256) && p.qk_bits != 4 && o16;
 }
 
 int64_t hopper_workspace_bytes(const SageAttnParams& p) { return carve_hop_ws(p, nullptr).total; }
@@ -116,6 +116,7 @@ int64_t hopper_workspace_bytes(const SageAttnParams& p) { return carve_hop_ws(p,
 int hopper_fwd(const SageAttnParams& p, cudaStream_t st) {
     if (p.dtype != 0 && p.dtype != 1) return SAGE_E_BADARG;
     if (p.D == 64) return p.dtype == 0 ? hop_launch<64, __half>(p, st) : hop_launch<64, __nv_bfloat16>(p, st);
+    if (p.D == 256) return p.dtype == 0 ? hop_launch<256, __half>(p, st) : hop_launch<256, __nv_bfloat16>(p, st);
     return p.dtype == 0 ? hop_launch<128, __half>(p, st) : hop_launch<128, __nv_bfloat16>(p, st);
 }
 

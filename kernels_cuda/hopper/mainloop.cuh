@@ -28,12 +28,12 @@ __device__ __forceinline__ HopCta<D, NWG> hop_cta_init(uint8_t* hsmem_raw) {
     c.smem = hsmem_raw + spad;
     c.sbase = smem_u32(c.smem);
     c.bar_full = c.sbase + S::BAR_OFF;
-    c.bar_empty = c.bar_full + 8 * kHopStages;
+    c.bar_empty = c.bar_full + 8 * S::NST;
     c.tbar_full = c.sbase + S::TBAR_OFF;
     c.tbar_empty = c.tbar_full + 8 * kHopTileRing;
     c.tring = reinterpret_cast<volatile int*>(c.smem + S::TILE_OFF);
     if (threadIdx.x == 0) {
-        for (int s = 0; s < kHopStages; ++s) {
+        for (int s = 0; s < S::NST; ++s) {
             mbar_init(c.bar_full + 8 * s, 1);
             mbar_init(c.bar_empty + 8 * s, 4 * NWG);  // one arrival per consumer warp
         }
@@ -44,7 +44,7 @@ __device__ __forceinline__ HopCta<D, NWG> hop_cta_init(uint8_t* hsmem_raw) {
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     {  // e4m3 1.0 = 0x38 in the rows below every V^T stage (the bulk copies never touch them)
-        for (int i = threadIdx.x; i < kHopStages * S::ONES / 4; i += hop_threads(NWG)) {
+        for (int i = threadIdx.x; i < S::NST * S::ONES / 4; i += hop_threads(NWG)) {
             const int st = i / (S::ONES / 4), wd = i % (S::ONES / 4);
             *reinterpret_cast<uint32_t*>(c.smem + S::V_OFF + st * S::VSTRIDE + S::VBYTES + 4 * wd) = 0x38383838u;
         }
@@ -85,8 +85,8 @@ __device__ __forceinline__ void hop_producer(const SageAttnParams& p, const HopW
         const int64_t blk0 = ((int64_t)tl.b * p.Hkv + tl.h / group) * w.nkb;
         const int kb1 = hop_part_kb1(itm, nkb, w);
         for (int kb = hop_part_kb0(itm, w, p, q0, sq, skv); kb < kb1; ++kb, ++it) {
-            const int s = it % kHopStages;
-            const uint32_t ph = (uint32_t)(it / kHopStages) & 1u;
+            const int s = it % S::NST;
+            const uint32_t ph = (uint32_t)(it / S::NST) & 1u;
             mbar_wait(c.bar_empty + 8 * s, ph ^ 1u);
             mbar_expect_tx(c.bar_full + 8 * s, S::KBYTES + S::VBYTES);
             bulk_g2s(c.sbase + S::K_OFF + s * S::KBYTES, w.kimg + (blk0 + kb) * S::KBYTES, S::KBYTES, c.bar_full + 8 * s);
@@ -120,8 +120,13 @@ struct HopTakeTile {  // the next work item from the producer (>= nitems: no mor
 // The next tile's Q rows, K mean and V scale/mean, loaded into registers before the current tile's epilogue so
 // their latency hides under it (the prologue used to wait on them with the tensor cores idle): per lane rows lrow0,
 // lrow0 + 8, the 8-channel chunks 4c + t4 (a quad reads 64 contiguous bytes); km, vsc, vmn: channel ltid.
+// channels per consumer thread of the per-channel values (D = 256: ltid and ltid + 128)
+__host__ __device__ constexpr int hop_chan_per_thread(int D) { return D > 128 ? D / 128 : 1; }
 template <int D>
-struct HopQPre { uint4 q0[D / 4 / 8], q1[D / 4 / 8]; float vsc, vmn, km; };  // km, vsc, vmn: channel ltid
+struct HopQPre {  // km, vsc, vmn: channels ltid + 128 u
+    uint4 q0[D / 4 / 8], q1[D / 4 / 8];
+    float vsc[hop_chan_per_thread(D)], vmn[hop_chan_per_thread(D)], km[hop_chan_per_thread(D)];
+};
 // (q . mean(K) per row, K's smoothing shift, only enters the LSE: without one the prologue skips it)
 template <int D, typename T, bool LSE, int NWG>
 struct HopPrefetch {
@@ -145,9 +150,13 @@ struct HopPrefetch {
             pf.q1[j] = r0 + 8 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)(r0 + 8) * p.q_ss + 32 * j)
                                     : make_uint4(0, 0, 0, 0);
         }
-        pf.km = ltid < D && kQShift ? w.kmean[hk * D + ltid] : 0.f;
-        pf.vsc = ltid < D ? w.vscale[hk * D + ltid] : 0.f;
-        pf.vmn = ltid < D && p.smooth_v ? w.vmean[hk * D + ltid] : 0.f;
+#pragma unroll
+        for (int u = 0; u < hop_chan_per_thread(D); ++u) {
+            const int ch = ltid + 128 * u;
+            pf.km[u] = ch < D && kQShift ? w.kmean[hk * D + ch] : 0.f;
+            pf.vsc[u] = ch < D ? w.vscale[hk * D + ch] : 0.f;
+            pf.vmn[u] = ch < D && p.smooth_v ? w.vmean[hk * D + ch] : 0.f;
+        }
     }
 };
 
@@ -162,8 +171,8 @@ struct HopIssueQK {
         wgmma_s8_n128<false>(acc, hop_desc_make(dq, hop_desc_hi(D)), hop_desc_make(dk, hop_desc_hi(D)));
 #pragma unroll
         for (int k = 1; k < D / 32; ++k)
-            wgmma_s8_n128<true>(acc, hop_desc_make(dq + hop_desc_step(32 * k), hop_desc_hi(D)),
-                                hop_desc_make(dk + hop_desc_step(32 * k), hop_desc_hi(D)));
+            wgmma_s8_n128<true>(acc, hop_desc_make(dq + hop_desc_kstep(32 * k, D), hop_desc_hi(D)),
+                                hop_desc_make(dk + hop_desc_kstep(32 * k, D), hop_desc_hi(D)));
         wg_commit();
     }
 };
@@ -211,16 +220,18 @@ struct HopMerge {
     }
 };
 
-// stage and phase of the it-th block a consumer takes
+// stage and phase of the it-th block a consumer takes (NST stages: HopSmem::NST)
+template <int NST = kHopStages>
 struct HopStageOf {
     __device__ __forceinline__ int operator()(int i, uint32_t& ph) const {
-        ph = (uint32_t)(i / kHopStages) & 1u;
-        return i % kHopStages;
+        ph = (uint32_t)(i / NST) & 1u;
+        return i % NST;
     }
 };
 // a block this warpgroup does not compute (wholly past its causal diagonal or before its sliding window): only
 // released, after it landed (an early arrival would count towards the stage's previous use)
-__device__ __forceinline__ void hop_release_block(const HopStageOf& stage_of, int it, uint32_t bar_full,
+template <int NST>
+__device__ __forceinline__ void hop_release_block(const HopStageOf<NST>& stage_of, int it, uint32_t bar_full,
                                                   uint32_t bar_empty, int lane) {
     uint32_t ph;
     const int s = stage_of(it, ph);

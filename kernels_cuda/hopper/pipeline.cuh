@@ -18,11 +18,15 @@ namespace sage {
 __host__ __device__ constexpr uint32_t hop_desc_hi(int kbytes) {
     // swizzled K-major: 8-row atoms kbytes * 8 apart (SBO), LBO unused; mode 1 = 128B, 2 = 64B swizzle. The
     // hardware applies the XOR to the address bits, so images start 8 * kbytes aligned and K steps add to the start.
-    return (uint32_t)((8 * kbytes) >> 4) | ((kbytes == 128 ? 1u : 2u) << 30);
+    return (uint32_t)((8 * kbytes) >> 4) | ((kbytes >= 128 ? 1u : 2u) << 30);
 }
 __device__ __forceinline__ uint32_t hop_desc_lo(uint32_t img) { return ((img & 0x3FFFF) >> 4) | (1u << 16); }
 // low-word increment for starting k0 bytes (a multiple of 32) further along K
 __host__ __device__ constexpr uint32_t hop_desc_step(int k0) { return (uint32_t)(k0 >> 4); }
+// the same along the K of an image with rows of kbytes: past 128 bytes the next 1024-byte atom (hop_img_off)
+__host__ __device__ constexpr uint32_t hop_desc_kstep(int k0, int kbytes) {
+    return kbytes > 128 ? hop_desc_step((k0 >> 7) * 1024 + (k0 & 127)) : hop_desc_step(k0);
+}
 __device__ __forceinline__ uint64_t hop_desc_make(uint32_t lo, uint32_t hi) { return ((uint64_t)hi << 32) | lo; }
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");

@@ -5,7 +5,7 @@
 // taken from a global counter after the first (tile_scheduler.cuh)):
 //   warpgroup 0  producer: one thread streams pre-quantized K and V^T blocks with cp.async.bulk into an NSTAGE ring
 //                of shared-memory stages (mbarriers: full = bytes landed, empty = both consumers done with it);
-//   warpgroups 1..NWG  consumers (hop_nwg: 3 at D = 128, 4 at D = 64), 64 query rows each (CTA tile 64 NWG rows),
+//   warpgroups 1..NWG  consumers (hop_nwg: 2 at D = 256, 3 at D = 128, 4 at D = 64), 64 query rows each (CTA tile 64 NWG rows),
 //                each runs its blocks serially while the others keep the tensor cores busy; quantize their Q rows in the prologue
 //                (per-thread groups Grouping(16, 8, 1), written straight into the wgmma operand layout), then per
 //                128-key block: S = wgmma s8 (Q from smem, K from smem), online softmax in fp32, P~ = e4m3(448 p)
@@ -31,11 +31,13 @@ constexpr int kHopBN = 128;        // keys per block (one wgmma N for S; four k3
 // so 160 registers (3 consumers) or 112 (4, D = 64) hold it; at D = 128 P~V in two column halves) and relies on the
 // other warpgroups to keep the tensor cores busy; NWG = 2 overlaps S(kb) with P~V(kb-1) inside the warpgroup (~230
 // registers). H200, same-run A/B when the counts were chosen: D = 128 3 vs 2: +4% at 1K, +7% at 2K, +5% at 16K;
-// D = 64 4 vs 2: +13-14% (3: +7-11%); bitwise identical outputs.
-__host__ __device__ constexpr int hop_nwg(int D) { return D == 64 ? 4 : 3; }
+// D = 64 4 vs 2: +13-14% (3: +7-11%); bitwise identical outputs. D = 256: 2 (240 registers: O alone is 128 fp32 per
+// thread), serial blocks too, P~V in four 64-column quarters.
+__host__ __device__ constexpr int hop_nwg(int D) { return D == 64 ? 4 : D == 128 ? 3 : 2; }
 __host__ __device__ constexpr int hop_bm(int nwg) { return 64 * nwg; }          // query rows per CTA tile
 __host__ __device__ constexpr int hop_threads(int nwg) { return 128 * (nwg + 1); }  // + the producer warpgroup
-constexpr int kHopStages = 3;  // K/V shared-memory ring stages
+constexpr int kHopStages = 3;  // K/V shared-memory ring stages (hop_stages: 2 at D = 256, whose 3 would pass 227 KB)
+__host__ __device__ constexpr int hop_stages(int D) { return D > 128 ? 2 : kHopStages; }
 // the producer hands tile indices to the consumers through a small mbarrier ring in shared memory (it runs up to
 // kHopStages blocks ahead, so possibly several tiles)
 constexpr int kHopTileRing = 4;
@@ -47,9 +49,15 @@ __host__ __device__ constexpr int hop_pv_n(int D) { return D + 8; }
 
 // Shared-memory images of the wgmma operands (Q, K blocks, V^T blocks), K-major, rows of kbytes (64 or 128) bytes,
 // stored one after the other, the 16-byte chunks of row r XOR-permuted by r's place in its 8-row atom (wgmma's
-// 128B / 64B swizzle modes, atoms of 8 * kbytes bytes).
+// 128B / 64B swizzle modes, atoms of 8 * kbytes bytes). Rows of 256 bytes (D = 256) are two 128B-swizzle atoms
+// along K: 8 rows x 128 bytes each, the two of an 8-row group side by side ([row group][k chunk], 1024 bytes each),
+// so the descriptor's stride is 2048 bytes and a K step past byte 128 starts in the next atom (hop_desc_kstep).
+// (Not recursive: a recursive constexpr function is not inlined, and the call serializes the kernel's wgmma.)
 __host__ __device__ constexpr int hop_img_off(int r, int c, int kbytes) {
-    return r * kbytes + ((((c >> 4) ^ (kbytes == 128 ? (r & 7) : ((r >> 1) & 3)))) << 4) + (c & 15);
+    return kbytes > 128
+               ? ((r >> 3) * (kbytes / 128) + (c >> 7)) * 1024 + (r & 7) * 128 + ((((c >> 4) & 7) ^ (r & 7)) << 4) +
+                     (c & 15)
+               : r * kbytes + ((((c >> 4) ^ (kbytes == 128 ? (r & 7) : ((r >> 1) & 3)))) << 4) + (c & 15);
 }
 // V^T slot of key k within its 32-key group: slot s holds key 16(s/16) + 8((s%4)/2) + 2((s%16)/4) + s%2, the order in
 // which the S accumulator fragment of a lane is directly the A fragment of P~ (same rule as quant_v_kernel)
@@ -66,6 +74,7 @@ __host__ __device__ constexpr int hop_vcol(int j) { return (j & ~0x1E) | ((j >> 
 
 template <int D, int NWG>
 struct HopSmem {
+    static constexpr int NST = hop_stages(D);       // K/V ring stages
     static constexpr int QBYTES = 64 * D;          // per consumer warpgroup
     static constexpr int KBYTES = kHopBN * D;      // one K block image
     static constexpr int VBYTES = kHopBN * D;      // one V^T block image (what the producer copies)
@@ -73,15 +82,16 @@ struct HopSmem {
     static constexpr int VSTRIDE = VBYTES + ONES;
     static constexpr int Q_OFF = 0;
     static constexpr int K_OFF = NWG * QBYTES;
-    static constexpr int V_OFF = K_OFF + kHopStages * KBYTES;
-    static constexpr int EPI_OFF = V_OFF + kHopStages * VSTRIDE;  // V scale, V mean, K mean per consumer x tile parity
+    static constexpr int V_OFF = K_OFF + NST * KBYTES;
+    static constexpr int EPI_OFF = V_OFF + NST * VSTRIDE;  // V scale, V mean, K mean per consumer x tile parity
     static constexpr int EPI_FLOATS = 3 * D;
     static constexpr int BAR_OFF = EPI_OFF + NWG * 2 * EPI_FLOATS * 4;
-    static constexpr int TBAR_OFF = BAR_OFF + 2 * kHopStages * 8;  // tile ring: full / empty mbarriers
+    static constexpr int TBAR_OFF = BAR_OFF + 2 * NST * 8;  // tile ring: full / empty mbarriers
     static constexpr int TILE_OFF = TBAR_OFF + 2 * kHopTileRing * 8;  // tile ring: tile indices
     static constexpr int FLAG_OFF = TILE_OFF + kHopTileRing * 4;  // per consumer: its split counter's old value
     static constexpr int TOTAL = FLAG_OFF + NWG * 4 + 1024;  // + slack to align the images to 1024 bytes
     static_assert(TOTAL < (1 << 18), "descriptor low words (hop_desc_step) assume shared addresses < 2^18");
+    static_assert(TOTAL <= 232448, "more than the 227 KB of shared memory per block");
 };
 
 }  // namespace sage

@@ -67,6 +67,7 @@ template <typename T>
 int dispatch_d(const SageAttnParams& p, cudaStream_t st) {
     if (p.D == 64) return dispatch_pv<64, T>(p, st);
     if (p.D == 128) return dispatch_pv<128, T>(p, st);
+    if (p.D == 256) return dispatch_pv<256, T>(p, st);
     return SAGE_E_HEADDIM;
 }
 

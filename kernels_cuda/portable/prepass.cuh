@@ -7,6 +7,11 @@
 
 namespace sage {
 
+// passes of the kThreads threads over a head's D channels (one per thread up to D = 128: the loops below are then
+// the single `threadIdx.x < D` step they were)
+template <int D>
+constexpr int kChanPasses = (D + kThreads - 1) / kThreads;
+
 // ----------------------------------------------------------------------------------------------
 // 1. stats: partial sums of K (z = 0) and, for V (z = 1), partial max |V| per (b, kv-head, split, channel), or with
 // smooth_v partial sum, max and min of V (max|V - mean| = max(max - mean, mean - min) exactly: rounding is monotone).
@@ -61,8 +66,11 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(SageAttnParams p, float
         red[2][rl][col * 8 + i] = amn[i];
     }
     __syncthreads();
-    if (threadIdx.x < D) {
-        const int d = threadIdx.x;
+#pragma unroll
+    for (int u = 0; u < kChanPasses<D>; ++u) {  // (D = 256: two channels per thread)
+        const unsigned du = threadIdx.x + u * kThreads;
+        if (du >= D) break;
+        const int d = du;
         if (z == 0) {
             float r = 0.f;
             for (int j = 0; j < NR; ++j) r += red[0][j][d];
@@ -143,9 +151,13 @@ __global__ void __launch_bounds__(kThreads) quant_q_kernel(SageAttnParams p, int
     const int bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq;
     const int sq = len_q(p, b);
     if (blockIdx.x * BQ >= sq) return;  // varlen: past this sequence's end (never read)
-    if (threadIdx.x < D) {
-        const int64_t bhk = (int64_t)b * p.Hkv + h / (p.Hq / p.Hkv);
-        smean[threadIdx.x] = kmean[bhk * D + threadIdx.x];
+#pragma unroll
+    for (int u = 0; u < kChanPasses<D>; ++u) {
+        const unsigned d = threadIdx.x + u * kThreads;
+        if (d < D) {
+            const int64_t bhk = (int64_t)b * p.Hkv + h / (p.Hq / p.Hkv);
+            smean[d] = kmean[bhk * D + d];
+        }
     }
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -268,7 +280,11 @@ __global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, con
     const int kb = blockIdx.x, bh = blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
     const int skv = len_k(p, b);
     if (kb * kBK >= skv) return;  // varlen: past this sequence's end (never read)
-    if (threadIdx.x < D) smean[threadIdx.x] = kmean[(int64_t)bh * D + threadIdx.x];
+#pragma unroll
+    for (int u = 0; u < kChanPasses<D>; ++u) {
+        const unsigned d = threadIdx.x + u * kThreads;
+        if (d < D) smean[d] = kmean[(int64_t)bh * D + d];
+    }
     __syncthreads();
     const int c = threadIdx.x >> 1, hh = threadIdx.x & 1;
     const int key = kb * kBK + c;
@@ -318,80 +334,89 @@ __global__ void __launch_bounds__(kThreads) quant_k_kernel(SageAttnParams p, con
 template <int D, typename T, int PV>
 __global__ void __launch_bounds__(kThreads) quant_v_kernel(SageAttnParams p, const float* vmax, const float* vmean,
                                                            uint8_t* vt, float* vscale, int skv_pad) {
-    __shared__ float tile[kBK][D + 1];
+    // channels per pass: at D = 256 the fp32 tile of all channels (64 x 257 x 4 bytes) would pass the 48 KB of
+    // static shared memory, so wider heads take two passes of 128 channels
+    constexpr int DC = D > 128 ? 128 : D;
+    __shared__ float tile[kBK][DC + 1];
     __shared__ float sscale[D];
     __shared__ float svmean[D];
     const int kb = blockIdx.x, bh = blockIdx.y, b = bh / p.Hkv, h = bh % p.Hkv;
     const int skv = len_k(p, b);
     if (kb > 0 && kb * kBK >= skv) return;  // varlen: past this sequence's end (block 0 always writes vscale)
-    if (threadIdx.x < D) {
-        if (PV != PV_FP16) {
-            const float sc = vmax[(int64_t)bh * D + threadIdx.x] / kFp8Max;
-            sscale[threadIdx.x] = sc;
-            if (kb == 0) vscale[(int64_t)bh * D + threadIdx.x] = sc;
-        }
-        svmean[threadIdx.x] = p.smooth_v ? vmean[(int64_t)bh * D + threadIdx.x] : 0.f;
-    }
-    __syncthreads();
-    const T* src = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok0_k(p, b) * p.v_ss;
-    for (int i = threadIdx.x; i < kBK * (D / 8); i += kThreads) {
-        const int r = i / (D / 8), c = i % (D / 8);
-        const int key = kb * kBK + r;
-        float x[8];
-        if (key < skv) {
-            Vec8<T>::load(src + (int64_t)key * p.v_ss + c * 8, x);
-            if (p.smooth_v) {
 #pragma unroll
-                for (int e = 0; e < 8; ++e) x[e] -= svmean[c * 8 + e];
+    for (int u = 0; u < kChanPasses<D>; ++u) {
+        const unsigned d = threadIdx.x + u * kThreads;
+        if (d >= D) break;
+        if (PV != PV_FP16) {
+            const float sc = vmax[(int64_t)bh * D + d] / kFp8Max;
+            sscale[d] = sc;
+            if (kb == 0) vscale[(int64_t)bh * D + d] = sc;
+        }
+        svmean[d] = p.smooth_v ? vmean[(int64_t)bh * D + d] : 0.f;
+    }
+    const T* src = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok0_k(p, b) * p.v_ss;
+#pragma unroll
+    for (int c0 = 0; c0 < D; c0 += DC) {
+        __syncthreads();  // sscale / svmean written; the previous pass's tile read
+        for (int i = threadIdx.x; i < kBK * (DC / 8); i += kThreads) {
+            const int r = i / (DC / 8), c = i % (DC / 8);
+            const int key = kb * kBK + r;
+            float x[8];
+            if (key < skv) {
+                Vec8<T>::load(src + (int64_t)key * p.v_ss + c0 + c * 8, x);
+                if (p.smooth_v) {
+    #pragma unroll
+                    for (int e = 0; e < 8; ++e) x[e] -= svmean[c0 + c * 8 + e];
+                }
+            } else {
+    #pragma unroll
+                for (int e = 0; e < 8; ++e) x[e] = 0.f;
+            }
+    #pragma unroll
+            for (int e = 0; e < 8; ++e) tile[r][c * 8 + e] = x[e];
+        }
+        __syncthreads();
+        if constexpr (PV == PV_FP8_MMA) {
+            for (int task = threadIdx.x; task < DC * 4; task += kThreads) {
+                const int dc = task >> 2, d = c0 + dc, sg = task & 3;
+                const float sc = sscale[d];
+                uint32_t w[4] = {0u, 0u, 0u, 0u};
+    #pragma unroll
+                for (int i = 0; i < 16; i += 2) {
+                    float x2[2];
+    #pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        const int slot = sg * 16 + i + u;
+                        const int s = slot & 31;
+                        const int key = (slot >> 5) * 32 + (s >> 4) * 16 + ((s & 3) >> 1) * 8 + ((s & 15) >> 2) * 2 + (s & 1);
+                        // (a NaN scale, non-finite channel: 0 here, NaN in the epilogue's multiply by vscale)
+                        x2[u] = sc > 0.f ? tile[key][dc] / sc : 0.f;
+                    }
+                    w[i >> 2] |= cvt_e4m3x2(x2[0], x2[1]) << (8 * (i & 3));
+                }
+                *reinterpret_cast<uint4*>(vt + ((int64_t)bh * D + d) * skv_pad + kb * kBK + sg * 16) =
+                    make_uint4(w[0], w[1], w[2], w[3]);
             }
         } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) x[e] = 0.f;
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) tile[r][c * 8 + e] = x[e];
-    }
-    __syncthreads();
-    if constexpr (PV == PV_FP8_MMA) {
-        for (int task = threadIdx.x; task < D * 4; task += kThreads) {
-            const int d = task >> 2, sg = task & 3;
-            const float sc = sscale[d];
-            uint32_t w[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-            for (int i = 0; i < 16; i += 2) {
-                float x2[2];
-#pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                    const int slot = sg * 16 + i + u;
-                    const int s = slot & 31;
-                    const int key = (slot >> 5) * 32 + (s >> 4) * 16 + ((s & 3) >> 1) * 8 + ((s & 15) >> 2) * 2 + (s & 1);
-                    // (a NaN scale, non-finite channel: 0 here, NaN in the epilogue's multiply by vscale)
-                    x2[u] = sc > 0.f ? tile[key][d] / sc : 0.f;
+            for (int task = threadIdx.x; task < DC * 8; task += kThreads) {
+                const int dc = task >> 3, d = c0 + dc, grp = task & 7;
+                uint32_t w[4];
+                if constexpr (PV == PV_FP16) {
+    #pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        w[i] = pack2<__half>(tile[grp * 8 + 2 * i][dc], tile[grp * 8 + 2 * i + 1][dc]);
+                } else {
+                    const float sc = sscale[d];
+    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float a = sc > 0.f ? tile[grp * 8 + 2 * i][dc] / sc : 0.f;
+                        const float c = sc > 0.f ? tile[grp * 8 + 2 * i + 1][dc] / sc : 0.f;
+                        w[i] = e4m3x2_to_f16x2(cvt_e4m3x2(a, c));
+                    }
                 }
-                w[i >> 2] |= cvt_e4m3x2(x2[0], x2[1]) << (8 * (i & 3));
+                *reinterpret_cast<uint4*>(vt + (((int64_t)bh * D + d) * skv_pad + kb * kBK + grp * 8) * 2) =
+                    make_uint4(w[0], w[1], w[2], w[3]);
             }
-            *reinterpret_cast<uint4*>(vt + ((int64_t)bh * D + d) * skv_pad + kb * kBK + sg * 16) =
-                make_uint4(w[0], w[1], w[2], w[3]);
-        }
-    } else {
-        for (int task = threadIdx.x; task < D * 8; task += kThreads) {
-            const int d = task >> 3, grp = task & 7;
-            uint32_t w[4];
-            if constexpr (PV == PV_FP16) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    w[i] = pack2<__half>(tile[grp * 8 + 2 * i][d], tile[grp * 8 + 2 * i + 1][d]);
-            } else {
-                const float sc = sscale[d];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float a = sc > 0.f ? tile[grp * 8 + 2 * i][d] / sc : 0.f;
-                    const float c = sc > 0.f ? tile[grp * 8 + 2 * i + 1][d] / sc : 0.f;
-                    w[i] = e4m3x2_to_f16x2(cvt_e4m3x2(a, c));
-                }
-            }
-            *reinterpret_cast<uint4*>(vt + (((int64_t)bh * D + d) * skv_pad + kb * kBK + grp * 8) * 2) =
-                make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
 }
@@ -409,7 +434,11 @@ __global__ void __launch_bounds__(kThreads) delta_s_kernel(SageAttnParams p, con
     const int64_t bhk = (int64_t)b * p.Hkv + hk;
     const int skv = len_k(p, b), sq = len_q(p, b);
     if (kb * kBK >= skv) return;
-    if (threadIdx.x < D) smean[threadIdx.x] = kmean[bhk * D + threadIdx.x];
+#pragma unroll
+    for (int u = 0; u < kChanPasses<D>; ++u) {
+        const unsigned d = threadIdx.x + u * kThreads;
+        if (d < D) smean[d] = kmean[bhk * D + d];
+    }
     __syncthreads();
     const int c = threadIdx.x >> 1, hh = threadIdx.x & 1;
     const int key = kb * kBK + c;

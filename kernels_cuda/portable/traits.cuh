@@ -8,8 +8,10 @@ namespace sage {
 
 constexpr int kThreads = 128;  // 4 warps everywhere
 // rows per warp (WQ) in the attention kernel: 32 = two m16 tiles sharing every K/V fragment (half the shared-memory
-// traffic per MMA of WQ = 16, at the price of registers). The Q scale groups follow: Grouping(WQ, 8, 1).
-__host__ __device__ constexpr int warp_rows(int /*D*/) { return 32; }
+// traffic per MMA of WQ = 16, at the price of registers); head dims above 128 take one m16 tile (WQ = 16), as two
+// tiles' O accumulators (2 x D/2 fp32 per thread) would not fit the 255 registers. The Q scale groups follow:
+// Grouping(WQ, 8, 1) (registry.portable_q_group_rows).
+__host__ __device__ constexpr int warp_rows(int D) { return D > 128 ? 16 : 32; }
 // CTAs per SM the attention kernel's register allocation must allow (register cap 65536 / (128 * n))
 constexpr int kAttnMinBlocks = 2;
 constexpr int kBK = 64;        // keys per KV block

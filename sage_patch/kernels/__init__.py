@@ -84,12 +84,17 @@ def sdpa_faster_reason(variant, q, k, *, layout: str, is_causal: bool, key_paddi
     if n >= below:
         return None
     arch = registry.arch_key(cc)
-    measured = arch in registry.MEASURED_ARCHS and pad_to is None
+    stand_in = None if pad_to is None else registry.padded_measurement(variant.sdpa_faster_below, cc, d,
+                                                                         bool(is_causal), dv)
+    measured = arch in registry.MEASURED_ARCHS and (pad_to is None or stand_in is not None)
     where = f"below {below} tokens" if below != math.inf else "at every measured length" if measured else \
         "at every length"
-    if pad_to is not None and arch in registry.MEASURED_ARCHS:
-        where = (f"at every length on {arch} until padded head dims are measured there (the kernel would run "
-                 f"zero-padded to head dim {pad_to})")
+    if stand_in is not None:
+        where += (f" on {arch} (measured with head dim {stand_in[0]} zero-padded to {pad_to}; this call runs "
+                  f"zero-padded to {pad_to} too)")
+    elif pad_to is not None and arch in registry.MEASURED_ARCHS:
+        where = (f"at every length on {arch}: no padded head dim at or below this one's is measured there (the "
+                 f"kernel would run zero-padded to head dim {pad_to})")
     elif pad_to is not None:
         where += (f" on {arch} (assumed: head dim {pad_to}'s crossover times the work ratio "
                   f"{registry.work_ratio(d, dv):.2f} of zero-padding to it; padded head dims are not measured)")

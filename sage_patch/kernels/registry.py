@@ -38,11 +38,14 @@ IMPL_FP16PV = "cuda-mma-fp16pv"
 IMPL_WGMMA = "cuda-wgmma-fp8pv"
 IMPL_SAGEBWD = "triton-sagebwd"
 
-NATIVE_HEAD_DIMS = (64, 128)  # ascending
+NATIVE_HEAD_DIMS = (64, 128, 256)  # ascending
 # the portable kernels' per-thread quantization groups: Q rows with equal r % 8 inside each warp tile of
-# PORTABLE_Q_GROUP_ROWS rows (Grouping(32, 8, 1): kernels_cuda/portable/traits.cuh warp_rows(), checked against
-# the source by tests/test_kernels_build.py), keys with equal (c % 8) // 2 in each 64-key block
+# PORTABLE_Q_GROUP_ROWS rows (Grouping(32, 8, 1); PORTABLE_Q_GROUP_ROWS_WIDE = 16 at head dims above
+# PORTABLE_WIDE_ABOVE: kernels_cuda/portable/traits.cuh warp_rows(), checked against the source by
+# tests/test_kernels_build.py), keys with equal (c % 8) // 2 in each 64-key block
 PORTABLE_Q_GROUP_ROWS = 32
+PORTABLE_Q_GROUP_ROWS_WIDE = 16
+PORTABLE_WIDE_ABOVE = 128
 KERNEL_K_GROUPING_ARGS = (64, 8, 2)
 KERNEL_BLOCK_K = 64
 HOPPER_Q_GROUPING_ARGS = (16, 8, 1)
@@ -101,6 +104,27 @@ def _needs_hopper(t: Target):
 
 def _needs_int4_mma(t: Target):
     return DISABLED.get("4b-int4")
+
+
+def portable_q_group_rows(head_dim: int) -> int:
+    """The portable attention kernel's rows per warp (its Q scale group tile) at native head dim `head_dim`."""
+    return PORTABLE_Q_GROUP_ROWS_WIDE if head_dim > PORTABLE_WIDE_ABOVE else PORTABLE_Q_GROUP_ROWS
+
+
+# Devices whose shared memory per block (opt-in) is 227 KB (sm_90, sm_100) or 163 KB (sm_80, sm_87); every other
+# one (sm_86, sm_89, sm_120) has 99 KB
+_LARGE_SMEM_CCS = ((8, 0), (8, 7), (9, 0), (10, 0), (10, 3))
+
+
+def _fp16_pv_smem(t: Target):
+    # the fp16-carried P~V modes double-buffer V^T in fp16: at head dim 256 the attention CTA takes 123 KB of shared
+    # memory (AttnSmem in kernels_cuda/portable/attn_body.cuh); the FP8 mode's 91 KB fits everywhere, and so does
+    # the packed INT4 Q/K (*-qk4) variants' 99 KB (half-width K and Q rows)
+    if t.head_dim > PORTABLE_WIDE_ABOVE and t.cc not in _LARGE_SMEM_CCS:
+        return (f"head_dim {t.head_dim} with fp16 P~V needs 123 KB of shared memory per block (sm_"
+                f"{t.cc[0]}{t.cc[1]} has 99 KB)")
+    return None
+
 
 
 def head_dim_reason(d: int, dv: int | None = None) -> str | None:
@@ -217,7 +241,7 @@ class KernelVariant:
             return KernelLayout(block_k=HOPPER_BLOCK_K, q_group=Groups(*HOPPER_Q_GROUPING_ARGS),
                                 k_group=Groups(*HOPPER_K_GROUPING_ARGS), pv="fp8", row_sum="operand",
                                 stats_sample=HOPPER_STATS_SAMPLE)
-        rows = PORTABLE_Q_GROUP_ROWS
+        rows = portable_q_group_rows(head_dim)
         return KernelLayout(block_k=KERNEL_BLOCK_K, q_group=Groups(rows, 8, 1), k_group=Groups(*KERNEL_K_GROUPING_ARGS),
                             q_smooth_block=4 * rows, pv="fp16" if self.pv == "fp16" else "fp8")
 
@@ -261,12 +285,13 @@ SPEED_ASSUMPTION = (
     "mma.sync is the native tensor-core path); sm_100 (not measured): assumed slower at every length, as on sm_90 "
     "(datacenter Blackwell's tensor cores, like Hopper's wgmma, are not reached through mma.sync; cuDNN uses them)")
 # A call whose head dims are not native runs zero-padded to the next native head dim n (kernels.head_dims): it does
-# the work of n, SDPA that of its own head dims. No such call is measured yet (benchmarks/bench_kernel.py --ds
-# 80,96,112 measures them), so its crossover is the native dim's scaled by the work ratio (`_crossover`):
+# the work of n, SDPA that of its own head dims. Where a table names measured padded head dims, a padded call takes
+# `padded_measurement`'s; elsewhere its crossover is the native dim's scaled by the work ratio (`_crossover`):
 PADDED_UNMEASURED_MAX_RATIO = 2.0  # where n has no crossover (faster at every length): at most this much more work
 PADDED_SPEED_ASSUMPTION = (
-    "padded head dims (not measured on any GPU yet): on sm_90, where the native crossovers are measured, a padded "
-    "call runs SDPA at every length until it is measured (SAGE_PATCH_SPEED_ROUTING=0 runs the kernel); elsewhere a "
+    "padded head dims: on sm_90 measured for 80, 96, 112 (padded to 128) and 160, 192 (padded to 256); a call of "
+    "head dims D, Dv takes the crossover of the largest measured head dim <= (D + Dv) / 2 padded to the same native "
+    "dim, and runs SDPA at every length where none is (SAGE_PATCH_SPEED_ROUTING=0 runs the kernel); elsewhere a "
     "call of head dims D, Dv that the kernels run zero-padded to their next "
     "native head dim n does the work of n; its crossover is assumed to be n's times the work ratio 2n / (D + Dv), "
     "key-padding masks and sliding windows included (SDPA at the real head dim is the safe choice until measured); "
@@ -281,12 +306,34 @@ def arch_key(cc: tuple[int, int]) -> str:
     return f"sm_{major}{minor}" if major < 10 else f"sm_{major}0"
 
 
+def padded_measurement(table, cc, head_dim, causal, head_dim_v=None):
+    """(m, crossover) of the measured padded head dim that stands for a padded call in `table` on `cc`, or None.
+    A table may name padded head dims (measured zero-padded to their native dim n); a call of head dims D, Dv padded
+    to n takes the entry of the largest measured m <= (D + Dv) / 2 padded to the same n: its work ratio is m's or
+    more (the kernel does n's work, SDPA that of (D + Dv) / 2), so its crossover is m's or later, never earlier
+    (the measured ones: 80, 96 and 112 have the same crossovers, and 160 and 192)."""
+    per_arch = table.get(arch_key(cc), table.get(ANY_ARCH))
+    n = native_head_dim(head_dim, head_dim_v)
+    if per_arch is None or n is None or (n == head_dim and head_dim_v in (None, head_dim)):  # native: no stand-in
+        return None
+    work = (head_dim + (head_dim if head_dim_v is None else head_dim_v)) / 2
+    best = None
+    for (m, c), below in per_arch.items():
+        if c == bool(causal) and m not in NATIVE_HEAD_DIMS and native_head_dim(m) == n and m <= work:
+            if best is None or m > best[0]:
+                best = (m, below)
+    return best
+
+
 def _crossover(table, cc, head_dim, causal, head_dim_v=None):
     per_arch = table.get(arch_key(cc), table.get(ANY_ARCH))
     n = native_head_dim(head_dim, head_dim_v)
     if n is None or (n == head_dim and head_dim_v in (None, head_dim)):  # native (or no kernel at all)
         return None if per_arch is None else per_arch.get((head_dim, bool(causal)))
-    if arch_key(cc) in MEASURED_ARCHS:  # padded calls are not measured there yet: SDPA, the measured safe choice
+    measured = padded_measurement(table, cc, head_dim, causal, head_dim_v)
+    if measured is not None:
+        return measured[1]
+    if arch_key(cc) in MEASURED_ARCHS:  # no padded head dim measured for this one: SDPA, the measured safe choice
         return math.inf
     below = None if per_arch is None else per_arch.get((n, bool(causal)))  # padded: PADDED_SPEED_ASSUMPTION
     ratio = work_ratio(head_dim, head_dim_v)
@@ -313,11 +360,19 @@ _INT4 = (_needs_int4_mma,)
 VARIANTS: tuple[KernelVariant, ...] = (
     # sm_90a Hopper kernel ("8b"): INT8 + FP8 wgmma, warp-specialized, 128-key blocks (kernels_cuda/hopper). Speed
     # routing measured on the H200 (B=4 H=32 fp16: D=128 non-causal 0.97x at 1.75K, 1.15x at 2K; causal 0.98x at 2K,
-    # 1.06x at 2.5K; D=64 non-causal 0.98x at 1.75K, 1.02x at 2K; causal 0.98x at 3.5K, 1.02x at 4K).
+    # 1.06x at 2.5K; D=64 non-causal 0.98x at 1.75K, 1.02x at 2K; causal 0.98x at 3.5K, 1.02x at 4K; D=256, B=4
+    # H=16/18: non-causal 0.74-0.75x at 1K, 1.00-1.02x at 2K, causal 0.82-0.83x at 2K, 1.06-1.09x at 4K). Padded
+    # head dims, B=4 H=32, the kernel zero-padded against SDPA at the real head dim (padded_measurement): 80, 96, 112
+    # (to 128) 0.93-0.94x at 4K, 1.16-1.20x at 8K, causal 0.97-1.00x at 8K, 1.21-1.23x at 16K; 160, 192 (to 256)
+    # 0.90-0.91x at 8K, 1.05-1.08x at 16K, causal 0.91-0.92x at 16K (not measured beyond: SDPA).
     KernelVariant("wgmma-fp8", IMPL_WGMMA, KERNEL_WGMMA_FP8, "wgmma", "int8", "wgmma", ("8b",),
                   _COMMON + (_needs_hopper,),
                   sdpa_faster_below={"sm_90": {(128, False): 2048, (128, True): 2560, (64, False): 2048,
-                                               (64, True): 4096}}),
+                                               (64, True): 4096, (256, False): 2048, (256, True): 4096,
+                                               **{(d, False): 8192 for d in (80, 96, 112)},
+                                               **{(d, True): 16384 for d in (80, 96, 112)},
+                                               **{(d, False): 16384 for d in (160, 192)},
+                                               **{(d, True): math.inf for d in (160, 192)}}}),
     # portable mma.sync kernels (kernels_cuda/portable): "4b" on packed INT4 MMA where it is native (sm_80-89) ...
     KernelVariant("mma-fp8-qk4", IMPL_FP8PV, KERNEL_MMA_FP8_QK4, "mma", "int4", "fp8-mma", ("4b",),
                   _COMMON + _FP8 + _INT4, (PREFER_NOT_SM90, PREFER_INT4_NATIVE), _PORTABLE_CROSSOVER),
@@ -330,10 +385,10 @@ VARIANTS: tuple[KernelVariant, ...] = (
                   _COMMON + _FP8, (PREFER_NOT_SM90,), _PORTABLE_CROSSOVER),
     # ... the same e4m3 values carried in fp16 MMAs (sm_90: identical numerics, fewer instructions) ...
     KernelVariant("mma-fp8f16", IMPL_FP8PV, KERNEL_MMA_FP8F16, "mma", "int8", "fp8-f16", ("8b", "4b"),
-                  _COMMON + _FP8, (PREFER_SM90,), _PORTABLE_CROSSOVER),
+                  _COMMON + _FP8 + (_fp16_pv_smem,), (PREFER_SM90,), _PORTABLE_CROSSOVER),
     # ... and FP16 P~V (SageAttention1-style) for sm_80/86
     KernelVariant("mma-fp16", IMPL_FP16PV, KERNEL_MMA_FP16, "mma", "int8", "fp16", ("8b", "4b"),
-                  _COMMON + (_needs_cc((8, 0), "the kernels"),), (), _PORTABLE_CROSSOVER),
+                  _COMMON + (_needs_cc((8, 0), "the kernels"), _fp16_pv_smem), (), _PORTABLE_CROSSOVER),
     # Training (forward + backward, trains=True; select() offers them to calls needing a gradient only).
     # SageBwd in Triton (sm_80+: Triton emits wgmma on sm_90, mma.sync below): INT8 Q K^T, P~ V, P^T dO, dS^T Q,
     # dS K; dO V^T in the input dtype. Its capability check is its package's (sagebwd.unsupported_reason: sm_80+,

@@ -47,6 +47,8 @@ CASES = [
     (1, 4, 1, 300, 200, 64, torch.bfloat16, "bhsd", True),       # Sq > Skv: first 100 rows empty
     (1, 2, 2, 4097, 4097, 128, torch.bfloat16, "bshd", False),
     (1, 1, 1, 16385, 16385, 64, torch.float16, "bhsd", True),
+    (2, 8, 2, 513, 1031, 256, torch.bfloat16, "bshd", True),     # head dim 256: one m16 tile per warp
+    (1, 2, 2, 4097, 4097, 256, torch.float16, "bhsd", False),
 ]
 
 
@@ -64,13 +66,14 @@ def test_smooth_v_matches_reference_and_exact(precision, b, hq, hkv, sq, skv, d,
              seed=sq + d + 1, name=name)
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("pv", ["fp16", "fp8-mma", "fp8-f16"])
 @pytest.mark.parametrize("precision,smooth_v", [("4b", False), ("8b", True), ("4b", True)])
-def test_all_pv_modes(pv, precision, smooth_v):
+def test_all_pv_modes(pv, precision, smooth_v, d):
     if pv != "fp16" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 P~V needs sm_89+")
-    run_case(precision, 2, 4, 2, 333, 700, 128, causal=True, pv=pv, smooth_v=smooth_v, seed=7,
-             name=f"{precision} smooth_v={smooth_v} pv={pv}")
+    run_case(precision, 2, 4, 2, 333, 700, d, causal=True, pv=pv, smooth_v=smooth_v, seed=7,
+             name=f"{precision} smooth_v={smooth_v} pv={pv} d{d}")
 
 
 @pytest.mark.parametrize("precision,smooth_v", [("4b", False), ("8b", True), ("4b", True)])

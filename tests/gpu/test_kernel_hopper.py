@@ -21,7 +21,8 @@ if torch.cuda.get_device_capability() != (9, 0) or "90a" not in K.status()["arch
 
 
 
-@pytest.mark.parametrize("d,dtype", [(128, torch.float16), (64, torch.bfloat16)])
+@pytest.mark.parametrize("d,dtype", [(128, torch.float16), (64, torch.bfloat16), (256, torch.float16),
+                                     (256, torch.bfloat16)])
 def test_wgmma_operand_layouts_end_to_end(d, dtype):
     """The wgmma operand layouts through the public kernel (the diagnostics probe kernel left the library): every
     query row attends to exactly one key (q_i = k_perm(i), random sign vectors: its score leads the others by > 40
@@ -59,6 +60,9 @@ def test_two_level_accumulation_long_rows():
     (4, 32, 8, 2048, 128, True),     # 2048 tiles over 132 CTAs: persistent loop, GQA, causal heavy-first order
     (2, 24, 24, 4608, 64, False),
     (1, 3, 1, 1, 128, False),
+    (4, 16, 8, 2048, 256, True),     # head dim 256: 2 consumers, 2 stages, P~V in quarters
+    (2, 18, 18, 4097, 256, False),
+    (1, 3, 1, 1, 256, False),
 ])
 def test_hopper_many_tiles_matches_simulation(b, hq, hkv, n, d, causal):
     q, k, v = make_qkv(b, hq, hkv, n, n, d, seed=n + d)
@@ -81,7 +85,7 @@ def test_hopper_many_tiles_matches_simulation(b, hq, hkv, n, d, causal):
 
 def _expected_parts(b, hq, n, d):
     """hop_plan (non-causal, no LSE): the ntiles mod nsm tail tiles split into min(4, nsm // rem, nkb // 4) parts."""
-    nwg = 4 if d == 64 else 3
+    nwg = 4 if d == 64 else 3 if d == 128 else 2
     ntiles = b * hq * -(-n // (64 * nwg))
     nsm = torch.cuda.get_device_properties(DEV).multi_processor_count
     rem = ntiles % nsm
@@ -93,6 +97,7 @@ def _expected_parts(b, hq, n, d):
     (1, 24, 24, 4608, 128, torch.float16, "bhsd", False),  # Flux: 576 tiles = 4 x 132 + 48, 2 parts each
     (1, 24, 24, 4429, 64, torch.bfloat16, "bshd", False),  # SD3.5-like, 4 consumers: 432 = 3 x 132 + 36, 3 parts
     (2, 4, 2, 1500, 128, torch.float16, "bhsd", True),     # 64 tiles, GQA, key padding: 2 parts, a partial q-tile
+    (1, 18, 18, 4096, 256, torch.bfloat16, "bshd", False),  # Ideogram-like: 576 tiles = 4 x 132 + 48, 2 parts
 ])
 def test_hopper_split_tail(b, hq, hkv, n, d, dtype, layout, masked):
     """Tail tiles split along the keys (each part on its own CTA, the last to finish combines): as accurate as the
@@ -179,6 +184,7 @@ def test_speed_routing_short_calls_run_sdpa(monkeypatch):
     (128, torch.float16, False, 300.0),
     (64, torch.bfloat16, True, 3.0e5),
     (128, torch.bfloat16, False, 1.0e20),   # vfac = 2^61, near its 2^64 bound
+    (256, torch.float16, True, 3.0e4),
 ])
 def test_hopper_v_outlier_outside_the_sample(d, dtype, smooth_v, value):
     """V's base scale comes from 128 sampled tokens; a key the sample misses (77 of 1000) with a huge V row that

@@ -86,6 +86,9 @@ CASES = [
     (1, 4, 4, 4097, 4097, 96, 96, torch.bfloat16, "bhsd", True),
     (2, 4, 2, 555, 1234, 96, 64, torch.float16, "bhsd", False),    # Dv != D
     (1, 4, 4, 700, 900, 128, 80, torch.bfloat16, "bshd", True),
+    (2, 4, 2, 513, 1031, 160, 160, torch.float16, "bhsd", True),  # 129..255 pad to 256
+    (1, 4, 4, 1000, 1000, 192, 192, torch.bfloat16, "bshd", False),
+    (1, 4, 2, 600, 700, 192, 128, torch.float16, "bhsd", True),    # MLA-style Dv != D
 ]
 
 
@@ -96,7 +99,7 @@ def test_padded_head_dims(b, hq, hkv, sq, skv, d, dv, dtype, layout, causal):
                            f"causal={causal}")
 
 
-@pytest.mark.parametrize("d, dv", [(80, 80), (96, 64), (48, 48)])
+@pytest.mark.parametrize("d, dv", [(80, 80), (96, 64), (48, 48), (192, 192)])
 def test_padded_key_padding_and_window(d, dv):
     g = torch.Generator(device=DEV).manual_seed(d)
     mask = torch.rand(2, 900, generator=g, device=DEV) < 0.7

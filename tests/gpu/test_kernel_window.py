@@ -27,6 +27,7 @@ CASES = [  # b, hq, hkv, sq, skv, d, window_left, causal, padding
     (1, 2, 2, 777, 777, 64, 0, True, None),            # one key: the diagonal
     (1, 2, 1, 513, 513, 128, 4096, True, None),         # wider than the sequence: causal alone
     (1, 2, 2, 640, 640, 64, 200, False, None),          # window without causal: keys after the diagonal stay
+    (2, 4, 2, 1000, 1000, 256, 255, True, "left"),      # head dim 256
 ]
 
 

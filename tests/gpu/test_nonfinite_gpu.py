@@ -76,6 +76,10 @@ CASES = [
          needs="hopper"),
     Case("hopper-d128-bf16-causal-emptyrows", pv="wgmma", sq=600, skv=400, dtype=torch.bfloat16, causal=True,
          smooth_v=True, needs="hopper"),
+    Case("hopper-d256-fp16-causal-kmask", pv="wgmma", sq=700, skv=1000, d=256, causal=True, masked=True,
+         needs="hopper"),
+    Case("hopper-d256-bf16-split", pv="wgmma", sq=1000, skv=1000, d=256, dtype=torch.bfloat16, lse=False,
+         needs="hopper"),
     # portable mma.sync "8b"
     Case("portable8b-fp8f16-d128-causal", pv="fp8-f16", sq=300, skv=517, causal=True, needs="fp8"),
     Case("portable8b-fp8mma-d64-bf16-kmask-smoothv", pv="fp8-mma", d=64, dtype=torch.bfloat16, masked=True,
@@ -84,6 +88,8 @@ CASES = [
     Case("portable8b-fp16-d128-bf16-causal-emptyrows-bshd", pv="fp16", sq=400, skv=300, dtype=torch.bfloat16,
          layout="bshd", causal=True),
     Case("portable8b-fp16-d64-kmask-smoothv", pv="fp16", d=64, masked=True, smooth_v=True),
+    Case("portable8b-fp8f16-d256-causal-kmask", pv="fp8-f16", sq=300, skv=517, d=256, causal=True, masked=True,
+         needs="fp8"),
     # portable "4b"
     Case("portable4b-int8-d128-causal", precision="4b", qk="int8", pv="fp8-f16", sq=300, skv=517, causal=True,
          needs="fp8"),
@@ -91,6 +97,8 @@ CASES = [
          dtype=torch.bfloat16, layout="bshd", masked=True, smooth_v=True, needs="fp8"),
     Case("portable4b-int8-fp16pv-d64-bf16", precision="4b", qk="int8", pv="fp16", d=64, dtype=torch.bfloat16),
     Case("portable4b-int4-fp16pv-d128-causal-nolse", precision="4b", qk="int4", pv="fp16", causal=True, lse=False),
+    Case("portable4b-int8-d256-bf16", precision="4b", qk="int8", pv="fp8-f16", d=256, dtype=torch.bfloat16,
+         needs="fp8"),
 ]
 
 API_CASES = [
