@@ -61,6 +61,7 @@ def run_attention(q, k, v, *, layout="bhsd", is_causal=False, scale=None, attn_m
     sinks: as in `attention`; applied to whatever ran (kernel, reference simulation or full precision) from its
     LSE, so every path computes the real scores only."""
     check_precision(precision)
+    q, k, v = _autocast(q, k, v)
     b, hq, sq, skv = _validate(q, k, v, layout, scale, is_causal, dropout_p)
     if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
         raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
@@ -148,6 +149,16 @@ def apply_sinks(out, lse, sinks, layout: str):
     factor = factor.transpose(1, 2) if layout == "bshd" else factor
     lse_all = torch.where(lse == -math.inf, lse.to(wide), torch.logaddexp(lse.to(wide), s))
     return (out.to(wide) * factor[..., None]).to(out.dtype), lse_all.to(lse.dtype)
+
+
+def _autocast(q, k, v):
+    """Under torch.autocast torch's SDPA (an autocast op of lower precision) runs in the autocast dtype, whatever the
+    float dtypes it is given, mixed ones too (a model's RoPE in fp32 beside a bf16 V, as Llama's under bf16 autocast
+    hands them): the same here. Outside autocast the inputs are taken as they are (and must share one dtype)."""
+    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dt = torch.get_autocast_dtype(q.device.type)
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
 
 
 def _validate(q, k, v, layout, scale, is_causal, dropout_p):

@@ -230,3 +230,19 @@ def test_key_padding_of_dense_reads_each_mask_once_and_never_keeps_a_wrong_answe
     assert masks.key_padding_of_dense(causal) is causal
     for other in (agree.float(), agree[:, :, :1], agree.expand(b, 3, s, s), keys):   # not a (B, 1, Sq>1, Skv) bool
         assert masks.key_padding_of_dense(other) is other
+
+
+def test_autocast_runs_in_the_autocast_dtype_like_torch_sdpa():
+    """Under bf16 autocast a Llama hands fp32 q/k (after RoPE) beside a bf16 v: torch's SDPA casts all three to the
+    autocast dtype, and so does sage_patch (it raised on the mixed dtypes before)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 64, 32), torch.randn(1, 2, 64, 32)
+    v = torch.randn(1, 2, 64, 32).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = sage_patch.attention(q, k, v, is_causal=True, precision="full")
+        out8 = sage_patch.attention(q, k, v, is_causal=True, precision="8b")
+    assert out.dtype == ref.dtype == out8.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), ref.float(), atol=2e-2) and cosine(out8.float(), ref.float()) > 0.99
+    with pytest.raises(TypeError, match="share one dtype"):   # outside autocast: as before
+        sage_patch.attention(q, k, v)
