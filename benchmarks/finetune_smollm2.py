@@ -467,10 +467,22 @@ def main(argv=None) -> dict:
     text_what = source if not args.tiny else f"UTF-8 bytes of {source}"
     software = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
     kept = kept_runs(args.out, args, software) if args.merge else []  # before training: fail fast
-    runs = []
+    command = " ".join(["benchmarks/finetune_smollm2.py", *(sys.argv[1:] if argv is None else argv)])
+    runs, result = [], None
     for name in args.runs:
         attn, which = PLAN[name]
         runs.append(train_run(name, attn, args.seeds[which], args, text))
+        # written after every run: a run cut short (a time limit) keeps the finished ones, which a later
+        # `--runs <the others> --merge` completes
+        result = assemble(args, runs, kept, command, text_what, png, transformers.__version__, peft.__version__)
+        write(result, args.out, png)
+    summarize(result)
+    write(result, args.out, png)
+    return result
+
+
+def assemble(args, runs, kept, command, text_what, png, transformers_version, peft_version) -> dict:
+    """The JSON of the runs trained so far (and those --merge keeps)."""
     if args.device == "cpu":
         what = ("CPU, float32. full: attn_implementation='sdpa' (torch SDPA). sage: attn_implementation='sage', "
                 "default policy; training calls run the trainable 8b = the reference simulation of SageBwd on CPU "
@@ -484,21 +496,18 @@ def main(argv=None) -> dict:
         machine = torch.cuda.get_device_name()
     what += (f" LoRA r={args.lora_r} on {','.join(LORA_TARGETS)}, AdamW lr={args.lr}, {args.steps} steps x "
              f"{args.batch} x {args.seq} tokens")
-    command = " ".join(["benchmarks/finetune_smollm2.py", *(sys.argv[1:] if argv is None else argv)])
     meta = run_meta(command=command, machine=machine, torch_threads=torch.get_num_threads(),
-                    transformers=transformers.__version__, peft=peft.__version__, model=runs[0]["model"],
+                    transformers=transformers_version, peft=peft_version, model=runs[0]["model"],
                     text=text_what, what_ran=what,
                     args={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()})
+    runs = list(runs)
     if args.merge:
         check_same_start(kept, runs)
         for r in runs:
             r.update(date=meta["date"], command=command)
         runs = sorted(kept + runs, key=lambda r: list(PLAN).index(r["name"]))
     meta["png"] = png
-    result = {"kind": "finetune", "meta": meta, "runs": runs}   # "kind": benchmarks/report.py renders it
-    summarize(result)
-    write(result, args.out, png)
-    return result
+    return {"kind": "finetune", "meta": meta, "runs": runs}   # "kind": benchmarks/report.py renders it
 
 
 if __name__ == "__main__":
