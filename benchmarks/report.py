@@ -41,7 +41,7 @@ LABELS = {"sage8b": "sage 8b", "sage_api": "sage 8b (public call)", "cudnn": "SD
           "sa2_sm90": "public SageAttention2 sm90", "cudnn_fp8": "cuDNN FP8 (kernel only)",
           "sage8b_portable": "sage 8b portable", "sage8b_wgmma": "sage 8b wgmma", "math": "SDPA math",
           "efficient": "SDPA mem-efficient"}
-SHAPE_KEYS = {"B", "H", "N", "D", "causal"}
+SHAPE_KEYS = {"B", "H", "N", "D", "causal", "padded_to"}
 OURS = ("sage8b", "sage_api")
 RATIO_PEERS = ("flash", "cudnn", "sa2_sm90")
 
@@ -99,7 +99,8 @@ def render_kernel(data: dict) -> list:
         impls += [k for k in r if k not in SHAPE_KEYS and not k.endswith(("_ms", "_error")) and k not in impls]
     ours = next((o for o in OURS if o in impls), None)
     peers = [p for p in RATIO_PEERS if p in impls and ours]
-    cols = ["B", "H", "D", "causal", "N"] + [LABELS.get(i, i) for i in impls] + [
+    padded = any("padded_to" in r for r in rows)   # bench_kernel.py: the head dim a padded call runs at
+    cols = ["B", "H", "D"] + ["runs at D"] * padded + ["causal", "N"] + [LABELS.get(i, i) for i in impls] + [
         f"{LABELS.get(ours, ours)} / {LABELS.get(p, p)}" for p in peers]
 
     def cell(x):
@@ -107,7 +108,8 @@ def render_kernel(data: dict) -> list:
 
     body = []
     for r in rows:
-        line = [r["B"], r["H"], r["D"], "yes" if r["causal"] else "no", r["N"]] + [cell(r.get(i)) for i in impls]
+        line = [r["B"], r["H"], r["D"]] + [r.get("padded_to") or r["D"]] * padded + [
+            "yes" if r["causal"] else "no", r["N"]] + [cell(r.get(i)) for i in impls]
         line += [f"{r[ours] / r[p]:.2f}" if r.get(ours) and r.get(p) else "n/a" for p in peers]
         body.append(line)
     out = [f"Attention TOPS (4·B·H·N²·D / time, halved for causal), whole call; peers: "
