@@ -2,7 +2,9 @@
 // the last to arrive combines them) and the epilogue (O / l x V scale (+ mean(V)) in the caller's layout and dtype,
 // the LSE on request).
 #pragma once
-#include "consumer.cuh"
+#include "wgmma.cuh"
+#include "tile_scheduler.cuh"
+#include "../common/quant.cuh"
 
 namespace sage {
 

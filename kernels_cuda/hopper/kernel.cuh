@@ -1,7 +1,15 @@
-// Hopper path: the warp-specialized persistent attention kernel. Warpgroup 0 is the producer (mainloop.cuh); each of
+// Hopper path: the warp-specialized persistent attention kernel. Warpgroup 0 is the producer (producer.cuh); each of
 // the NWG consumer warpgroups owns 64 rows of the CTA tile and, per work item: Q prologue, the serial block loop
-// (S = Q K^T, online softmax (softmax.cuh), P~V, two-level accumulation (mainloop.cuh)), split-tail combine, epilogue.
+// (S = Q K^T, online softmax (softmax.cuh), P~V, two-level accumulation (consumer.cuh)), split-tail combine, epilogue
+// (epilogue.cuh). The pieces are included side by side (FlashAttention-3's hopper/ shape); the shared-memory
+// pipeline they meet in is pipeline.cuh, the PTX wrappers wgmma.cuh.
 #pragma once
+#include "traits.cuh"
+#include "tile_scheduler.cuh"
+#include "pipeline.cuh"
+#include "producer.cuh"
+#include "softmax.cuh"
+#include "consumer.cuh"
 #include "epilogue.cuh"
 
 namespace sage {

@@ -3,7 +3,6 @@
 // The pieces are small functor structs bound to the consumer's registers (the same code the compiler saw when they
 // were lambdas: the SASS is unchanged, tools/sass_diff.py).
 #pragma once
-#include "pipeline.cuh"
 #include "tile_scheduler.cuh"
 #include "../common/quant.cuh"
 
