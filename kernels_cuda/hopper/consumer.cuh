@@ -11,32 +11,32 @@
 #include "../common/quant.cuh"
 #include "../common/ptx.cuh"
 
-namespace sage {
+namespace sage::hopper {
 
 // The next tile's Q rows, K mean and V scale/mean, loaded into registers before the current tile's epilogue so
 // their latency hides under it (the prologue used to wait on them with the tensor cores idle): per lane rows lrow0,
 // lrow0 + 8, the 8-channel chunks 4c + t4 (a quad reads 64 contiguous bytes); km, vsc, vmn: channel ltid.
 // channels per consumer thread of the per-channel values (D = 256: ltid and ltid + 128)
-__host__ __device__ constexpr int hop_chan_per_thread(int D) { return D > 128 ? D / 128 : 1; }
+__host__ __device__ constexpr int chan_per_thread(int D) { return D > 128 ? D / 128 : 1; }
 template <int D>
-struct HopQPre {  // km, vsc, vmn: channels ltid + 128 u
+struct QPre {  // km, vsc, vmn: channels ltid + 128 u
     uint4 q0[D / 4 / 8], q1[D / 4 / 8];
-    float vsc[hop_chan_per_thread(D)], vmn[hop_chan_per_thread(D)], km[hop_chan_per_thread(D)];
+    float vsc[chan_per_thread(D)], vmn[chan_per_thread(D)], km[chan_per_thread(D)];
 };
 // (q . mean(K) per row, K's smoothing shift, only enters the LSE: without one the prologue skips it)
 template <int D, typename T, bool LSE, int NWG>
-struct HopPrefetch {
-    const HopWs& w;
+struct Prefetch {
+    const Ws& w;
     const SageAttnParams& p;
     const int& cw;
     const int& lrow0;
     const int& group;
     const int& t4;
     const int& ltid;
-    __device__ __forceinline__ void operator()(int t, HopQPre<D>& pf) const {
-        constexpr int BM = hop_bm(NWG), QC = D / 4;
+    __device__ __forceinline__ void operator()(int t, QPre<D>& pf) const {
+        constexpr int BM = bm(NWG), QC = D / 4;
         constexpr bool kQShift = LSE;
-        const HopTile x = hop_tile(hop_item(t, w).tile, p.B, p.Hq, w.nqb);
+        const Tile x = tile(item(t, w).tile, p.B, p.Hq, w.nqb);
         const int sqx = len_q(p, x.b), r0 = x.qb * BM + cw * 64 + lrow0;
         const int64_t hk = (int64_t)x.b * p.Hkv + x.h / group;
         const T* qb = static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + tok0_q(p, x.b) * p.q_ss + 8 * t4;
@@ -47,7 +47,7 @@ struct HopPrefetch {
                                     : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int u = 0; u < hop_chan_per_thread(D); ++u) {
+        for (int u = 0; u < chan_per_thread(D); ++u) {
             const int ch = ltid + 128 * u;
             pf.km[u] = ch < D && kQShift ? w.kmean[hk * D + ch] : 0.f;
             pf.vsc[u] = ch < D ? w.vscale[hk * D + ch] : 0.f;
@@ -58,39 +58,39 @@ struct HopPrefetch {
 
 // S = Q K^T of the block in stage s
 template <int D, int NWG>
-struct HopIssueQK {
+struct IssueQK {
     const uint32_t& dk0;
     const uint32_t& dq;
     __device__ __forceinline__ void operator()(int (&acc)[64], int s) const {
-        using S = HopSmem<D, NWG>;
+        using S = Smem<D, NWG>;
         const uint32_t dk = dk0 + (uint32_t)s * (S::KBYTES >> 4);
-        wgmma_s8_n128<false>(acc, hop_desc_make(dq, hop_desc_hi(D)), hop_desc_make(dk, hop_desc_hi(D)));
+        wgmma_s8_n128<false>(acc, desc_make(dq, desc_hi(D)), desc_make(dk, desc_hi(D)));
 #pragma unroll
         for (int k = 1; k < D / 32; ++k)
-            wgmma_s8_n128<true>(acc, hop_desc_make(dq + hop_desc_kstep(32 * k, D), hop_desc_hi(D)),
-                                hop_desc_make(dk + hop_desc_kstep(32 * k, D), hop_desc_hi(D)));
+            wgmma_s8_n128<true>(acc, desc_make(dq + desc_kstep(32 * k, D), desc_hi(D)),
+                                desc_make(dk + desc_kstep(32 * k, D), desc_hi(D)));
         wg_commit();
     }
 };
 
 // P~V of the block in stage s into its own accumulator (two-level accumulation)
 template <int D, int NWG>
-struct HopIssuePV {
+struct IssuePV {
     const uint32_t& dv0;
-    __device__ __forceinline__ void operator()(float (&blk)[hop_pv_n(D) / 2], uint32_t (&pa)[4][4], int s) const {
-        using S = HopSmem<D, NWG>;
+    __device__ __forceinline__ void operator()(float (&blk)[pv_n(D) / 2], uint32_t (&pa)[4][4], int s) const {
+        using S = Smem<D, NWG>;
         const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
-        wgmma_pv<D, false>(blk, pa[0], hop_desc_make(dv, hop_desc_hi(kHopBN)));
+        wgmma_pv<D, false>(blk, pa[0], desc_make(dv, desc_hi(kBN)));
 #pragma unroll
         for (int kk = 1; kk < 4; ++kk)
-            wgmma_pv<D, true>(blk, pa[kk], hop_desc_make(dv + hop_desc_step(32 * kk), hop_desc_hi(kHopBN)));
+            wgmma_pv<D, true>(blk, pa[kk], desc_make(dv + desc_step(32 * kk), desc_hi(kBN)));
         wg_commit();
     }
 };
 
 // o's n8 column chunks off.. off + nch - 1 = o * alpha + the block accumulator's chunks 0.. (rows row0 / row1)
 template <int D>
-struct HopFold {
+struct Fold {
     float (&o)[D / 2];
     __device__ __forceinline__ void operator()(const float* b, int off, int nch, float al0, float al1) const {
 #pragma unroll
@@ -105,11 +105,11 @@ struct HopFold {
 
 // O = O * alpha + block, l likewise with the block's row sums (columns D..; row0: [D/2], row1: [D/2 + 2])
 template <int D>
-struct HopMerge {
+struct Merge {
     float& l0;
     float& l1;
-    const HopFold<D>& fold;
-    __device__ __forceinline__ void operator()(const float (&blk)[hop_pv_n(D) / 2], float al0, float al1, float vinv) const {
+    const Fold<D>& fold;
+    __device__ __forceinline__ void operator()(const float (&blk)[pv_n(D) / 2], float al0, float al1, float vinv) const {
         l0 = l0 * al0 + blk[D / 2] * vinv;
         l1 = l1 * al1 + blk[D / 2 + 2] * vinv;
         fold(blk, 0, D / 8, al0, al1);
@@ -117,35 +117,35 @@ struct HopMerge {
 };
 
 // powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
-struct HopPow2Div {
+struct Pow2Div {
     __device__ __forceinline__ float operator()(float a, float b) const {
         return __int_as_float(__float_as_int(a) - __float_as_int(b) + 0x3f800000);
     }
 };
-struct HopPow2Inv {
+struct Pow2Inv {
     __device__ __forceinline__ float operator()(float b) const { return __int_as_float(0x7f000000 - __float_as_int(b)); }
 };
 
 // D = 128: P~V in two column halves, m64n64 into ba (V^T rows from dv) or m64n72 into bb (rows from dvb, with the
 // 8 rows of ones: the row sums); one k32 step of a half
 template <int N>
-struct HopPVHalfMma {
+struct PVHalfMma {
     const uint32_t& dvh;
     float (&acc)[N];
     uint32_t (&pa)[4][4];
     template <typename First>
     __device__ __forceinline__ void operator()(First, int kk) const {
-        const uint64_t db = hop_desc_make(dvh + hop_desc_step(32 * kk), hop_desc_hi(kHopBN));
+        const uint64_t db = desc_make(dvh + desc_step(32 * kk), desc_hi(kBN));
         if constexpr (N == 32) wgmma_pv64<!First::value>(acc, pa[kk], db);
         else wgmma_pv72<!First::value>(acc, pa[kk], db);
     }
 };
 // one half: the four k32 steps, committed as one group
-struct HopPVHalf {
+struct PVHalf {
     uint32_t (&pa)[4][4];
     template <int N>
     __device__ __forceinline__ void operator()(float (&acc)[N], uint32_t dvh) const {
-        HopPVHalfMma<N> mma{dvh, acc, pa};
+        PVHalfMma<N> mma{dvh, acc, pa};
         wg_fence();
         mma(std::true_type{}, 0);
 #pragma unroll
@@ -154,31 +154,31 @@ struct HopPVHalf {
     }
 };
 template <int N>
-struct HopPVHalfIssue {
-    const HopPVHalf& issue_half;
+struct PVHalfIssue {
+    const PVHalf& issue_half;
     float (&acc)[N];
     const uint32_t& dvh;
     __device__ __forceinline__ void operator()() const { issue_half(acc, dvh); }
 };
 // merging the halves: o's first 8 column chunks from ba; the row sums and the last 8 chunks from bb
 template <int D>
-struct HopMergeA {
-    const HopFold<D>& fold;
+struct MergeA {
+    const Fold<D>& fold;
     float (&ba)[32];
     float& al0;
     float& al1;
     __device__ __forceinline__ void operator()() const { fold(ba, 0, 8, al0, al1); }
 };
 template <int D>
-struct HopMergeB {
-    const HopPow2Inv& pow2_inv;
+struct MergeB {
+    const Pow2Inv& pow2_inv;
     float& vfac_prev;
     float& l0;
     float& al0;
     float (&bb)[36];
     float& l1;
     float& al1;
-    const HopFold<D>& fold;
+    const Fold<D>& fold;
     __device__ __forceinline__ void operator()() const {
         const float vinv = pow2_inv(vfac_prev);
         l0 = l0 * al0 + bb[32] * vinv;
@@ -194,13 +194,13 @@ struct HopMergeB {
 // Sets qs, the rows' Q scale (log2 domain, sm_scale folded in), and with the LSE qshift0 / qshift1 (q . mean(K) per
 // row: K's smoothing shift, which only enters the LSE).
 template <int D, typename T, bool LSE>
-__device__ __forceinline__ void hop_q_prologue(const SageAttnParams& p, const HopQPre<D>& pf, float* se, uint8_t* sQp,
+__device__ __forceinline__ void q_prologue(const SageAttnParams& p, const QPre<D>& pf, float* se, uint8_t* sQp,
                                                int cw, int ltid, int lrow0, int t4, float& qs, float& qshift0,
                                                float& qshift1) {
     constexpr bool kQShift = LSE;
     constexpr int QC = D / 4;  // Q channels per lane
 #pragma unroll
-    for (int u = 0; u < hop_chan_per_thread(D); ++u) {
+    for (int u = 0; u < chan_per_thread(D); ++u) {
         const int ch = ltid + 128 * u;
         if (ch < D) {
             se[ch] = pf.vsc[u];
@@ -250,8 +250,8 @@ __device__ __forceinline__ void hop_q_prologue(const SageAttnParams& p, const Ho
                                    quant_i8_bits(y1[2], sc, inv), quant_i8_bits(y1[3], sc, inv));
         }
         const int col = 4 * j + 8 * t4;  // = 8 (4 (j / 8) + t4)
-        *reinterpret_cast<uint2*>(sQp + hop_img_off(lrow0, col, D)) = make_uint2(w0[0], w0[1]);
-        *reinterpret_cast<uint2*>(sQp + hop_img_off(lrow0 + 8, col, D)) = make_uint2(w1[0], w1[1]);
+        *reinterpret_cast<uint2*>(sQp + img_off(lrow0, col, D)) = make_uint2(w0[0], w0[1]);
+        *reinterpret_cast<uint2*>(sQp + img_off(lrow0 + 8, col, D)) = make_uint2(w1[0], w1[1]);
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     named_sync(1 + cw, 128);
@@ -265,13 +265,13 @@ __device__ __forceinline__ void hop_q_prologue(const SageAttnParams& p, const Ho
 // is V / (base vfac_kb): O and l are kept divided by the current block's vfac (the softmax's alpha times vfac_prev /
 // vfac_kb, exact powers of two, and the block's row sums times 1 / vfac_kb), so O / l needs no factor at the end.
 template <int D, int NWG, bool LSE, bool WIN>
-struct HopBlockStep {
-    const HopSoftmax<LSE, WIN>& softmax_block;
-    const HopIssueQK<D, NWG>& issue_qk;
-    const HopIssuePV<D, NWG>& issue_pv;
-    const HopFold<D>& fold;
-    const HopMerge<D>& merge;
-    float& l0;         // the rows' tensor-core sums (HopMerge's, also merged by the second half at D = 128)
+struct BlockStep {
+    const Softmax<LSE, WIN>& softmax_block;
+    const IssueQK<D, NWG>& issue_qk;
+    const IssuePV<D, NWG>& issue_pv;
+    const Fold<D>& fold;
+    const Merge<D>& merge;
+    float& l0;         // the rows' tensor-core sums (Merge's, also merged by the second half at D = 128)
     float& l1;
     float& vfac_prev;  // the last block's V factor: O and l are kept divided by it
     const uint32_t& dv0;
@@ -279,12 +279,12 @@ struct HopBlockStep {
     const uint32_t& bar_empty;
     const int& lane;
     __device__ __forceinline__ void operator()(int s, uint32_t ph, int kb, float kscale, float vfac, int kmask) const {
-        using S = HopSmem<D, NWG>;
-        constexpr int kBlk = hop_pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
-        HopPackP pack_p{};
+        using S = Smem<D, NWG>;
+        constexpr int kBlk = pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
+        PackP pack_p{};
         // powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
-        HopPow2Div pow2_div{};
-        HopPow2Inv pow2_inv{};
+        Pow2Div pow2_div{};
+        Pow2Inv pow2_inv{};
         int acc[64];
         uint32_t pa[4][4];
         float al0, al1;
@@ -308,13 +308,13 @@ struct HopBlockStep {
         if constexpr (D == 128) {
             // P~V in two column halves: 32 + 36 accumulator registers (all 68 live at once do not fit)
             float ba[32], bb[36];
-            const uint32_t dvb = dv + ((64 * kHopBN) >> 4);  // V^T rows 64.. (rows of kHopBN bytes)
+            const uint32_t dvb = dv + ((64 * kBN) >> 4);  // V^T rows 64.. (rows of kBN bytes)
             // one half: m64n64 into ba (V^T rows from dv) or m64n72 into bb (rows from dvb)
-            HopPVHalf issue_half{pa};
-            HopPVHalfIssue<32> issue_a{issue_half, ba, dv};
-            HopPVHalfIssue<36> issue_b{issue_half, bb, dvb};
-            HopMergeA<D> merge_a{fold, ba, al0, al1};
-            HopMergeB<D> merge_b{pow2_inv, vfac_prev, l0, al0, bb, l1, al1, fold};
+            PVHalf issue_half{pa};
+            PVHalfIssue<32> issue_a{issue_half, ba, dv};
+            PVHalfIssue<36> issue_b{issue_half, bb, dvb};
+            MergeA<D> merge_a{fold, ba, al0, al1};
+            MergeB<D> merge_b{pow2_inv, vfac_prev, l0, al0, bb, l1, al1, fold};
             // one half after the other (both in flight, or the second issued before the first merge:
             // 1-2% slower, they spill)
             issue_a();
@@ -329,17 +329,17 @@ struct HopBlockStep {
             merge_b();
         } else if constexpr (D == 256) {
             // P~V in four 64-column quarters, one after the other (32, 32, 32, 36 accumulator registers: O takes 128)
-            HopPVHalf issue_half{pa};
+            PVHalf issue_half{pa};
 #pragma unroll
             for (int q = 0; q < 3; ++q) {
                 float ba[32];
-                issue_half(ba, dv + (uint32_t)q * ((64 * kHopBN) >> 4));
+                issue_half(ba, dv + (uint32_t)q * ((64 * kBN) >> 4));
                 wg_wait<0>();
                 reg_fence(ba);
                 fold(ba, 8 * q, 8, al0, al1);
             }
             float bb[36];  // V^T rows 192..263: the last 64 channels and the 8 rows of ones (the row sums)
-            issue_half(bb, dv + 3u * ((64 * kHopBN) >> 4));
+            issue_half(bb, dv + 3u * ((64 * kBN) >> 4));
             wg_wait<0>();
             reg_fence(bb);
             reg_fence(pa);
@@ -361,4 +361,4 @@ struct HopBlockStep {
     }
 };
 
-}  // namespace sage
+}  // namespace sage::hopper

@@ -1,4 +1,4 @@
-// Hopper path: the shared-memory pipeline. The CTA's shared memory and barriers (HopCta: the K/V stage ring and the
+// Hopper path: the shared-memory pipeline. The CTA's shared memory and barriers (Cta: the K/V stage ring and the
 // tile ring), both ends of the tile ring (the producer publishes work items, the consumers take them) and the
 // consumers' view of the stage ring (stage and phase of a block; releasing a block not computed).
 #pragma once
@@ -6,21 +6,21 @@
 #include "tile_scheduler.cuh"
 #include "../common/ptx.cuh"
 
-namespace sage {
+namespace sage::hopper {
 
 // the CTA's shared memory (1024-byte aligned) and the mbarrier addresses of the stage ring and the tile ring
 template <int D, int NWG>
-struct HopCta {
-    using S = HopSmem<D, NWG>;
+struct Cta {
+    using S = Smem<D, NWG>;
     uint8_t* smem;
     uint32_t sbase, bar_full, bar_empty, tbar_full, tbar_empty;
     volatile int* tring;  // the tile ring's work items
 };
 
 template <int D, int NWG>
-__device__ __forceinline__ HopCta<D, NWG> hop_cta_init(uint8_t* hsmem_raw) {
-    using S = HopSmem<D, NWG>;
-    HopCta<D, NWG> c;
+__device__ __forceinline__ Cta<D, NWG> cta_init(uint8_t* hsmem_raw) {
+    using S = Smem<D, NWG>;
+    Cta<D, NWG> c;
     // swizzled operand images need 1024-byte aligned atoms: align the base ourselves
     const uint32_t spad = (1024u - (smem_u32(hsmem_raw) & 1023u)) & 1023u;
     c.smem = hsmem_raw + spad;
@@ -28,21 +28,21 @@ __device__ __forceinline__ HopCta<D, NWG> hop_cta_init(uint8_t* hsmem_raw) {
     c.bar_full = c.sbase + S::BAR_OFF;
     c.bar_empty = c.bar_full + 8 * S::NST;
     c.tbar_full = c.sbase + S::TBAR_OFF;
-    c.tbar_empty = c.tbar_full + 8 * kHopTileRing;
+    c.tbar_empty = c.tbar_full + 8 * kTileRing;
     c.tring = reinterpret_cast<volatile int*>(c.smem + S::TILE_OFF);
     if (threadIdx.x == 0) {
         for (int s = 0; s < S::NST; ++s) {
             mbar_init(c.bar_full + 8 * s, 1);
             mbar_init(c.bar_empty + 8 * s, 4 * NWG);  // one arrival per consumer warp
         }
-        for (int r = 0; r < kHopTileRing; ++r) {
+        for (int r = 0; r < kTileRing; ++r) {
             mbar_init(c.tbar_full + 8 * r, 1);
             mbar_init(c.tbar_empty + 8 * r, 4 * NWG);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     {  // e4m3 1.0 = 0x38 in the rows below every V^T stage (the bulk copies never touch them)
-        for (int i = threadIdx.x; i < S::NST * S::ONES / 4; i += hop_threads(NWG)) {
+        for (int i = threadIdx.x; i < S::NST * S::ONES / 4; i += threads(NWG)) {
             const int st = i / (S::ONES / 4), wd = i % (S::ONES / 4);
             *reinterpret_cast<uint32_t*>(c.smem + S::V_OFF + st * S::VSTRIDE + S::VBYTES + 4 * wd) = 0x38383838u;
         }
@@ -54,24 +54,24 @@ __device__ __forceinline__ HopCta<D, NWG> hop_cta_init(uint8_t* hsmem_raw) {
 
 // the producer's side of the tile ring: hand work item t (>= nitems: no more) to the consumers
 template <int D, int NWG>
-__device__ __forceinline__ void hop_publish(const HopCta<D, NWG>& c, int& ti, int t) {
-    const int r = ti % kHopTileRing;
-    mbar_wait(c.tbar_empty + 8 * r, ((uint32_t)(ti / kHopTileRing) & 1u) ^ 1u);
+__device__ __forceinline__ void publish(const Cta<D, NWG>& c, int& ti, int t) {
+    const int r = ti % kTileRing;
+    mbar_wait(c.tbar_empty + 8 * r, ((uint32_t)(ti / kTileRing) & 1u) ^ 1u);
     c.tring[r] = t;
     mbar_arrive(c.tbar_full + 8 * r);
     ++ti;
 }
 
 // the consumers' side of the tile ring: the next work item from the producer (>= nitems: no more)
-struct HopTakeTile {  // the next work item from the producer (>= nitems: no more)
+struct TakeTile {  // the next work item from the producer (>= nitems: no more)
     int& ci;
     const uint32_t& tbar_full;
     volatile int* const& tring;
     const int& lane;
     const uint32_t& tbar_empty;
     __device__ __forceinline__ int operator()() const {
-        const int r = ci % kHopTileRing;
-        mbar_wait(tbar_full + 8 * r, (uint32_t)(ci / kHopTileRing) & 1u);
+        const int r = ci % kTileRing;
+        mbar_wait(tbar_full + 8 * r, (uint32_t)(ci / kTileRing) & 1u);
         const int t = tring[r];
         __syncwarp();
         if (lane == 0) mbar_arrive(tbar_empty + 8 * r);
@@ -80,9 +80,9 @@ struct HopTakeTile {  // the next work item from the producer (>= nitems: no mor
     }
 };
 
-// stage and phase of the it-th block a consumer takes (NST stages: HopSmem::NST)
-template <int NST = kHopStages>
-struct HopStageOf {
+// stage and phase of the it-th block a consumer takes (NST stages: Smem::NST)
+template <int NST = kStages>
+struct StageOf {
     __device__ __forceinline__ int operator()(int i, uint32_t& ph) const {
         ph = (uint32_t)(i / NST) & 1u;
         return i % NST;
@@ -91,7 +91,7 @@ struct HopStageOf {
 // a block this warpgroup does not compute (wholly past its causal diagonal or before its sliding window): only
 // released, after it landed (an early arrival would count towards the stage's previous use)
 template <int NST>
-__device__ __forceinline__ void hop_release_block(const HopStageOf<NST>& stage_of, int it, uint32_t bar_full,
+__device__ __forceinline__ void release_block(const StageOf<NST>& stage_of, int it, uint32_t bar_full,
                                                   uint32_t bar_empty, int lane) {
     uint32_t ph;
     const int s = stage_of(it, ph);
@@ -100,4 +100,4 @@ __device__ __forceinline__ void hop_release_block(const HopStageOf<NST>& stage_o
     if (lane == 0) mbar_arrive(bar_empty + 8 * s);
 }
 
-}  // namespace sage
+}  // namespace sage::hopper

@@ -4,29 +4,29 @@
 #include "pipeline.cuh"
 #include "tile_scheduler.cuh"
 
-namespace sage {
+namespace sage::hopper {
 
 // warpgroup 0: one thread takes work items (the next from a global counter, in flight while this one's loads
 // issue), publishes them and streams their K and V^T block images into the stage ring with bulk copies
 template <int D, int NWG>
-__device__ __forceinline__ void hop_producer(const SageAttnParams& p, const HopWs& w, const HopCta<D, NWG>& c,
+__device__ __forceinline__ void producer(const SageAttnParams& p, const Ws& w, const Cta<D, NWG>& c,
                                              int group) {
-    using S = HopSmem<D, NWG>;
-    constexpr int BM = hop_bm(NWG);
+    using S = Smem<D, NWG>;
+    constexpr int BM = bm(NWG);
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
     if (threadIdx.x != 0) return;
     int it = 0, ti = 0;
     for (int t = blockIdx.x; t < w.nitems;) {
         const int tn = (int)gridDim.x + atomicAdd(w.tilectr, 1);  // in flight while this tile's loads issue
-        const HopItem itm = hop_item(t, w);
-        const HopTile tl = hop_tile(itm.tile, p.B, p.Hq, w.nqb);
+        const Item itm = item(t, w);
+        const Tile tl = tile(itm.tile, p.B, p.Hq, w.nqb);
         const int sq = len_q(p, tl.b), skv = len_k(p, tl.b), q0 = tl.qb * BM;
         if (q0 >= sq) { t = tn; continue; }  // varlen: past this sequence's end
-        hop_publish(c, ti, t);
-        const int nkb = hop_num_kv_blocks(p, q0, BM, sq, skv);
+        publish(c, ti, t);
+        const int nkb = num_kv_blocks(p, q0, BM, sq, skv);
         const int64_t blk0 = ((int64_t)tl.b * p.Hkv + tl.h / group) * w.nkb;
-        const int kb1 = hop_part_kb1(itm, nkb, w);
-        for (int kb = hop_part_kb0(itm, w, p, q0, sq, skv); kb < kb1; ++kb, ++it) {
+        const int kb1 = part_kb1(itm, nkb, w);
+        for (int kb = part_kb0(itm, w, p, q0, sq, skv); kb < kb1; ++kb, ++it) {
             const int s = it % S::NST;
             const uint32_t ph = (uint32_t)(it / S::NST) & 1u;
             mbar_wait(c.bar_empty + 8 * s, ph ^ 1u);
@@ -36,7 +36,7 @@ __device__ __forceinline__ void hop_producer(const SageAttnParams& p, const HopW
         }
         t = tn;
     }
-    hop_publish(c, ti, w.nitems);
+    publish(c, ti, w.nitems);
 }
 
-}  // namespace sage
+}  // namespace sage::hopper

@@ -8,25 +8,25 @@
 #error "kernels_cuda/hopper/ is compiled for sm_90a only (build_kernels.py)"
 #endif
 
-namespace sage {
+namespace sage::hopper {
 
-// Descriptor of an hop_img_off image with rows of kbytes, in two halves: the low word holds the start address (and
+// Descriptor of an img_off image with rows of kbytes, in two halves: the low word holds the start address (and
 // the leading byte offset), the high word is a compile-time constant (stride, swizzle mode). Moving along K or to
-// another stage adds to the low word only (hop_desc_step): shared-memory addresses are < 2^18, so the 14-bit address
+// another stage adds to the low word only (desc_step): shared-memory addresses are < 2^18, so the 14-bit address
 // field never carries into the rest, and the loop pays one add per wgmma instead of a mask-shift-or sequence.
-__host__ __device__ constexpr uint32_t hop_desc_hi(int kbytes) {
+__host__ __device__ constexpr uint32_t desc_hi(int kbytes) {
     // swizzled K-major: 8-row atoms kbytes * 8 apart (SBO), LBO unused; mode 1 = 128B, 2 = 64B swizzle. The
     // hardware applies the XOR to the address bits, so images start 8 * kbytes aligned and K steps add to the start.
     return (uint32_t)((8 * kbytes) >> 4) | ((kbytes >= 128 ? 1u : 2u) << 30);
 }
-__device__ __forceinline__ uint32_t hop_desc_lo(uint32_t img) { return ((img & 0x3FFFF) >> 4) | (1u << 16); }
+__device__ __forceinline__ uint32_t desc_lo(uint32_t img) { return ((img & 0x3FFFF) >> 4) | (1u << 16); }
 // low-word increment for starting k0 bytes (a multiple of 32) further along K
-__host__ __device__ constexpr uint32_t hop_desc_step(int k0) { return (uint32_t)(k0 >> 4); }
-// the same along the K of an image with rows of kbytes: past 128 bytes the next 1024-byte atom (hop_img_off)
-__host__ __device__ constexpr uint32_t hop_desc_kstep(int k0, int kbytes) {
-    return kbytes > 128 ? hop_desc_step((k0 >> 7) * 1024 + (k0 & 127)) : hop_desc_step(k0);
+__host__ __device__ constexpr uint32_t desc_step(int k0) { return (uint32_t)(k0 >> 4); }
+// the same along the K of an image with rows of kbytes: past 128 bytes the next 1024-byte atom (img_off)
+__host__ __device__ constexpr uint32_t desc_kstep(int k0, int kbytes) {
+    return kbytes > 128 ? desc_step((k0 >> 7) * 1024 + (k0 & 127)) : desc_step(k0);
 }
-__device__ __forceinline__ uint64_t hop_desc_make(uint32_t lo, uint32_t hi) { return ((uint64_t)hi << 32) | lo; }
+__device__ __forceinline__ uint64_t desc_make(uint32_t lo, uint32_t hi) { return ((uint64_t)hi << 32) | lo; }
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -107,7 +107,7 @@ template <bool ACC> __device__ __forceinline__ void wgmma_s8_n128(int (&d)[64], 
                  "{%32, %33, %34, %35}, %36, " SCALE_D ", 1, 1;\n" \
                  : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
-// P~V over the first 64 V^T rows only (channels hop_vcol(0..63)): the first half of a column-split P~V at D = 128
+// P~V over the first 64 V^T rows only (channels vcol(0..63)): the first half of a column-split P~V at D = 128
 template <bool ACC> __device__ __forceinline__ void wgmma_pv64(float (&d)[32], const uint32_t* a, uint64_t db) {
     if constexpr (ACC) SAGE_WGMMA_E4_N64("1", "+f");
     else SAGE_WGMMA_E4_N64("0", "=f");
@@ -118,7 +118,7 @@ template <bool ACC> __device__ __forceinline__ void wgmma_pv72(float (&d)[36], c
     else SAGE_WGMMA_E4_N72("0", "=f");
 }
 template <int D, bool ACC>
-__device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint32_t* a, uint64_t db) {
+__device__ __forceinline__ void wgmma_pv(float (&d)[pv_n(D) / 2], const uint32_t* a, uint64_t db) {
     if constexpr (D == 128) {
         if constexpr (ACC) SAGE_WGMMA_E4_N136("1", "+f");
         else SAGE_WGMMA_E4_N136("0", "=f");
@@ -127,4 +127,4 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint
         else SAGE_WGMMA_E4_N72("0", "=f");
     }
 }
-}  // namespace sage
+}  // namespace sage::hopper
