@@ -117,14 +117,10 @@ struct Merge {
 };
 
 // powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
-struct Pow2Div {
-    __device__ __forceinline__ float operator()(float a, float b) const {
-        return __int_as_float(__float_as_int(a) - __float_as_int(b) + 0x3f800000);
-    }
-};
-struct Pow2Inv {
-    __device__ __forceinline__ float operator()(float b) const { return __int_as_float(0x7f000000 - __float_as_int(b)); }
-};
+__device__ __forceinline__ float pow2_div(float a, float b) {
+    return __int_as_float(__float_as_int(a) - __float_as_int(b) + 0x3f800000);
+}
+__device__ __forceinline__ float pow2_inv(float b) { return __int_as_float(0x7f000000 - __float_as_int(b)); }
 
 // D = 128: P~V in two column halves, m64n64 into ba (V^T rows from dv) or m64n72 into bb (rows from dvb, with the
 // 8 rows of ones: the row sums); one k32 step of a half
@@ -171,7 +167,6 @@ struct MergeA {
 };
 template <int D>
 struct MergeB {
-    const Pow2Inv& pow2_inv;
     float& vfac_prev;
     float& l0;
     float& al0;
@@ -281,10 +276,6 @@ struct BlockStep {
     __device__ __forceinline__ void operator()(int s, uint32_t ph, int kb, float kscale, float vfac, int kmask) const {
         using S = Smem<D, NWG>;
         constexpr int kBlk = pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
-        PackP pack_p{};
-        // powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
-        Pow2Div pow2_div{};
-        Pow2Inv pow2_inv{};
         int acc[64];
         uint32_t pa[4][4];
         float al0, al1;
@@ -314,7 +305,7 @@ struct BlockStep {
             PVHalfIssue<32> issue_a{issue_half, ba, dv};
             PVHalfIssue<36> issue_b{issue_half, bb, dvb};
             MergeA<D> merge_a{fold, ba, al0, al1};
-            MergeB<D> merge_b{pow2_inv, vfac_prev, l0, al0, bb, l1, al1, fold};
+            MergeB<D> merge_b{vfac_prev, l0, al0, bb, l1, al1, fold};
             // one half after the other (both in flight, or the second issued before the first merge:
             // 1-2% slower, they spill)
             issue_a();

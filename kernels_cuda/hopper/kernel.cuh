@@ -97,7 +97,6 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
         IssuePV<D, NWG> issue_pv{dv0};
         Fold<D> fold{o};
         Merge<D> merge{l0, l1, fold};
-        StageOf<S::NST> stage_of{};
         float vfac_prev = 1.f;
         const BlockStep<D, NWG, LSE, WIN> consume_block{softmax_block, issue_qk, issue_pv, fold, merge, l0, l1,
                                                       vfac_prev, dv0, bar_full, bar_empty, lane};
@@ -113,7 +112,7 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
             // sliding window: the tile's first blocks may lie wholly before this warpgroup's window
             const int kbeg = WIN ? max(kb0, min(first_kv_block(p, wrow_min, sq, skv), kend)) : kb0;
             int kb = kb0;
-            for (; kb < kbeg; ++kb, ++it) release_block(stage_of, it, bar_full, bar_empty, lane);
+            for (; kb < kbeg; ++kb, ++it) release_block<S::NST>(it, bar_full, bar_empty, lane);
             float kscale_next = kb1 > kb ? ksc[kb * 4 + t4] : 0.f;
             float vfac_next = kb1 > kb ? vfc[kb] : 1.f;
             int kmask_next = kmf && kb1 > kb ? kmf[kb] : 0;
@@ -123,7 +122,7 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
             const int kb_wfull = WIN && wlast >= 0 ? wlast / kBN + 1 : 0;
             for (; kb < kend; ++kb, ++it) {
                 uint32_t ph;
-                const int s = stage_of(it, ph);
+                const int s = stage_of<S::NST>(it, ph);
                 const float kscale_cur = kscale_next, vfac_cur = vfac_next;
                 const int kmask_cur = kmask_next | (kb < kb_wfull);
                 if (kb + 1 < kb1) {  // in flight during this block
@@ -134,7 +133,7 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
                 consume_block(s, ph, kb, kscale_cur, vfac_cur, kmask_cur);
             }
             // blocks past the diagonal: only released (a separate loop keeps the main loop's code as it is)
-            for (; kb < kb1; ++kb, ++it) release_block(stage_of, it, bar_full, bar_empty, lane);
+            for (; kb < kb1; ++kb, ++it) release_block<S::NST>(it, bar_full, bar_empty, lane);
         }
 
         bool skip = false;

@@ -82,19 +82,16 @@ struct TakeTile {  // the next work item from the producer (>= nitems: no more)
 
 // stage and phase of the it-th block a consumer takes (NST stages: Smem::NST)
 template <int NST = kStages>
-struct StageOf {
-    __device__ __forceinline__ int operator()(int i, uint32_t& ph) const {
-        ph = (uint32_t)(i / NST) & 1u;
-        return i % NST;
-    }
-};
+__device__ __forceinline__ int stage_of(int i, uint32_t& ph) {
+    ph = (uint32_t)(i / NST) & 1u;
+    return i % NST;
+}
 // a block this warpgroup does not compute (wholly past its causal diagonal or before its sliding window): only
 // released, after it landed (an early arrival would count towards the stage's previous use)
 template <int NST>
-__device__ __forceinline__ void release_block(const StageOf<NST>& stage_of, int it, uint32_t bar_full,
-                                                  uint32_t bar_empty, int lane) {
+__device__ __forceinline__ void release_block(int it, uint32_t bar_full, uint32_t bar_empty, int lane) {
     uint32_t ph;
-    const int s = stage_of(it, ph);
+    const int s = stage_of<NST>(it, ph);
     mbar_wait(bar_full + 8 * s, ph);
     __syncwarp();
     if (lane == 0) mbar_arrive(bar_empty + 8 * s);

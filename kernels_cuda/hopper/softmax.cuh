@@ -112,7 +112,7 @@ struct Softmax {
     float& m1;
     float& ls0;           // fp32 sums of 448 p over this lane's keys, for the LSE only
     float& ls1;
-    // S of block kb (int32 wgmma accumulator) -> 448 p per score (fp32, before the e4m3 conversion of PackP)
+    // S of block kb (int32 wgmma accumulator) -> 448 p per score (fp32, before the e4m3 conversion of pack_p)
     // and the rescale factors alpha. kscale: this thread's K scale of block kb (prefetched one block ahead);
     // kmasked: the block needs the general per-key test (padded keys, or a sliding window cutting it)
     __device__ __forceinline__ void operator()(const int (&acc)[64], int kb, float kscale, int kmasked,
@@ -190,17 +190,15 @@ struct Softmax {
 };
 
 // 448 p (fp32) -> the e4m3 A fragments of the four k32 steps of P~V
-struct PackP {
-    __device__ __forceinline__ void operator()(const float (&sf)[64], uint32_t (&pa)[4][4]) const {
+__device__ __forceinline__ void pack_p(const float (&sf)[64], uint32_t (&pa)[4][4]) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {  // slots follow V^T's permuted key order
-            const float* q = sf + 16 * kk;
-            pa[kk][0] = cvt_e4m3x2(q[0], q[1]) | (cvt_e4m3x2(q[4], q[5]) << 16);
-            pa[kk][1] = cvt_e4m3x2(q[2], q[3]) | (cvt_e4m3x2(q[6], q[7]) << 16);
-            pa[kk][2] = cvt_e4m3x2(q[8], q[9]) | (cvt_e4m3x2(q[12], q[13]) << 16);
-            pa[kk][3] = cvt_e4m3x2(q[10], q[11]) | (cvt_e4m3x2(q[14], q[15]) << 16);
-        }
+    for (int kk = 0; kk < 4; ++kk) {  // slots follow V^T's permuted key order
+        const float* q = sf + 16 * kk;
+        pa[kk][0] = cvt_e4m3x2(q[0], q[1]) | (cvt_e4m3x2(q[4], q[5]) << 16);
+        pa[kk][1] = cvt_e4m3x2(q[2], q[3]) | (cvt_e4m3x2(q[6], q[7]) << 16);
+        pa[kk][2] = cvt_e4m3x2(q[8], q[9]) | (cvt_e4m3x2(q[12], q[13]) << 16);
+        pa[kk][3] = cvt_e4m3x2(q[10], q[11]) | (cvt_e4m3x2(q[14], q[15]) << 16);
     }
-};
+}
 
 }  // namespace sage::hopper
