@@ -88,11 +88,15 @@ struct IssuePV {
     }
 };
 
-// o's n8 column chunks off.. off + nch - 1 = o * alpha + the block accumulator's chunks 0.. (rows row0 / row1)
+// The P~V accumulation (two-level: each block's P~V lands in its own accumulator, then merges into O and l): one
+// object over the rows' O accumulators and tensor-core row sums l (rows row0 / row1)
 template <int D>
-struct Fold {
+struct PvAccum {
     float (&o)[D / 2];
-    __device__ __forceinline__ void operator()(const float* b, int off, int nch, float al0, float al1) const {
+    float& l0;
+    float& l1;
+    // o's n8 column chunks off.. off + nch - 1 = o * alpha + the block accumulator's chunks 0..
+    __device__ __forceinline__ void fold(const float* b, int off, int nch, float al0, float al1) const {
 #pragma unroll
         for (int i = 0; i < nch; ++i) {
             o[4 * (off + i)] = o[4 * (off + i)] * al0 + b[4 * i];
@@ -101,15 +105,8 @@ struct Fold {
             o[4 * (off + i) + 3] = o[4 * (off + i) + 3] * al1 + b[4 * i + 3];
         }
     }
-};
-
-// O = O * alpha + block, l likewise with the block's row sums (columns D..; row0: [D/2], row1: [D/2 + 2])
-template <int D>
-struct Merge {
-    float& l0;
-    float& l1;
-    const Fold<D>& fold;
-    __device__ __forceinline__ void operator()(const float (&blk)[pv_n(D) / 2], float al0, float al1, float vinv) const {
+    // O = O * alpha + block, l likewise with the block's row sums (columns D..; row0: [D/2], row1: [D/2 + 2])
+    __device__ __forceinline__ void merge(const float (&blk)[pv_n(D) / 2], float al0, float al1, float vinv) const {
         l0 = l0 * al0 + blk[D / 2] * vinv;
         l1 = l1 * al1 + blk[D / 2 + 2] * vinv;
         fold(blk, 0, D / 8, al0, al1);
@@ -159,11 +156,11 @@ struct PVHalfIssue {
 // merging the halves: o's first 8 column chunks from ba; the row sums and the last 8 chunks from bb
 template <int D>
 struct MergeA {
-    const Fold<D>& fold;
+    const PvAccum<D>& pv;
     float (&ba)[32];
     float& al0;
     float& al1;
-    __device__ __forceinline__ void operator()() const { fold(ba, 0, 8, al0, al1); }
+    __device__ __forceinline__ void operator()() const { pv.fold(ba, 0, 8, al0, al1); }
 };
 template <int D>
 struct MergeB {
@@ -173,12 +170,12 @@ struct MergeB {
     float (&bb)[36];
     float& l1;
     float& al1;
-    const Fold<D>& fold;
+    const PvAccum<D>& pv;
     __device__ __forceinline__ void operator()() const {
         const float vinv = pow2_inv(vfac_prev);
         l0 = l0 * al0 + bb[32] * vinv;
         l1 = l1 * al1 + bb[34] * vinv;
-        fold(bb, 8, 8, al0, al1);
+        pv.fold(bb, 8, 8, al0, al1);
     }
 };
 
@@ -264,9 +261,8 @@ struct BlockStep {
     const Softmax<LSE, WIN>& softmax_block;
     const IssueQK<D, NWG>& issue_qk;
     const IssuePV<D, NWG>& issue_pv;
-    const Fold<D>& fold;
-    const Merge<D>& merge;
-    float& l0;         // the rows' tensor-core sums (Merge's, also merged by the second half at D = 128)
+    const PvAccum<D>& pv;
+    float& l0;         // the rows' tensor-core sums (pv's, also merged by the second half at D = 128)
     float& l1;
     float& vfac_prev;  // the last block's V factor: O and l are kept divided by it
     const uint32_t& dv0;
@@ -304,8 +300,8 @@ struct BlockStep {
             PVHalf issue_half{pa};
             PVHalfIssue<32> issue_a{issue_half, ba, dv};
             PVHalfIssue<36> issue_b{issue_half, bb, dvb};
-            MergeA<D> merge_a{fold, ba, al0, al1};
-            MergeB<D> merge_b{vfac_prev, l0, al0, bb, l1, al1, fold};
+            MergeA<D> merge_a{pv, ba, al0, al1};
+            MergeB<D> merge_b{vfac_prev, l0, al0, bb, l1, al1, pv};
             // one half after the other (both in flight, or the second issued before the first merge:
             // 1-2% slower, they spill)
             issue_a();
@@ -327,7 +323,7 @@ struct BlockStep {
                 issue_half(ba, dv + (uint32_t)q * ((64 * kBN) >> 4));
                 wg_wait<0>();
                 reg_fence(ba);
-                fold(ba, 8 * q, 8, al0, al1);
+                pv.fold(ba, 8 * q, 8, al0, al1);
             }
             float bb[36];  // V^T rows 192..263: the last 64 channels and the 8 rows of ones (the row sums)
             issue_half(bb, dv + 3u * ((64 * kBN) >> 4));
@@ -338,7 +334,7 @@ struct BlockStep {
             const float vinv = pow2_inv(vfac_prev);
             l0 = l0 * al0 + bb[32] * vinv;
             l1 = l1 * al1 + bb[34] * vinv;
-            fold(bb, 24, 8, al0, al1);
+            pv.fold(bb, 24, 8, al0, al1);
         } else {
             float blk[kBlk];
             wg_fence();
@@ -347,7 +343,7 @@ struct BlockStep {
             reg_fence(blk);
             reg_fence(pa);
             if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-            merge(blk, al0, al1, pow2_inv(vfac_prev));
+            pv.merge(blk, al0, al1, pow2_inv(vfac_prev));
         }
     }
 };
