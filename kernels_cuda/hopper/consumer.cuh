@@ -258,7 +258,7 @@ __device__ __forceinline__ void q_prologue(const SageAttnParams& p, const QPre<D
 // vfac_kb, exact powers of two, and the block's row sums times 1 / vfac_kb), so O / l needs no factor at the end.
 template <int D, int NWG, bool LSE, bool WIN>
 struct BlockStep {
-    const Softmax<LSE, WIN>& softmax_block;
+    const Softmax<LSE, WIN>& softmax;
     const IssueQK<D, NWG>& issue_qk;
     const IssuePV<D, NWG>& issue_pv;
     const PvAccum<D>& pv;
@@ -282,7 +282,7 @@ struct BlockStep {
         reg_fence(acc);
         {
             float sf[64];
-            softmax_block(acc, kb, kscale, kmask, sf, al0, al1);
+            softmax.online_softmax(acc, kb, kscale, kmask, sf, al0, al1);
             pack_p(sf, pa);
         }
         {

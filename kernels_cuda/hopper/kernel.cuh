@@ -92,12 +92,12 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
 
         // masked blocks: key attended by the row (inside the sequence, not padded, not past the causal diagonal)
         KeyOk key_ok{skv, mrow, p, diag};
-        Softmax<LSE, WIN> softmax_block{skv, p, wrow_min, diag, qs, key_ok, t4, row0, row1, m0, m1, ls0, ls1};
+        Softmax<LSE, WIN> softmax{skv, p, wrow_min, diag, qs, key_ok, t4, row0, row1, m0, m1, ls0, ls1};
         IssueQK<D, NWG> issue_qk{dk0, dq};
         IssuePV<D, NWG> issue_pv{dv0};
         PvAccum<D> pv{o, l0, l1};
         float vfac_prev = 1.f;
-        const BlockStep<D, NWG, LSE, WIN> consume_block{softmax_block, issue_qk, issue_pv, pv, l0, l1,
+        const BlockStep<D, NWG, LSE, WIN> consume_block{softmax, issue_qk, issue_pv, pv, l0, l1,
                                                       vfac_prev, dv0, bar_full, bar_empty, lane};
         // serial blocks need >= 3 consumer warpgroups to keep the tensor cores busy; D = 256 fits only 2 (its O)
         static_assert(NWG >= 3 || D == 256, "serial blocks need >= 3 consumer warpgroups");

@@ -115,8 +115,8 @@ struct Softmax {
     // S of block kb (int32 wgmma accumulator) -> 448 p per score (fp32, before the e4m3 conversion of pack_p)
     // and the rescale factors alpha. kscale: this thread's K scale of block kb (prefetched one block ahead);
     // kmasked: the block needs the general per-key test (padded keys, or a sliding window cutting it)
-    __device__ __forceinline__ void operator()(const int (&acc)[64], int kb, float kscale, int kmasked,
-                                               float (&sf)[64], float& al0, float& al1) const {
+    __device__ __forceinline__ void online_softmax(const int (&acc)[64], int kb, float kscale, int kmasked,
+                                                   float (&sf)[64], float& al0, float& al1) const {
         const int kbase = kb * kBN;
         const bool need_mask = (kbase + kBN > skv) || kmasked ||
                                (p.causal && kbase + kBN - 1 > wrow_min + diag);
