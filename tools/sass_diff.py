@@ -2,13 +2,14 @@
 """Compare the SASS of two builds of libsage_kernels.so, kernel by kernel (a refactoring check: identical SASS per
 kernel means identical outputs and speed).
 
-    python tools/sass_diff.py OLD.so NEW.so [--arch sm_90a] [--show-diff N] [--json out.json]
+    python tools/sass_diff.py OLD.so NEW.so [--arch sm_90a] [--show-diff N] [--json out.json] [--rename PAT=REPL ...]
 
 Needs cuobjdump and nvdisasm on PATH (CUDA toolkit, or the nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels).
 Each kernel's SASS is normalized: instruction addresses and encodings dropped, symbol names demangled and their
 namespace ("(anonymous namespace)::", "sage::") removed (a TU's anonymous-namespace hash is not code). Kernels are
 matched by (arch, normalized name). Also prints registers, stack, local memory and spill instructions
-(STL/LDL) per kernel, old -> new. Exit status 0 when every kernel of OLD is in NEW with identical SASS (kernels only
+(STL/LDL) per kernel, old -> new. --rename PAT=REPL (a regex, repeatable) rewrites the demangled names on both sides
+before matching, for a refactoring that renames (e.g. --rename 'hopper::=' --rename '\bHop([A-Z])=\1'). Exit status 0 when every kernel of OLD is in NEW with identical SASS (kernels only
 in OLD are listed as removed and make the status 1 unless --allow-removed matches them).
 """
 from __future__ import annotations
@@ -44,10 +45,19 @@ def _mangled_symbols(text: str) -> list[str]:
     return sorted(set(re.findall(r"\b_Z\w+", text)))
 
 
+_RENAMES: list[tuple[re.Pattern, str]] = []
+
+
+def _renamed(names: dict[str, str]) -> dict[str, str]:
+    for pat, repl in _RENAMES:
+        names = {m: pat.sub(repl, d) for m, d in names.items()}
+    return names
+
+
 def sass_by_kernel(lib: str) -> dict[tuple[str, str], list[str]]:
     """(arch, normalized kernel name) -> normalized SASS lines."""
     text = _run(["cuobjdump", "-sass", lib])
-    names = demangle(_mangled_symbols(text))
+    names = _renamed(demangle(_mangled_symbols(text)))
     out: dict[tuple[str, str], list[str]] = {}
     arch, cur = None, None
     for line in text.split("\n"):
@@ -75,7 +85,7 @@ def sass_by_kernel(lib: str) -> dict[tuple[str, str], list[str]]:
 
 def resources(lib: str) -> dict[tuple[str, str], dict]:
     text = _run(["cuobjdump", "-res-usage", lib])
-    names = demangle(_mangled_symbols(text))
+    names = _renamed(demangle(_mangled_symbols(text)))
     out, arch, cur = {}, None, None
     for line in text.split("\n"):
         m = _ARCH.match(line)
@@ -109,7 +119,14 @@ def main() -> int:
     ap.add_argument("--show-diff", type=int, default=0, help="print up to N lines of diff per differing kernel")
     ap.add_argument("--allow-removed", default=None, help="regex of kernel names allowed to exist only in OLD")
     ap.add_argument("--json", default=None, help="write the per-kernel table here")
+    ap.add_argument("--rename", action="append", default=[], metavar="PAT=REPL",
+                    help="regex substitution applied to the demangled names of both libraries (repeatable)")
     a = ap.parse_args()
+    for r in a.rename:
+        pat, sep, repl = r.partition("=")
+        if not sep:
+            ap.error(f"--rename {r!r}: want PAT=REPL")
+        _RENAMES.append((re.compile(pat), repl))
     old, new = sass_by_kernel(a.old), sass_by_kernel(a.new)
     rold, rnew = resources(a.old), resources(a.new)
     keys = sorted(set(old) | set(new))

@@ -56,7 +56,7 @@ __device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute (hop_launch) may start while its
+// Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute (hopper::launch) may start while its
 // predecessor in the stream finishes; it must call pdl_wait() before its first global memory access (read or
 // write: the caching allocator reuses memory in stream order). pdl_launch_dependents() lets the next kernel start.
 // Both are no-ops for kernels launched without the attribute and compile to nothing below sm_90.

@@ -1,12 +1,183 @@
 // Hopper path: a consumer warpgroup's work on one work item, before its epilogue: the Q prologue (this warpgroup's 64
 // rows of the tile quantized into its wgmma Q image) and one block of the loop (S = Q K^T, online softmax, P~V,
-// two-level accumulation) on the row state the kernel holds. The pieces they use live in mainloop.cuh and softmax.cuh.
+// two-level accumulation) on the row state the kernel holds, and the pieces they use: taking work items, prefetching
+// the next tile's Q rows and per-channel values, issuing S = Q K^T and P~V, the two-level accumulation (small functor
+// structs bound to the consumer's registers: the same code the compiler saw when they were lambdas,
+// tools/sass_diff.py); the online softmax is softmax.cuh's.
 #pragma once
-#include "mainloop.cuh"
+#include "pipeline.cuh"
+#include "softmax.cuh"
+#include "tile_scheduler.cuh"
 #include "../common/quant.cuh"
 #include "../common/ptx.cuh"
 
-namespace sage {
+namespace sage::hopper {
+
+// The next tile's Q rows, K mean and V scale/mean, loaded into registers before the current tile's epilogue so
+// their latency hides under it (the prologue used to wait on them with the tensor cores idle): per lane rows lrow0,
+// lrow0 + 8, the 8-channel chunks 4c + t4 (a quad reads 64 contiguous bytes); km, vsc, vmn: channel ltid.
+// channels per consumer thread of the per-channel values (D = 256: ltid and ltid + 128)
+__host__ __device__ constexpr int chan_per_thread(int D) { return D > 128 ? D / 128 : 1; }
+template <int D>
+struct QPre {  // km, vsc, vmn: channels ltid + 128 u
+    uint4 q0[D / 4 / 8], q1[D / 4 / 8];
+    float vsc[chan_per_thread(D)], vmn[chan_per_thread(D)], km[chan_per_thread(D)];
+};
+// (q . mean(K) per row, K's smoothing shift, only enters the LSE: without one the prologue skips it)
+template <int D, typename T, bool LSE, int NWG>
+struct Prefetch {
+    const Ws& w;
+    const SageAttnParams& p;
+    const int& cw;
+    const int& lrow0;
+    const int& group;
+    const int& t4;
+    const int& ltid;
+    __device__ __forceinline__ void operator()(int t, QPre<D>& pf) const {
+        constexpr int BM = bm(NWG), QC = D / 4;
+        constexpr bool kQShift = LSE;
+        const Tile x = tile(item(t, w).tile, p.B, p.Hq, w.nqb);
+        const int sqx = len_q(p, x.b), r0 = x.qb * BM + cw * 64 + lrow0;
+        const int64_t hk = (int64_t)x.b * p.Hkv + x.h / group;
+        const T* qb = static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + tok0_q(p, x.b) * p.q_ss + 8 * t4;
+#pragma unroll
+        for (int j = 0; j < QC / 8; ++j) {
+            pf.q0[j] = r0 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)r0 * p.q_ss + 32 * j) : make_uint4(0, 0, 0, 0);
+            pf.q1[j] = r0 + 8 < sqx ? *reinterpret_cast<const uint4*>(qb + (int64_t)(r0 + 8) * p.q_ss + 32 * j)
+                                    : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < chan_per_thread(D); ++u) {
+            const int ch = ltid + 128 * u;
+            pf.km[u] = ch < D && kQShift ? w.kmean[hk * D + ch] : 0.f;
+            pf.vsc[u] = ch < D ? w.vscale[hk * D + ch] : 0.f;
+            pf.vmn[u] = ch < D && p.smooth_v ? w.vmean[hk * D + ch] : 0.f;
+        }
+    }
+};
+
+// S = Q K^T of the block in stage s
+template <int D, int NWG>
+struct IssueQK {
+    const uint32_t& dk0;
+    const uint32_t& dq;
+    __device__ __forceinline__ void operator()(int (&acc)[64], int s) const {
+        using S = Smem<D, NWG>;
+        const uint32_t dk = dk0 + (uint32_t)s * (S::KBYTES >> 4);
+        wgmma_s8_n128<false>(acc, desc_make(dq, desc_hi(D)), desc_make(dk, desc_hi(D)));
+#pragma unroll
+        for (int k = 1; k < D / 32; ++k)
+            wgmma_s8_n128<true>(acc, desc_make(dq + desc_kstep(32 * k, D), desc_hi(D)),
+                                desc_make(dk + desc_kstep(32 * k, D), desc_hi(D)));
+        wg_commit();
+    }
+};
+
+// P~V of the block in stage s into its own accumulator (two-level accumulation)
+template <int D, int NWG>
+struct IssuePV {
+    const uint32_t& dv0;
+    __device__ __forceinline__ void operator()(float (&blk)[pv_n(D) / 2], uint32_t (&pa)[4][4], int s) const {
+        using S = Smem<D, NWG>;
+        const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
+        wgmma_pv<D, false>(blk, pa[0], desc_make(dv, desc_hi(kBN)));
+#pragma unroll
+        for (int kk = 1; kk < 4; ++kk)
+            wgmma_pv<D, true>(blk, pa[kk], desc_make(dv + desc_step(32 * kk), desc_hi(kBN)));
+        wg_commit();
+    }
+};
+
+// The P~V accumulation (two-level: each block's P~V lands in its own accumulator, then merges into O and l): one
+// object over the rows' O accumulators and tensor-core row sums l (rows row0 / row1)
+template <int D>
+struct PvAccum {
+    float (&o)[D / 2];
+    float& l0;
+    float& l1;
+    // o's n8 column chunks off.. off + nch - 1 = o * alpha + the block accumulator's chunks 0..
+    __device__ __forceinline__ void fold(const float* b, int off, int nch, float al0, float al1) const {
+#pragma unroll
+        for (int i = 0; i < nch; ++i) {
+            o[4 * (off + i)] = o[4 * (off + i)] * al0 + b[4 * i];
+            o[4 * (off + i) + 1] = o[4 * (off + i) + 1] * al0 + b[4 * i + 1];
+            o[4 * (off + i) + 2] = o[4 * (off + i) + 2] * al1 + b[4 * i + 2];
+            o[4 * (off + i) + 3] = o[4 * (off + i) + 3] * al1 + b[4 * i + 3];
+        }
+    }
+    // O = O * alpha + block, l likewise with the block's row sums (columns D..; row0: [D/2], row1: [D/2 + 2])
+    __device__ __forceinline__ void merge(const float (&blk)[pv_n(D) / 2], float al0, float al1, float vinv) const {
+        l0 = l0 * al0 + blk[D / 2] * vinv;
+        l1 = l1 * al1 + blk[D / 2 + 2] * vinv;
+        fold(blk, 0, D / 8, al0, al1);
+    }
+};
+
+// powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
+__device__ __forceinline__ float pow2_div(float a, float b) {
+    return __int_as_float(__float_as_int(a) - __float_as_int(b) + 0x3f800000);
+}
+__device__ __forceinline__ float pow2_inv(float b) { return __int_as_float(0x7f000000 - __float_as_int(b)); }
+
+// D = 128: P~V in two column halves, m64n64 into ba (V^T rows from dv) or m64n72 into bb (rows from dvb, with the
+// 8 rows of ones: the row sums); one k32 step of a half
+template <int N>
+struct PVHalfMma {
+    const uint32_t& dvh;
+    float (&acc)[N];
+    uint32_t (&pa)[4][4];
+    template <typename First>
+    __device__ __forceinline__ void operator()(First, int kk) const {
+        const uint64_t db = desc_make(dvh + desc_step(32 * kk), desc_hi(kBN));
+        if constexpr (N == 32) wgmma_pv64<!First::value>(acc, pa[kk], db);
+        else wgmma_pv72<!First::value>(acc, pa[kk], db);
+    }
+};
+// one half: the four k32 steps, committed as one group
+struct PVHalf {
+    uint32_t (&pa)[4][4];
+    template <int N>
+    __device__ __forceinline__ void operator()(float (&acc)[N], uint32_t dvh) const {
+        PVHalfMma<N> mma{dvh, acc, pa};
+        wg_fence();
+        mma(std::true_type{}, 0);
+#pragma unroll
+        for (int kk = 1; kk < 4; ++kk) mma(std::false_type{}, kk);
+        wg_commit();
+    }
+};
+template <int N>
+struct PVHalfIssue {
+    const PVHalf& issue_half;
+    float (&acc)[N];
+    const uint32_t& dvh;
+    __device__ __forceinline__ void operator()() const { issue_half(acc, dvh); }
+};
+// merging the halves: o's first 8 column chunks from ba; the row sums and the last 8 chunks from bb
+template <int D>
+struct MergeA {
+    const PvAccum<D>& pv;
+    float (&ba)[32];
+    float& al0;
+    float& al1;
+    __device__ __forceinline__ void operator()() const { pv.fold(ba, 0, 8, al0, al1); }
+};
+template <int D>
+struct MergeB {
+    float& vfac_prev;
+    float& l0;
+    float& al0;
+    float (&bb)[36];
+    float& l1;
+    float& al1;
+    const PvAccum<D>& pv;
+    __device__ __forceinline__ void operator()() const {
+        const float vinv = pow2_inv(vfac_prev);
+        l0 = l0 * al0 + bb[32] * vinv;
+        l1 = l1 * al1 + bb[34] * vinv;
+        pv.fold(bb, 8, 8, al0, al1);
+    }
+};
 
 // Q prologue: rows lrow0 / lrow0 + 8 of the prefetched registers pf, this lane's quarter of the channels (the 8-channel
 // chunks 4c + t4), quantized to INT8 with one scale per row pair into the warpgroup's Q image sQp; the per-channel
@@ -15,13 +186,13 @@ namespace sage {
 // Sets qs, the rows' Q scale (log2 domain, sm_scale folded in), and with the LSE qshift0 / qshift1 (q . mean(K) per
 // row: K's smoothing shift, which only enters the LSE).
 template <int D, typename T, bool LSE>
-__device__ __forceinline__ void hop_q_prologue(const SageAttnParams& p, const HopQPre<D>& pf, float* se, uint8_t* sQp,
+__device__ __forceinline__ void q_prologue(const SageAttnParams& p, const QPre<D>& pf, float* se, uint8_t* sQp,
                                                int cw, int ltid, int lrow0, int t4, float& qs, float& qshift0,
                                                float& qshift1) {
     constexpr bool kQShift = LSE;
     constexpr int QC = D / 4;  // Q channels per lane
 #pragma unroll
-    for (int u = 0; u < hop_chan_per_thread(D); ++u) {
+    for (int u = 0; u < chan_per_thread(D); ++u) {
         const int ch = ltid + 128 * u;
         if (ch < D) {
             se[ch] = pf.vsc[u];
@@ -71,8 +242,8 @@ __device__ __forceinline__ void hop_q_prologue(const SageAttnParams& p, const Ho
                                    quant_i8_bits(y1[2], sc, inv), quant_i8_bits(y1[3], sc, inv));
         }
         const int col = 4 * j + 8 * t4;  // = 8 (4 (j / 8) + t4)
-        *reinterpret_cast<uint2*>(sQp + hop_img_off(lrow0, col, D)) = make_uint2(w0[0], w0[1]);
-        *reinterpret_cast<uint2*>(sQp + hop_img_off(lrow0 + 8, col, D)) = make_uint2(w1[0], w1[1]);
+        *reinterpret_cast<uint2*>(sQp + img_off(lrow0, col, D)) = make_uint2(w0[0], w0[1]);
+        *reinterpret_cast<uint2*>(sQp + img_off(lrow0 + 8, col, D)) = make_uint2(w1[0], w1[1]);
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     named_sync(1 + cw, 128);
@@ -86,13 +257,12 @@ __device__ __forceinline__ void hop_q_prologue(const SageAttnParams& p, const Ho
 // is V / (base vfac_kb): O and l are kept divided by the current block's vfac (the softmax's alpha times vfac_prev /
 // vfac_kb, exact powers of two, and the block's row sums times 1 / vfac_kb), so O / l needs no factor at the end.
 template <int D, int NWG, bool LSE, bool WIN>
-struct HopBlockStep {
-    const HopSoftmax<LSE, WIN>& softmax_block;
-    const HopIssueQK<D, NWG>& issue_qk;
-    const HopIssuePV<D, NWG>& issue_pv;
-    const HopFold<D>& fold;
-    const HopMerge<D>& merge;
-    float& l0;         // the rows' tensor-core sums (HopMerge's, also merged by the second half at D = 128)
+struct BlockStep {
+    const Softmax<LSE, WIN>& softmax;
+    const IssueQK<D, NWG>& issue_qk;
+    const IssuePV<D, NWG>& issue_pv;
+    const PvAccum<D>& pv;
+    float& l0;         // the rows' tensor-core sums (pv's, also merged by the second half at D = 128)
     float& l1;
     float& vfac_prev;  // the last block's V factor: O and l are kept divided by it
     const uint32_t& dv0;
@@ -100,12 +270,8 @@ struct HopBlockStep {
     const uint32_t& bar_empty;
     const int& lane;
     __device__ __forceinline__ void operator()(int s, uint32_t ph, int kb, float kscale, float vfac, int kmask) const {
-        using S = HopSmem<D, NWG>;
-        constexpr int kBlk = hop_pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
-        HopPackP pack_p{};
-        // powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
-        HopPow2Div pow2_div{};
-        HopPow2Inv pow2_inv{};
+        using S = Smem<D, NWG>;
+        constexpr int kBlk = pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
         int acc[64];
         uint32_t pa[4][4];
         float al0, al1;
@@ -116,7 +282,7 @@ struct HopBlockStep {
         reg_fence(acc);
         {
             float sf[64];
-            softmax_block(acc, kb, kscale, kmask, sf, al0, al1);
+            softmax.online_softmax(acc, kb, kscale, kmask, sf, al0, al1);
             pack_p(sf, pa);
         }
         {
@@ -129,13 +295,13 @@ struct HopBlockStep {
         if constexpr (D == 128) {
             // P~V in two column halves: 32 + 36 accumulator registers (all 68 live at once do not fit)
             float ba[32], bb[36];
-            const uint32_t dvb = dv + ((64 * kHopBN) >> 4);  // V^T rows 64.. (rows of kHopBN bytes)
+            const uint32_t dvb = dv + ((64 * kBN) >> 4);  // V^T rows 64.. (rows of kBN bytes)
             // one half: m64n64 into ba (V^T rows from dv) or m64n72 into bb (rows from dvb)
-            HopPVHalf issue_half{pa};
-            HopPVHalfIssue<32> issue_a{issue_half, ba, dv};
-            HopPVHalfIssue<36> issue_b{issue_half, bb, dvb};
-            HopMergeA<D> merge_a{fold, ba, al0, al1};
-            HopMergeB<D> merge_b{pow2_inv, vfac_prev, l0, al0, bb, l1, al1, fold};
+            PVHalf issue_half{pa};
+            PVHalfIssue<32> issue_a{issue_half, ba, dv};
+            PVHalfIssue<36> issue_b{issue_half, bb, dvb};
+            MergeA<D> merge_a{pv, ba, al0, al1};
+            MergeB<D> merge_b{vfac_prev, l0, al0, bb, l1, al1, pv};
             // one half after the other (both in flight, or the second issued before the first merge:
             // 1-2% slower, they spill)
             issue_a();
@@ -150,17 +316,17 @@ struct HopBlockStep {
             merge_b();
         } else if constexpr (D == 256) {
             // P~V in four 64-column quarters, one after the other (32, 32, 32, 36 accumulator registers: O takes 128)
-            HopPVHalf issue_half{pa};
+            PVHalf issue_half{pa};
 #pragma unroll
             for (int q = 0; q < 3; ++q) {
                 float ba[32];
-                issue_half(ba, dv + (uint32_t)q * ((64 * kHopBN) >> 4));
+                issue_half(ba, dv + (uint32_t)q * ((64 * kBN) >> 4));
                 wg_wait<0>();
                 reg_fence(ba);
-                fold(ba, 8 * q, 8, al0, al1);
+                pv.fold(ba, 8 * q, 8, al0, al1);
             }
             float bb[36];  // V^T rows 192..263: the last 64 channels and the 8 rows of ones (the row sums)
-            issue_half(bb, dv + 3u * ((64 * kHopBN) >> 4));
+            issue_half(bb, dv + 3u * ((64 * kBN) >> 4));
             wg_wait<0>();
             reg_fence(bb);
             reg_fence(pa);
@@ -168,7 +334,7 @@ struct HopBlockStep {
             const float vinv = pow2_inv(vfac_prev);
             l0 = l0 * al0 + bb[32] * vinv;
             l1 = l1 * al1 + bb[34] * vinv;
-            fold(bb, 24, 8, al0, al1);
+            pv.fold(bb, 24, 8, al0, al1);
         } else {
             float blk[kBlk];
             wg_fence();
@@ -177,9 +343,9 @@ struct HopBlockStep {
             reg_fence(blk);
             reg_fence(pa);
             if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-            merge(blk, al0, al1, pow2_inv(vfac_prev));
+            pv.merge(blk, al0, al1, pow2_inv(vfac_prev));
         }
     }
 };
 
-}  // namespace sage
+}  // namespace sage::hopper

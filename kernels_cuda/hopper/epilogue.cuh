@@ -2,19 +2,21 @@
 // the last to arrive combines them) and the epilogue (O / l x V scale (+ mean(V)) in the caller's layout and dtype,
 // the LSE on request).
 #pragma once
-#include "consumer.cuh"
+#include "wgmma.cuh"
+#include "tile_scheduler.cuh"
+#include "../common/quant.cuh"
 
-namespace sage {
+namespace sage::hopper {
 
 // Split tail: a part's rows as normalised partial output + log2 row sum; the last part to arrive combines all parts
 // (in part order: deterministic) into o and l for the epilogue. skip (false on entry) is set when this part stores
-// nothing (another part combines). sit: the work item (hop_item again, not kept live across the block loop: that cost D=64 registers).
+// nothing (another part combines). sit: the work item (item again, not kept live across the block loop: that cost D=64 registers).
 template <int D, int NWG, bool LSE>
-__device__ __forceinline__ void hop_split_combine(const HopWs& w, const HopItem& sit, uint8_t* hsmem, int cw, int ltid,
+__device__ __forceinline__ void split_combine(const Ws& w, const Item& sit, uint8_t* hsmem, int cw, int ltid,
                                                   float (&o)[D / 2], float& l0, float& l1, float m0, float m1,
                                                   float vfac_prev, bool& skip) {
-    using S = HopSmem<D, NWG>;
-    if (!LSE && sit.split >= 0) {  // (hop_plan splits no LSE call)
+    using S = Smem<D, NWG>;
+    if (!LSE && sit.split >= 0) {  // (plan splits no LSE call)
         constexpr int kSlot = (D / 8 + 1) * 128;  // float4 per (part, consumer): D/8 per thread + the sums
         const int64_t pstride = (int64_t)NWG * kSlot;
         float4* mine = w.part + ((int64_t)sit.split * w.parts * NWG + cw) * kSlot + ltid;
@@ -74,7 +76,7 @@ __device__ __forceinline__ void hop_split_combine(const HopWs& w, const HopItem&
 // (The caller computes the addresses and predicates: inside this function the compiler shaped the store predicates
 // differently, and the SASS changed.)
 template <int D, typename T, bool LSE>
-__device__ __forceinline__ void hop_epilogue(const SageAttnParams& p, const float* sepi, int b, int h, int64_t bhq,
+__device__ __forceinline__ void epilogue(const SageAttnParams& p, const float* sepi, int b, int h, int64_t bhq,
                                              int sq, int row0, int row1, int t4, T* O0, T* O1, bool st0, bool st1,
                                              bool skip, float inv0, float inv1, float qshift0, float qshift1,
                                              const float (&o)[D / 2], float l0, float l1, float m0, float m1,
@@ -82,7 +84,7 @@ __device__ __forceinline__ void hop_epilogue(const SageAttnParams& p, const floa
     // smooth V: + mean(V) on rows that attended to something (the staged mean is 0 without smooth V)
     const float f0 = l0 != 0.f ? 1.f : 0.f, f1 = l1 != 0.f ? 1.f : 0.f;
 #pragma unroll
-    for (int c = 0; c < D / 32; ++c) {  // o[4i ..] with i = 4c + q holds channels 32c + 8 t4 + 2q, + 1 (hop_vcol)
+    for (int c = 0; c < D / 32; ++c) {  // o[4i ..] with i = 4c + q holds channels 32c + 8 t4 + 2q, + 1 (vcol)
         uint32_t r0[4], r1[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -109,4 +111,4 @@ __device__ __forceinline__ void hop_epilogue(const SageAttnParams& p, const floa
     }
 }
 
-}  // namespace sage
+}  // namespace sage::hopper

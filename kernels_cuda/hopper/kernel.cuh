@@ -1,21 +1,29 @@
-// Hopper path: the warp-specialized persistent attention kernel. Warpgroup 0 is the producer (mainloop.cuh); each of
+// Hopper path: the warp-specialized persistent attention kernel. Warpgroup 0 is the producer (producer.cuh); each of
 // the NWG consumer warpgroups owns 64 rows of the CTA tile and, per work item: Q prologue, the serial block loop
-// (S = Q K^T, online softmax (softmax.cuh), P~V, two-level accumulation (mainloop.cuh)), split-tail combine, epilogue.
+// (S = Q K^T, online softmax (softmax.cuh), P~V, two-level accumulation (consumer.cuh)), split-tail combine, epilogue
+// (epilogue.cuh). The pieces are included side by side (FlashAttention-3's hopper/ shape); the shared-memory
+// pipeline they meet in is pipeline.cuh, the PTX wrappers wgmma.cuh.
 #pragma once
+#include "traits.cuh"
+#include "tile_scheduler.cuh"
+#include "pipeline.cuh"
+#include "producer.cuh"
+#include "softmax.cuh"
+#include "consumer.cuh"
 #include "epilogue.cuh"
 
-namespace sage {
+namespace sage::hopper {
 
 // LSE: whether p.lse is written (a template parameter: its fp32 row sums cost registers the loop needs otherwise);
 // WIN: a sliding window (p.window_keys > 0; its limits cost registers too: without it D = 64 ran 1-3% slower)
 template <int D, typename T, bool LSE, int NWG, bool WIN>
-__global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const __grid_constant__ SageAttnParams p,
-                                                                           const HopWs w) {
-    using S = HopSmem<D, NWG>;
-    constexpr int BM = hop_bm(NWG);
+__global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __grid_constant__ SageAttnParams p,
+                                                                           const Ws w) {
+    using S = Smem<D, NWG>;
+    constexpr int BM = bm(NWG);
     extern __shared__ __align__(1024) uint8_t hsmem_raw[];
     const int wg = threadIdx.x >> 7;
-    const HopCta<D, NWG> c = hop_cta_init<D, NWG>(hsmem_raw);
+    const Cta<D, NWG> c = cta_init<D, NWG>(hsmem_raw);
     uint8_t* hsmem = c.smem;
     const uint32_t sbase = c.sbase;
     const uint32_t bar_full = c.bar_full, bar_empty = c.bar_empty;
@@ -24,14 +32,14 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     pdl_wait();
     const int group = p.Hq / p.Hkv;
     if (wg == 0) {
-        hop_producer<D, NWG>(p, w, c, group);
+        producer<D, NWG>(p, w, c, group);
         return;
     }
     // ---------------- consumers
     // setmaxnreg.inc takes only what the producer's .dec released from the CTA's launch allocation (the launch
     // bound's 65536 / threads, a multiple of 8; asking for more hangs): 240 for 2 consumers (capped), 160 for 3, 112 for 4
-    constexpr int kLaunchRegs = (65536 / hop_threads(NWG)) & ~7;
-    constexpr int kPool = ((kLaunchRegs * hop_threads(NWG) - 128 * 24) / (128 * NWG)) & ~7;
+    constexpr int kLaunchRegs = (65536 / threads(NWG)) & ~7;
+    constexpr int kPool = ((kLaunchRegs * threads(NWG) - 128 * 24) / (128 * NWG)) & ~7;
     constexpr int kRegs = kPool > 240 ? 240 : kPool;
     static_assert(NWG != 4 || kRegs == 112, "4 consumers: 640 threads launch with 96 registers each");
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory");
@@ -40,33 +48,33 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
     const int cw = __shfl_sync(0xffffffffu, wg, 0) - 1;
     const int ltid = threadIdx.x & 127, warp = ltid >> 5, lane = ltid & 31, g = lane >> 2, t4 = lane & 3;
     const uint32_t sQ = sbase + S::Q_OFF + cw * S::QBYTES;
-    // descriptor low words of this warpgroup's Q image and of stage 0's K and V^T images (hop_desc_lo)
-    const uint32_t dq = hop_desc_lo(sQ), dk0 = hop_desc_lo(sbase + S::K_OFF), dv0 = hop_desc_lo(sbase + S::V_OFF);
+    // descriptor low words of this warpgroup's Q image and of stage 0's K and V^T images (desc_lo)
+    const uint32_t dq = desc_lo(sQ), dk0 = desc_lo(sbase + S::K_OFF), dv0 = desc_lo(sbase + S::V_OFF);
     uint8_t* sQp = hsmem + S::Q_OFF + cw * S::QBYTES;
     int it = 0, tpar = 0;
     const int lrow0 = warp * 16 + g;  // this lane's rows in the warpgroup's 64: lrow0, lrow0 + 8
     // The next tile's Q rows, K mean and V scale/mean are loaded into registers before the current tile's epilogue,
     // so their latency hides under it (the prologue used to wait on them with the tensor cores idle).
     int ci = 0;
-    HopTakeTile take_tile{ci, tbar_full, tring, lane, tbar_empty};
-    HopPrefetch<D, T, LSE, NWG> prefetch{w, p, cw, lrow0, group, t4, ltid};
-    HopQPre<D> pf;
+    TakeTile take_tile{ci, tbar_full, tring, lane, tbar_empty};
+    Prefetch<D, T, LSE, NWG> prefetch{w, p, cw, lrow0, group, t4, ltid};
+    QPre<D> pf;
     int tt = take_tile();
     if (tt < w.nitems) prefetch(tt, pf);
     while (tt < w.nitems) {
-        const HopItem itm = hop_item(tt, w);
-        const HopTile tl = hop_tile(itm.tile, p.B, p.Hq, w.nqb);
+        const Item itm = item(tt, w);
+        const Tile tl = tile(itm.tile, p.B, p.Hq, w.nqb);
         const int b = tl.b, h = tl.h;
         const int sq = len_q(p, b), skv = len_k(p, b), q0 = tl.qb * BM;
-        const int nkb = hop_num_kv_blocks(p, q0, BM, sq, skv);
+        const int nkb = num_kv_blocks(p, q0, BM, sq, skv);
         // this item's blocks (a whole tile: its first block in the window .. nkb - 1)
-        const int kb0 = hop_part_kb0(itm, w, p, q0, sq, skv), kb1 = hop_part_kb1(itm, nkb, w);
+        const int kb0 = part_kb0(itm, w, p, q0, sq, skv), kb1 = part_kb1(itm, nkb, w);
         const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + h / group;
         const int row0 = q0 + cw * 64 + lrow0, row1 = row0 + 8;
 
         float qshift0 = 0.f, qshift1 = 0.f, qs;
         float* se = reinterpret_cast<float*>(hsmem + S::EPI_OFF) + (cw * 2 + tpar) * S::EPI_FLOATS;
-        hop_q_prologue<D, T, LSE>(p, pf, se, sQp, cw, ltid, lrow0, t4, qs, qshift0, qshift1);
+        q_prologue<D, T, LSE>(p, pf, se, sQp, cw, ltid, lrow0, t4, qs, qshift0, qshift1);
         const float* sepi = se;
         tpar ^= 1;
 
@@ -83,15 +91,13 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         const int wrow_min = q0 + cw * 64;  // first row of this warpgroup
 
         // masked blocks: key attended by the row (inside the sequence, not padded, not past the causal diagonal)
-        HopKeyOk key_ok{skv, mrow, p, diag};
-        HopSoftmax<LSE, WIN> softmax_block{skv, p, wrow_min, diag, qs, key_ok, t4, row0, row1, m0, m1, ls0, ls1};
-        HopIssueQK<D, NWG> issue_qk{dk0, dq};
-        HopIssuePV<D, NWG> issue_pv{dv0};
-        HopFold<D> fold{o};
-        HopMerge<D> merge{l0, l1, fold};
-        HopStageOf<S::NST> stage_of{};
+        KeyOk key_ok{skv, mrow, p, diag};
+        Softmax<LSE, WIN> softmax{skv, p, wrow_min, diag, qs, key_ok, t4, row0, row1, m0, m1, ls0, ls1};
+        IssueQK<D, NWG> issue_qk{dk0, dq};
+        IssuePV<D, NWG> issue_pv{dv0};
+        PvAccum<D> pv{o, l0, l1};
         float vfac_prev = 1.f;
-        const HopBlockStep<D, NWG, LSE, WIN> consume_block{softmax_block, issue_qk, issue_pv, fold, merge, l0, l1,
+        const BlockStep<D, NWG, LSE, WIN> consume_block{softmax, issue_qk, issue_pv, pv, l0, l1,
                                                       vfac_prev, dv0, bar_full, bar_empty, lane};
         // serial blocks need >= 3 consumer warpgroups to keep the tensor cores busy; D = 256 fits only 2 (its O)
         static_assert(NWG >= 3 || D == 256, "serial blocks need >= 3 consumer warpgroups");
@@ -100,22 +106,22 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
             // form measured: docs/design/tried_and_rejected.md)
             // causal: the tile's last blocks may lie wholly past this warpgroup's diagonal (nkb_own <= kb < nkb);
             // a warpgroup whose rows all lie past the sequence's end (the last tile) computes nothing
-            const int nkb_own = wrow_min < sq ? hop_num_kv_blocks(p, wrow_min, 64, sq, skv) : 0;
+            const int nkb_own = wrow_min < sq ? num_kv_blocks(p, wrow_min, 64, sq, skv) : 0;
             const int kend = min(nkb_own, kb1);
             // sliding window: the tile's first blocks may lie wholly before this warpgroup's window
-            const int kbeg = WIN ? max(kb0, min(hop_first_kv_block(p, wrow_min, sq, skv), kend)) : kb0;
+            const int kbeg = WIN ? max(kb0, min(first_kv_block(p, wrow_min, sq, skv), kend)) : kb0;
             int kb = kb0;
-            for (; kb < kbeg; ++kb, ++it) hop_release_block(stage_of, it, bar_full, bar_empty, lane);
+            for (; kb < kbeg; ++kb, ++it) release_block<S::NST>(it, bar_full, bar_empty, lane);
             float kscale_next = kb1 > kb ? ksc[kb * 4 + t4] : 0.f;
             float vfac_next = kb1 > kb ? vfc[kb] : 1.f;
             int kmask_next = kmf && kb1 > kb ? kmf[kb] : 0;
             // sliding window: blocks before kb_wfull are cut by the window of some row of the warpgroup (the last,
             // wrow_min + 63, starts latest): the visible keys are no prefix there, the general per-key test applies
             const int wlast = wrow_min + 63 + (skv - sq) - p.window_keys;  // the last row's last hidden key
-            const int kb_wfull = WIN && wlast >= 0 ? wlast / kHopBN + 1 : 0;
+            const int kb_wfull = WIN && wlast >= 0 ? wlast / kBN + 1 : 0;
             for (; kb < kend; ++kb, ++it) {
                 uint32_t ph;
-                const int s = stage_of(it, ph);
+                const int s = stage_of<S::NST>(it, ph);
                 const float kscale_cur = kscale_next, vfac_cur = vfac_next;
                 const int kmask_cur = kmask_next | (kb < kb_wfull);
                 if (kb + 1 < kb1) {  // in flight during this block
@@ -126,11 +132,11 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
                 consume_block(s, ph, kb, kscale_cur, vfac_cur, kmask_cur);
             }
             // blocks past the diagonal: only released (a separate loop keeps the main loop's code as it is)
-            for (; kb < kb1; ++kb, ++it) hop_release_block(stage_of, it, bar_full, bar_empty, lane);
+            for (; kb < kb1; ++kb, ++it) release_block<S::NST>(it, bar_full, bar_empty, lane);
         }
 
         bool skip = false;
-        hop_split_combine<D, NWG, LSE>(w, hop_item(tt, w), hsmem, cw, ltid, o, l0, l1, m0, m1, vfac_prev, skip);
+        split_combine<D, NWG, LSE>(w, item(tt, w), hsmem, cw, ltid, o, l0, l1, m0, m1, vfac_prev, skip);
 
         const int tnext = take_tile();
         // in flight during the epilogue; unconditional (the current tile again after the last one) so that the
@@ -144,10 +150,10 @@ __global__ void __launch_bounds__(hop_threads(NWG), 1) hopper_attn_kernel(const 
         T* O0 = O + (int64_t)row0 * p.o_ss + 8 * t4;
         T* O1 = O + (int64_t)row1 * p.o_ss + 8 * t4;
         const bool st0 = row0 < sq && !skip, st1 = row1 < sq && !skip;
-        hop_epilogue<D, T, LSE>(p, sepi, b, h, bhq, sq, row0, row1, t4, O0, O1, st0, st1, skip, inv0, inv1, qshift0,
+        epilogue<D, T, LSE>(p, sepi, b, h, bhq, sq, row0, row1, t4, O0, O1, st0, st1, skip, inv0, inv1, qshift0,
                                 qshift1, o, l0, l1, m0, m1, ls0, ls1);
         tt = tnext;
     }
 }
 
-}  // namespace sage
+}  // namespace sage::hopper

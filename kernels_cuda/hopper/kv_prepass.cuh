@@ -5,32 +5,32 @@
 #include "../common/quant.cuh"
 #include "../common/ptx.cuh"
 
-namespace sage {
+namespace sage::hopper {
 
 // ------------------------------------------------------------------------------------------------------------------
 // Pre-pass: one CTA per (128-key block, kv-head, batch). Each thread owns 4 keys and 8 channels: owner o = tid / (D/8)
-// (0..31) holds the keys of V^T slots 4o..4o+3 (hop_kv_key), so per channel its 4 e4m3 bytes are one 32-bit word of the
+// (0..31) holds the keys of V^T slots 4o..4o+3 (kv_key), so per channel its 4 e4m3 bytes are one 32-bit word of the
 // V^T image (one shared store per channel instead of 4 byte stores and their shifts), and its 4 keys are in one K
 // scale group (Grouping(128, 8, 2): group (key % 8) / 2 = o % 4, one running max). A key row is read by D/8 adjacent
 // lanes, 16 bytes each, so every warp load covers whole rows (256 or 128 contiguous bytes per row).
-__host__ __device__ constexpr int hop_kv_threads(int D) { return 4 * D; }  // 32 owners x D / 8 lanes
+__host__ __device__ constexpr int kv_threads(int D) { return 4 * D; }  // 32 owners x D / 8 lanes
 // 64 registers per thread: 2 CTAs per SM at D = 128, 4 at D = 64
-__host__ __device__ constexpr int hop_kv_ctas(int D) { return 1024 / hop_kv_threads(D); }
-// block-local key of owner o's load i: V^T slot 4o + i (hop_slot_of_key: slot bits 0, 1, 2-3, 4 = key bits 0, 3, 1-2, 4)
-__host__ __device__ constexpr int hop_kv_key(int o, int i) {
+__host__ __device__ constexpr int kv_ctas(int D) { return 1024 / kv_threads(D); }
+// block-local key of owner o's load i: V^T slot 4o + i (slot_of_key: slot bits 0, 1, 2-3, 4 = key bits 0, 3, 1-2, 4)
+__host__ __device__ constexpr int kv_key(int o, int i) {
     return 32 * (o >> 3) + 16 * ((o >> 2) & 1) + 2 * (o & 3) + (i & 1) + 8 * (i >> 1);
 }
-__host__ __device__ constexpr bool hop_kv_keys_ok() {  // (checked at compile time)
+__host__ __device__ constexpr bool kv_keys_ok() {  // (checked at compile time)
     for (int o = 0; o < 32; ++o)
         for (int i = 0; i < 4; ++i) {
-            const int k = hop_kv_key(o, i);
-            if ((k & ~31) + hop_slot_of_key(k & 31) != 4 * o + i) return false;
+            const int k = kv_key(o, i);
+            if ((k & ~31) + slot_of_key(k & 31) != 4 * o + i) return false;
         }
     return true;
 }
-static_assert(hop_kv_keys_ok(), "owner o's keys are V^T slots 4o..4o+3");
+static_assert(kv_keys_ok(), "owner o's keys are V^T slots 4o..4o+3");
 // V's quantized value before the e4m3 rounding: one FFMA, v (1 / scale) + (-mean / scale) with the shift precomputed
-__device__ __forceinline__ float hop_kv_vq(float v, float inv, float shift) { return fmaf(v, inv, shift); }
+__device__ __forceinline__ float kv_vq(float v, float inv, float shift) { return fmaf(v, inv, shift); }
 // 8 raw values (16 bytes) -> floats; bf16 by shifts (exact, as __bfloat1622float2, but without the temporaries that
 // made the bf16 pre-pass spill at 64 registers)
 template <typename T> __device__ __forceinline__ void raw8_to_float(const uint4& u, float (&x)[8]) {
@@ -58,35 +58,35 @@ template <typename T> __device__ __forceinline__ float2 raw2_to_float(uint32_t w
 // read K and V once more: 15% of a 1K call). Exact means are not needed: any per-channel shift of K leaves the
 // softmax unchanged (q . mu is constant along a row; the LSE adds it back) and any mean subtracted from V is added
 // back exactly, so sampled means cost accuracy only through weaker smoothing. The V scale is a per-channel base
-// (kHopVHeadroom x the sample's max |V - mean|, floored) times a power of two per 128-key block (vfac, chosen by the
+// (kVHeadroom x the sample's max |V - mean|, floored) times a power of two per 128-key block (vfac, chosen by the
 // K/V pass from the block's own values), so no value saturates whatever the sample missed.
-// Sample: ns = min(kHopSample, skv) tokens t_i = floor(i skv / ns). One CTA per (b, kv-head); the reference
+// Sample: ns = min(kSample, skv) tokens t_i = floor(i skv / ns). One CTA per (b, kv-head); the reference
 // simulates it (SimConfig.stats_sample).
-constexpr int kHopSample = 128;
-constexpr float kHopVHeadroom = 8.f;        // base = headroom x sample max: blocks beyond it get vfac > 1
-constexpr float kHopVRelFloor = 1.f / 1024.f;  // a channel's base >= this x the largest channel's (bounds vfac)
-constexpr float kHopVAbsFloor = 1e-20f;
-constexpr int kHopVMaxExp = 64;             // vfac <= 2^64 (larger values saturate: |V| > ~1e3 x 2^64 x base)
-constexpr int kHopStatThreads = 256;
+constexpr int kSample = 128;
+constexpr float kVHeadroom = 8.f;        // base = headroom x sample max: blocks beyond it get vfac > 1
+constexpr float kVRelFloor = 1.f / 1024.f;  // a channel's base >= this x the largest channel's (bounds vfac)
+constexpr float kVAbsFloor = 1e-20f;
+constexpr int kVMaxExp = 64;             // vfac <= 2^64 (larger values saturate: |V| > ~1e3 x 2^64 x base)
+constexpr int kStatThreads = 256;
 template <int D, typename T>
-__global__ void __launch_bounds__(kHopStatThreads) hopper_sample_stats_kernel(SageAttnParams p, float* kmean,
+__global__ void __launch_bounds__(kStatThreads) hopper_sample_stats_kernel(SageAttnParams p, float* kmean,
                                                                               float* vscale, float* vmean, int* zero,
                                                                               int nzero) {
     pdl_launch_dependents();
-    constexpr int LPK = D / 8, RPP = kHopStatThreads / LPK;  // lanes per row (8 channels each), rows per pass
+    constexpr int LPK = D / 8, RPP = kStatThreads / LPK;  // lanes per row (8 channels each), rows per pass
     __shared__ float red[4][RPP][D];  // per row slot: K sum, V sum, V max, V min
     __shared__ float wmx[D / 32];
     const int bh = blockIdx.x, b = bh / p.Hkv, h = bh % p.Hkv;
     if (zero && bh == 0)  // the attention kernel's tile and split counters, reset in stream order
-        for (int i = threadIdx.x; i < nzero; i += kHopStatThreads) zero[i] = 0;
-    const int skv = len_k(p, b), ns = min(skv, kHopSample);
+        for (int i = threadIdx.x; i < nzero; i += kStatThreads) zero[i] = 0;
+    const int skv = len_k(p, b), ns = min(skv, kSample);
     const int cc = threadIdx.x % LPK, rr = threadIdx.x / LPK;
     const T* kb = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok0_k(p, b) * p.k_ss + 8 * cc;
     const T* vb = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok0_k(p, b) * p.v_ss + 8 * cc;
     float ks[8], vs[8], vmx[8], vmn[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) { ks[e] = 0.f; vs[e] = 0.f; vmx[e] = -INFINITY; vmn[e] = INFINITY; }
-    constexpr int NI = kHopSample / RPP;
+    constexpr int NI = kSample / RPP;
     uint4 kr[NI], vr[NI];
 #pragma unroll
     for (int i = 0; i < NI; ++i) {  // all loads in flight first
@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(kHopStatThreads) hopper_sample_stats_kernel(Sa
 #pragma unroll
     for (int w = 1; w < D / 32; ++w) am = fmax_nan(am, wmx[w]);
     // a non-finite sampled value: NaN base (every V value of the head then quantizes to NaN, see hopper_quant_kv_kernel)
-    const float base = finite_or_nan(fmax_nan(fmax_nan(kHopVHeadroom * a, kHopVHeadroom * am * kHopVRelFloor),
-                                              kHopVAbsFloor)) / kFp8Max;
+    const float base = finite_or_nan(fmax_nan(fmax_nan(kVHeadroom * a, kVHeadroom * am * kVRelFloor),
+                                              kVAbsFloor)) / kFp8Max;
     kmean[(int64_t)bh * D + d] = km;
     vmean[(int64_t)bh * D + d] = vm;
     vscale[(int64_t)bh * D + d] = base;
@@ -141,12 +141,12 @@ __global__ void __launch_bounds__(kHopStatThreads) hopper_sample_stats_kernel(Sa
 // ---- the K/V pass's pieces (small functor structs bound to the kernel's registers and shared memory)
 
 // offset of the owner's key i (keys c0 + {0, 1, 8, 9}) in elements, from the token stride
-struct HopKvKeyOff {
+struct KvKeyOff {
     __device__ __forceinline__ int64_t operator()(int i, int64_t ss) const { return (i & 1 ? ss : 0) + (i >> 1 ? 8 * ss : 0); }
 };
 // quantity q (0 K mean, 1 1 / V scale, 2 V shift) of the lane's 8 channels, from the staged float4 table
 template <int LPK>
-struct HopKvChan {
+struct KvChan {
     const float4 (&skc)[3][2][LPK];
     const int& cc;
     __device__ __forceinline__ void operator()(int q, float (&x)[8]) const {
@@ -155,27 +155,27 @@ struct HopKvChan {
     }
 };
 // whether the owner's key i is inside the sequence (partial blocks), or always (full blocks)
-struct HopKvValid {
+struct KvValid {
     const int& kbase;
     const int& o;
     const int& skv;
-    __device__ __forceinline__ bool operator()(int i) const { return kbase + hop_kv_key(o, i) < skv; }
+    __device__ __forceinline__ bool operator()(int i) const { return kbase + kv_key(o, i) < skv; }
 };
-struct HopKvAlways {
+struct KvAlways {
     __device__ __forceinline__ bool operator()(int) const { return true; }
 };
 // byte offset of the owner's word of channel d0 + e in the V^T image
-struct HopKvVaddr {
+struct KvVaddr {
     const int (&vaddr)[2];
-    __device__ __forceinline__ int operator()(int e) const { return vaddr[e & 1] + (e >> 1) * 8 * kHopBN; }
+    __device__ __forceinline__ int operator()(int e) const { return vaddr[e & 1] + (e >> 1) * 8 * kBN; }
 };
 // V: e4m3 bytes of (V - mean) / (base vmul^-1) of the owner's 4 keys into the V^T image (raw(i): the owner's 16 bytes
 // of key i; ok(i): key i inside the sequence); returns nonzero if a byte is +-448 or NaN (possibly saturated)
 template <int D, typename T>
-struct HopKvQuantV {
-    const HopKvChan<D / 8>& chan;
-    uint8_t (&vt)[D * kHopBN];
-    const HopKvVaddr& vaddr_of;
+struct KvQuantV {
+    const KvChan<D / 8>& chan;
+    uint8_t (&vt)[D * kBN];
+    const KvVaddr& vaddr_of;
     const int& rot;
     template <typename Raw, typename Ok>
     __device__ __forceinline__ uint32_t operator()(Raw raw, float vmul, Ok ok) const {
@@ -201,7 +201,7 @@ struct HopKvQuantV {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const float x = s ? y[i].y : y[i].x;
-                    z[i] = ok(i) ? hop_kv_vq(x, m, a) : 0.f;
+                    z[i] = ok(i) ? kv_vq(x, m, a) : 0.f;
                 }
                 wd[s] = cvt_e4m3x4(z[0], z[1], z[2], z[3]);
                 // a byte's magnitude bits >= 0x7e (448, or NaN): + 2 sets its bit 7 (no carry into the next byte)
@@ -214,15 +214,15 @@ struct HopKvQuantV {
     }
 };
 // the owner's raw V of key i: from the first load's registers, or reloaded (from L2)
-struct HopKvFirst {
+struct KvFirst {
     const uint4 (&vraw)[4];
     __device__ __forceinline__ uint4 operator()(int i) const { return vraw[i]; }
 };
 template <typename T>
-struct HopKvReload {
-    const HopKvValid& valid;
+struct KvReload {
+    const KvValid& valid;
     const T* const& vsrc;
-    const HopKvKeyOff& key_off;
+    const KvKeyOff& key_off;
     const SageAttnParams& p;
     __device__ __forceinline__ uint4 operator()(int i) const {
         return valid(i) ? *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss)) : make_uint4(0u, 0u, 0u, 0u);
@@ -231,8 +231,8 @@ struct HopKvReload {
 // K - mean of the owner's keys kept in registers (padded keys: 0, they load as 0 and |0 - mean| must not count) and
 // its running |max|
 template <int D, typename T>
-struct HopKvKdiff {
-    const HopKvChan<D / 8>& chan;
+struct KvKdiff {
+    const KvChan<D / 8>& chan;
     const uint4 (&kraw)[4];
     float (&kd)[4][8];
     float& am;
@@ -254,13 +254,13 @@ struct HopKvKdiff {
 };
 
 // The V factor of a block holding a value beyond the sampled range (any byte of the first pass saturated):
-// vfac = 2^e, the least e >= 0 with max |V - mean| / base <= 448 vfac (e <= kHopVMaxExp), written to *vfac, and
+// vfac = 2^e, the least e >= 0 with max |V - mean| / base <= 448 vfac (e <= kVMaxExp), written to *vfac, and
 // its inverse to gscale[8] for the requantization. A non-finite value in the block (NaN, or Inf, which the first pass
 // saturated to 448: both flag the block) makes the maximum NaN: the block is requantized with a NaN factor, so its V^T
 // image is NaN and so are P~V and O of every row that runs the block (vfac itself stays a power of two: the attention
 // kernel divides by it with integer arithmetic on the exponent). reload(i): the owner's raw V of key i, from L2.
 template <int NT, typename T, typename Chan>
-__device__ __forceinline__ void hop_kv_block_vfac(const HopKvReload<T>& reload, const HopKvValid& valid,
+__device__ __forceinline__ void kv_block_vfac(const KvReload<T>& reload, const KvValid& valid,
                                                   const Chan& chan, float* omax, float* gscale, float* vfac) {
     float r = 0.f;
     {
@@ -273,7 +273,7 @@ __device__ __forceinline__ void hop_kv_block_vfac(const HopKvReload<T>& reload, 
             raw8_to_float<T>(reload(i), y);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                const float z = hop_kv_vq(y[e], vi[e], vs[e]);
+                const float z = kv_vq(y[e], vi[e], vs[e]);
                 r = valid(i) ? fmax_nan(r, fabsf(z)) : r;
             }
         }
@@ -291,7 +291,7 @@ __device__ __forceinline__ void hop_kv_block_vfac(const HopKvReload<T>& reload, 
         int e = 0;
         if (r > kFp8Max) {  // (false for NaN)
             const uint32_t u = __float_as_uint(r / kFp8Max);  // >= 1
-            e = min((int)(u >> 23) - 127 + ((u & 0x7fffffu) != 0u), kHopVMaxExp);
+            e = min((int)(u >> 23) - 127 + ((u & 0x7fffffu) != 0u), kVMaxExp);
         }
         *vfac = __uint_as_float((uint32_t)(127 + e) << 23);
         gscale[8] = r == r ? __uint_as_float((uint32_t)(127 - e) << 23) : r;  // NaN: the block's V^T image NaN
@@ -302,7 +302,7 @@ __device__ __forceinline__ void hop_kv_block_vfac(const HopKvReload<T>& reload, 
 // K: the owner's 4 keys of K - mean (kd) as INT8 with its group's scale sc (inverse inv), 8 channels of a key = 8
 // bytes of its row in the block's K image kdst
 template <int D>
-__device__ __forceinline__ void hop_kv_store_k(int8_t* kdst, const float (&kd)[4][8], float sc, float inv, int o,
+__device__ __forceinline__ void kv_store_k(int8_t* kdst, const float (&kd)[4][8], float sc, float inv, int o,
                                                int d0) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -314,40 +314,40 @@ __device__ __forceinline__ void hop_kv_store_k(int8_t* kdst, const float (&kd)[4
             for (int e = 0; e < 4; ++e) bt[e] = quant_i8_bits(kd[i][4 * q + e], sc, inv);
             w[q] = pack_low_bytes(bt[0], bt[1], bt[2], bt[3]);
         }
-        *reinterpret_cast<uint2*>(kdst + hop_img_off(hop_kv_key(o, i), d0, D)) = make_uint2(w[0], w[1]);
+        *reinterpret_cast<uint2*>(kdst + img_off(kv_key(o, i), d0, D)) = make_uint2(w[0], w[1]);
     }
 }
 
 template <int D, typename T>
-__global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quant_kv_kernel(SageAttnParams p,
+__global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_kernel(SageAttnParams p,
         const float* kmean, const float* vscale, const float* vmean, int8_t* kimg, float* kscale, uint8_t* vimg,
         float* vfac, int* kmflag, int nkb) {
-    constexpr int NT = hop_kv_threads(D), LPK = D / 8;  // threads, lanes per key row
-    static_assert(kHopBN == 128 && NT / LPK == 32, "32 owners of 4 keys");
+    constexpr int NT = kv_threads(D), LPK = D / 8;  // threads, lanes per key row
+    static_assert(kBN == 128 && NT / LPK == 32, "32 owners of 4 keys");
     // per-channel K mean, 1 / V scale and V's shift (-mean / scale, or the mean) as float4 [quantity][half][lane
     // chunk]: a lane's 8 channels are two LDS.128 without bank conflicts
     __shared__ float4 skc[3][2][LPK];
     __shared__ float omax[32], gscale[9];
-    __shared__ __align__(16) uint8_t vt[D * kHopBN];  // the V^T block image, copied out linearly at the end
+    __shared__ __align__(16) uint8_t vt[D * kBN];  // the V^T block image, copied out linearly at the end
     pdl_wait();
     pdl_launch_dependents();
     // grid (block, kv-head, batch): no division for the head index
     const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z, bh = b * p.Hkv + h;
     const int skv = len_k(p, b);
-    if (kb > 0 && kb * kHopBN >= skv) return;  // varlen: past this sequence's end (never read)
+    if (kb > 0 && kb * kBN >= skv) return;  // varlen: past this sequence's end (never read)
     const int o = threadIdx.x / LPK, cc = threadIdx.x % LPK, d0 = 8 * cc;  // owner, its lane's 8 channels
-    const int kbase = kb * kHopBN;
-    const bool full = kbase + kHopBN <= skv;  // CTA-uniform: no per-value validity selects
+    const int kbase = kb * kBN;
+    const bool full = kbase + kBN <= skv;  // CTA-uniform: no per-value validity selects
     // the owner's keys c0 + {0, 1, 8, 9}: one 64-bit address product, the others by adds
-    const int c0 = hop_kv_key(o, 0);
+    const int c0 = kv_key(o, 0);
     const int64_t tok = tok0_k(p, b) + kbase + c0;
     const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + d0;
     const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + d0;
-    HopKvKeyOff key_off{};
+    KvKeyOff key_off{};
     uint4 kraw[4], vraw[4];  // all loads in flight before any use (raw: half the registers of floats)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        if (kbase + hop_kv_key(o, i) < skv) {
+        if (kbase + kv_key(o, i) < skv) {
             kraw[i] = *reinterpret_cast<const uint4*>(ksrc + key_off(i, p.k_ss));
             vraw[i] = *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss));
         } else {
@@ -365,30 +365,30 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
         kc[4 * LPK * 4] = -vm * vi;
     }
     __syncthreads();
-    HopKvChan<LPK> chan{skc, cc};  // quantity q (0 K mean, 1 1 / V scale, 2 V shift) of the lane's channels
-    HopKvValid valid{kbase, o, skv};
-    HopKvAlways always{};
+    KvChan<LPK> chan{skc, cc};  // quantity q (0 K mean, 1 1 / V scale, 2 V shift) of the lane's channels
+    KvValid valid{kbase, o, skv};
+    KvAlways always{};
     // V: e4m3 bytes of (V - mean) / (base vfac) into the V^T image, first with vfac = 1 (returning nonzero if a byte
     // is +-448 or NaN: possibly saturated), again with the block's vfac if one is. Channel d's word (the owner's 4
-    // keys) goes to row hop_vcol(d), bytes 4o..4o+3. Rows hop_vcol(8 cc + e) of a store fall on 4 of the 8 16-byte
+    // keys) goes to row vcol(d), bytes 4o..4o+3. Rows vcol(8 cc + e) of a store fall on 4 of the 8 16-byte
     // bank groups; lanes with (cc / 4) odd store the odd channel of each pair first, which spreads them over 8.
     const int rot = (cc >> 2) & 1;
-    // hop_img_off(row, 4o, 128) = (row * 128 | (row % 8) * 16) ^ 4o; row = hop_vcol(d0 + c) for c = 2 pp + s is
+    // img_off(row, 4o, 128) = (row * 128 | (row % 8) * 16) ^ 4o; row = vcol(d0 + c) for c = 2 pp + s is
     // (s ^ rot) | ((cc % 4) << 1) | (pp << 3) | ((cc / 4) << 5): pp only adds pp * 1024
     int vaddr[2];
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
-        const int row = hop_vcol(d0 + (s ^ rot));
-        vaddr[s] = (row * kHopBN | ((row & 7) << 4)) ^ (4 * o);
+        const int row = vcol(d0 + (s ^ rot));
+        vaddr[s] = (row * kBN | ((row & 7) << 4)) ^ (4 * o);
     }
-    HopKvVaddr vaddr_of{vaddr};
-    HopKvQuantV<D, T> quant_v{chan, vt, vaddr_of, rot};
-    HopKvFirst first{vraw};
+    KvVaddr vaddr_of{vaddr};
+    KvQuantV<D, T> quant_v{chan, vt, vaddr_of, rot};
+    KvFirst first{vraw};
     const uint32_t sat = full ? quant_v(first, 1.f, always) : quant_v(first, 1.f, valid);
     // K - mean kept in registers for the quantization after the group maxima
     float kd[4][8];
     float am = 0.f;
-    HopKvKdiff<D, T> kdiff{chan, kraw, kd, am};
+    KvKdiff<D, T> kdiff{chan, kraw, kd, am};
     if (full) kdiff(always); else kdiff(valid);
 #pragma unroll
     for (int s = LPK / 2; s > 0; s >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, s));
@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
     // key-padding mask: one flag per (batch, block), "some key of this block is masked", so the attention kernel
     // masks (reads the mask) only in those blocks
     if (p.kmask) {
-        const int masked = threadIdx.x < kHopBN && kbase + (int)threadIdx.x < skv &&
+        const int masked = threadIdx.x < kBN && kbase + (int)threadIdx.x < skv &&
                            p.kmask[(int64_t)b * p.kmask_sb + kbase + threadIdx.x] == 0;
         const int any_masked = __syncthreads_or(masked);
         if (h == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
@@ -415,18 +415,18 @@ __global__ void __launch_bounds__(hop_kv_threads(D), hop_kv_ctas(D)) hopper_quan
     }
     if (threadIdx.x == 4 && !any_sat) vfac[blk] = 1.f;  // else set below
     __syncthreads();
-    hop_kv_store_k<D>(kimg + blk * kHopBN * D, kd, gscale[o & 3], gscale[4 + (o & 3)], o, d0);
+    kv_store_k<D>(kimg + blk * kBN * D, kd, gscale[o & 3], gscale[4 + (o & 3)], o, d0);
     if (any_sat) {  // rare (a value beyond the sampled range): V reloaded (from L2) here, where K's registers are free
-        HopKvReload<T> reload{valid, vsrc, key_off, p};
-        hop_kv_block_vfac<NT, T>(reload, valid, chan, omax, gscale, vfac + blk);
+        KvReload<T> reload{valid, vsrc, key_off, p};
+        kv_block_vfac<NT, T>(reload, valid, chan, omax, gscale, vfac + blk);
         quant_v(reload, gscale[8], valid);  // rewrites this thread's own image words
     }
     __syncthreads();  // the V^T image complete
     // V^T image out: 16-byte chunks, linear (the staging is already in the image layout)
-    uint8_t* vdst = vimg + blk * kHopBN * D;
+    uint8_t* vdst = vimg + blk * kBN * D;
 #pragma unroll
-    for (int i = threadIdx.x; i < D * kHopBN / 16; i += NT)
+    for (int i = threadIdx.x; i < D * kBN / 16; i += NT)
         reinterpret_cast<uint4*>(vdst)[i] = reinterpret_cast<const uint4*>(vt)[i];
 }
 
-}  // namespace sage
+}  // namespace sage::hopper

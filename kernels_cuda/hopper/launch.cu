@@ -5,11 +5,11 @@
 #include "kv_prepass.cuh"
 #include "kernel.cuh"
 
-namespace sage {
+namespace sage::hopper {
 
 // The Hopper path's workspace: the K/V pass's block images and tables, the statistics, the scheduler's counters and
 // the split tail's partials
-struct HopBufs {
+struct Bufs {
     int64_t nkb;  // 128-key blocks per (b, kv-head)
     int8_t* kimg; float* kscale; uint8_t* vimg; float* vscale; float* vfac; float* kmean; float* vmean; int* kmflag;
     int* tilectr;  // the dynamic tile scheduler's counter, then one arrival counter per split tile and consumer
@@ -19,25 +19,25 @@ struct HopBufs {
 };
 
 // carve the workspace ws (null: sizes only, see WsCarver)
-inline HopBufs carve_hop_ws(const SageAttnParams& p, void* ws) {
-    HopBufs L;
-    L.nkb = (p.Skv + kHopBN - 1) / kHopBN;
-    const HopPlan P = hop_plan(p);
-    const int nwg = hop_nwg(p.D);
+inline Bufs carve_ws(const SageAttnParams& p, void* ws) {
+    Bufs L;
+    L.nkb = (p.Skv + kBN - 1) / kBN;
+    const Plan P = plan(p);
+    const int nw = nwg(p.D);
     const int64_t bhk = (int64_t)p.B * p.Hkv, D = p.D;
     WsCarver c(ws);
-    L.kimg = c.take<int8_t>(bhk * L.nkb * kHopBN * D);
+    L.kimg = c.take<int8_t>(bhk * L.nkb * kBN * D);
     L.kscale = c.take<float>(bhk * L.nkb * 4 * 4);
-    L.vimg = c.take<uint8_t>(bhk * L.nkb * kHopBN * D);
+    L.vimg = c.take<uint8_t>(bhk * L.nkb * kBN * D);
     L.vscale = c.take<float>(bhk * D * 4);
     L.vfac = c.take<float>(bhk * L.nkb * 4);
     L.kmean = c.take<float>(bhk * D * 4);
     L.vmean = c.take<float>(bhk * D * 4);
     L.kmflag = c.take<int>(p.kmask ? (int64_t)p.B * L.nkb * 4 : 0);
-    L.nzero = 1 + P.nsplit * nwg;
+    L.nzero = 1 + P.nsplit * nw;
     L.tilectr = c.take<int>(4 * L.nzero);
     // per (split tile, part, consumer) D/8 + 1 float4 per thread (normalised output, log2 sums)
-    L.part = c.take<float4>((int64_t)P.nsplit * P.parts * nwg * (p.D / 8 + 1) * 128 * 16);
+    L.part = c.take<float4>((int64_t)P.nsplit * P.parts * nw * (p.D / 8 + 1) * 128 * 16);
     L.total = c.size();
     return L;
 }
@@ -45,8 +45,7 @@ inline HopBufs carve_hop_ws(const SageAttnParams& p, void* ws) {
 // a launch that may overlap the end of the previous kernel in the stream (programmatic dependent launch: the
 // kernel's pdl_wait() holds it before any global memory access)
 template <typename... Params, typename... Args>
-cudaError_t hop_launch_pdl(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
-                           Args... args) {
+cudaError_t launch_pdl(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
@@ -61,21 +60,21 @@ cudaError_t hop_launch_pdl(void (*kern)(Params...), dim3 grid, dim3 block, size_
 }
 
 template <int D, typename T>
-int hop_launch(const SageAttnParams& p, cudaStream_t st) {
-    const HopBufs L = carve_hop_ws(p, p.workspace);
+int launch(const SageAttnParams& p, cudaStream_t st) {
+    const Bufs L = carve_ws(p, p.workspace);
     const int bhk = p.B * p.Hkv, nkb = (int)L.nkb;
     // the first kernel follows whatever the caller ran before: a plain launch; the next two with PDL
-    hopper_sample_stats_kernel<D, T><<<bhk, kHopStatThreads, 0, st>>>(p, L.kmean, L.vscale, L.vmean, L.tilectr,
-                                                                       L.nzero);
+    hopper_sample_stats_kernel<D, T><<<bhk, kStatThreads, 0, st>>>(p, L.kmean, L.vscale, L.vmean, L.tilectr,
+                                                                   L.nzero);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
-    e = hop_launch_pdl(hopper_quant_kv_kernel<D, T>, dim3(nkb, p.Hkv, p.B), dim3(hop_kv_threads(D)), 0, st, p,
-                       (const float*)L.kmean, (const float*)L.vscale, (const float*)L.vmean, L.kimg, L.kscale, L.vimg,
-                       L.vfac, L.kmflag, nkb);
+    e = launch_pdl(hopper_quant_kv_kernel<D, T>, dim3(nkb, p.Hkv, p.B), dim3(kv_threads(D)), 0, st, p,
+                   (const float*)L.kmean, (const float*)L.vscale, (const float*)L.vmean, L.kimg, L.kscale, L.vimg,
+                   L.vfac, L.kmflag, nkb);
     if (e != cudaSuccess) return (int)e;
 
-    constexpr int NWG = hop_nwg(D);
-    using S = HopSmem<D, NWG>;
+    constexpr int NWG = nwg(D);
+    using S = Smem<D, NWG>;
     const bool lse = p.lse != nullptr, win = p.window_keys > 0;
     auto kern = lse ? (win ? hopper_attn_kernel<D, T, true, NWG, true> : hopper_attn_kernel<D, T, true, NWG, false>)
                     : (win ? hopper_attn_kernel<D, T, false, NWG, true> : hopper_attn_kernel<D, T, false, NWG, false>);
@@ -85,12 +84,12 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
         e = opt_in_dynamic_smem(kern, S::TOTAL, done[2 * lse + win], dev);
         if (e != cudaSuccess) return (int)e;
     }
-    HopWs w;
+    Ws w;
     w.kimg = L.kimg; w.kscale = L.kscale; w.vimg = L.vimg; w.vscale = L.vscale; w.vfac = L.vfac;
     w.kmean = L.kmean; w.vmean = L.vmean; w.kmflag = L.kmflag;
     w.tilectr = L.tilectr;
     w.nkb = nkb;
-    const HopPlan P = hop_plan(p);  // the same plan as the workspace layout's
+    const Plan P = plan(p);  // the same plan as the workspace layout's
     w.nqb = P.nqb;
     w.splitctr = w.tilectr + 1;
     w.part = L.part;
@@ -98,10 +97,14 @@ int hop_launch(const SageAttnParams& p, cudaStream_t st) {
     w.nfull = P.ntiles - P.nsplit;
     w.parts = P.parts;
     w.pmul = P.parts > 1 ? (uint32_t)((0x100000000ull + P.parts - 1) / P.parts) : 0u;  // exact for u < 2^30
-    for (int j = 0; j <= kHopMaxParts; ++j) w.pkb[j] = j <= P.parts ? (int)((int64_t)j * nkb / P.parts) : nkb;
-    const int nsm = hop_num_sms(dev), grid = w.nitems < nsm ? w.nitems : nsm;
-    return (int)hop_launch_pdl(kern, dim3(grid), dim3(hop_threads(NWG)), S::TOTAL, st, p, w);
+    for (int j = 0; j <= kMaxParts; ++j) w.pkb[j] = j <= P.parts ? (int)((int64_t)j * nkb / P.parts) : nkb;
+    const int nsm = num_sms(dev), grid = w.nitems < nsm ? w.nitems : nsm;
+    return (int)launch_pdl(kern, dim3(grid), dim3(threads(NWG)), S::TOTAL, st, p, w);
 }
+
+}  // namespace sage::hopper
+
+namespace sage {
 
 // whether the Hopper kernel serves these parameters (the C ABI checks that the build has it)
 bool hopper_supported(const SageAttnParams& p) {
@@ -111,13 +114,14 @@ bool hopper_supported(const SageAttnParams& p) {
     return p.device_cc == 90 && (p.D == 64 || p.D == 128 || p.D == 256) && p.qk_bits != 4 && o16;
 }
 
-int64_t hopper_workspace_bytes(const SageAttnParams& p) { return carve_hop_ws(p, nullptr).total; }
+int64_t hopper_workspace_bytes(const SageAttnParams& p) { return hopper::carve_ws(p, nullptr).total; }
 
 int hopper_fwd(const SageAttnParams& p, cudaStream_t st) {
     if (p.dtype != 0 && p.dtype != 1) return SAGE_E_BADARG;
-    if (p.D == 64) return p.dtype == 0 ? hop_launch<64, __half>(p, st) : hop_launch<64, __nv_bfloat16>(p, st);
-    if (p.D == 256) return p.dtype == 0 ? hop_launch<256, __half>(p, st) : hop_launch<256, __nv_bfloat16>(p, st);
-    return p.dtype == 0 ? hop_launch<128, __half>(p, st) : hop_launch<128, __nv_bfloat16>(p, st);
+    if (p.D == 64) return p.dtype == 0 ? hopper::launch<64, __half>(p, st) : hopper::launch<64, __nv_bfloat16>(p, st);
+    if (p.D == 256)
+        return p.dtype == 0 ? hopper::launch<256, __half>(p, st) : hopper::launch<256, __nv_bfloat16>(p, st);
+    return p.dtype == 0 ? hopper::launch<128, __half>(p, st) : hopper::launch<128, __nv_bfloat16>(p, st);
 }
 
 }  // namespace sage

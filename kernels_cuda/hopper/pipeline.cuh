@@ -1,131 +1,100 @@
-
-// Hopper path: the sm_90a primitives of the shared-memory pipeline and the tensor cores. wgmma descriptors of the
-// swizzled operand images, mbarriers, bulk global -> shared copies (the producer's), wgmma fences and the wgmma
-// instructions (S = Q K^T in s8, P~V in e4m3).
+// Hopper path: the shared-memory pipeline. The CTA's shared memory and barriers (Cta: the K/V stage ring and the
+// tile ring), both ends of the tile ring (the producer publishes work items, the consumers take them) and the
+// consumers' view of the stage ring (stage and phase of a block; releasing a block not computed).
 #pragma once
-#include "traits.cuh"
+#include "wgmma.cuh"
+#include "tile_scheduler.cuh"
+#include "../common/ptx.cuh"
 
-#if defined(__CUDA_ARCH__) && !(__CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL))
-#error "kernels_cuda/hopper/ is compiled for sm_90a only (build_kernels.py)"
-#endif
+namespace sage::hopper {
 
-namespace sage {
+// the CTA's shared memory (1024-byte aligned) and the mbarrier addresses of the stage ring and the tile ring
+template <int D, int NWG>
+struct Cta {
+    using S = Smem<D, NWG>;
+    uint8_t* smem;
+    uint32_t sbase, bar_full, bar_empty, tbar_full, tbar_empty;
+    volatile int* tring;  // the tile ring's work items
+};
 
-// Descriptor of an hop_img_off image with rows of kbytes, in two halves: the low word holds the start address (and
-// the leading byte offset), the high word is a compile-time constant (stride, swizzle mode). Moving along K or to
-// another stage adds to the low word only (hop_desc_step): shared-memory addresses are < 2^18, so the 14-bit address
-// field never carries into the rest, and the loop pays one add per wgmma instead of a mask-shift-or sequence.
-__host__ __device__ constexpr uint32_t hop_desc_hi(int kbytes) {
-    // swizzled K-major: 8-row atoms kbytes * 8 apart (SBO), LBO unused; mode 1 = 128B, 2 = 64B swizzle. The
-    // hardware applies the XOR to the address bits, so images start 8 * kbytes aligned and K steps add to the start.
-    return (uint32_t)((8 * kbytes) >> 4) | ((kbytes >= 128 ? 1u : 2u) << 30);
-}
-__device__ __forceinline__ uint32_t hop_desc_lo(uint32_t img) { return ((img & 0x3FFFF) >> 4) | (1u << 16); }
-// low-word increment for starting k0 bytes (a multiple of 32) further along K
-__host__ __device__ constexpr uint32_t hop_desc_step(int k0) { return (uint32_t)(k0 >> 4); }
-// the same along the K of an image with rows of kbytes: past 128 bytes the next 1024-byte atom (hop_img_off)
-__host__ __device__ constexpr uint32_t hop_desc_kstep(int k0, int kbytes) {
-    return kbytes > 128 ? hop_desc_step((k0 >> 7) * 1024 + (k0 & 127)) : hop_desc_step(k0);
-}
-__device__ __forceinline__ uint64_t hop_desc_make(uint32_t lo, uint32_t hi) { return ((uint64_t)hi << 32) | lo; }
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t ok;
-    do {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-    } while (!ok);
-}
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-template <int N> __device__ __forceinline__ void reg_fence(int (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
-}
-template <int N> __device__ __forceinline__ void reg_fence(float (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-template <int N, int M> __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][M]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int j = 0; j < M; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
-}
-
-// operand lists for 64 / 32 accumulator registers; C: "+r" / "+f" (accumulate) or "=r" / "=f" (first k step: the
-// accumulator is only written, so its old values are dead for the compiler and cost no registers across the softmax)
-#define SAGE_D8(C, i) C(d[i + 0]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), \
-                      C(d[i + 7])
-#define SAGE_D64(C) SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24), SAGE_D8(C, 32), SAGE_D8(C, 40), \
-                    SAGE_D8(C, 48), SAGE_D8(C, 56)
-#define SAGE_LIST32 \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-    "%24, %25, %26, %27, %28, %29, %30, %31"
-#define SAGE_LIST64 \
-    SAGE_LIST32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, " \
-    "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-
-// S (64 x 128, int32) (+)= Q (64 x 32 int8, smem) . K (128 x 32 int8, smem)^T; ACC: add to d, else overwrite it
-#define SAGE_WGMMA_S8(SCALE_D, C) \
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {" SAGE_LIST64 "}, %64, %65, " SCALE_D ";\n" \
-                 : SAGE_D64(C) : "l"(da), "l"(db))
-template <bool ACC> __device__ __forceinline__ void wgmma_s8_n128(int (&d)[64], uint64_t da, uint64_t db) {
-    if constexpr (ACC) SAGE_WGMMA_S8("1", "+r");
-    else SAGE_WGMMA_S8("0", "=r");
-}
-// O (64 x D + 8, fp32) (+)= P~ (64 x 32 e4m3, registers) . V^T (D + 8 x 32 e4m3, smem)^T; columns D.. are row sums
-#define SAGE_WGMMA_E4_N136(SCALE_D, C) \
-    asm volatile("wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {" SAGE_LIST64 ", %64, %65, %66, %67}, " \
-                 "{%68, %69, %70, %71}, %72, " SCALE_D ", 1, 1;\n" \
-                 : SAGE_D64(C), C(d[64]), C(d[65]), C(d[66]), C(d[67]) \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
-#define SAGE_WGMMA_E4_N72(SCALE_D, C) \
-    asm volatile("wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 {" SAGE_LIST32 ", %32, %33, %34, %35}, " \
-                 "{%36, %37, %38, %39}, %40, " SCALE_D ", 1, 1;\n" \
-                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24), C(d[32]), C(d[33]), C(d[34]), \
-                   C(d[35]) \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
-#define SAGE_WGMMA_E4_N64(SCALE_D, C) \
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" SAGE_LIST32 "}, " \
-                 "{%32, %33, %34, %35}, %36, " SCALE_D ", 1, 1;\n" \
-                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
-// P~V over the first 64 V^T rows only (channels hop_vcol(0..63)): the first half of a column-split P~V at D = 128
-template <bool ACC> __device__ __forceinline__ void wgmma_pv64(float (&d)[32], const uint32_t* a, uint64_t db) {
-    if constexpr (ACC) SAGE_WGMMA_E4_N64("1", "+f");
-    else SAGE_WGMMA_E4_N64("0", "=f");
-}
-// P~V over V^T rows 64..135 (the second half of a split P~V at D = 128, with the row sums), or all rows at D = 64
-template <bool ACC> __device__ __forceinline__ void wgmma_pv72(float (&d)[36], const uint32_t* a, uint64_t db) {
-    if constexpr (ACC) SAGE_WGMMA_E4_N72("1", "+f");
-    else SAGE_WGMMA_E4_N72("0", "=f");
-}
-template <int D, bool ACC>
-__device__ __forceinline__ void wgmma_pv(float (&d)[hop_pv_n(D) / 2], const uint32_t* a, uint64_t db) {
-    if constexpr (D == 128) {
-        if constexpr (ACC) SAGE_WGMMA_E4_N136("1", "+f");
-        else SAGE_WGMMA_E4_N136("0", "=f");
-    } else {
-        if constexpr (ACC) SAGE_WGMMA_E4_N72("1", "+f");
-        else SAGE_WGMMA_E4_N72("0", "=f");
+template <int D, int NWG>
+__device__ __forceinline__ Cta<D, NWG> cta_init(uint8_t* hsmem_raw) {
+    using S = Smem<D, NWG>;
+    Cta<D, NWG> c;
+    // swizzled operand images need 1024-byte aligned atoms: align the base ourselves
+    const uint32_t spad = (1024u - (smem_u32(hsmem_raw) & 1023u)) & 1023u;
+    c.smem = hsmem_raw + spad;
+    c.sbase = smem_u32(c.smem);
+    c.bar_full = c.sbase + S::BAR_OFF;
+    c.bar_empty = c.bar_full + 8 * S::NST;
+    c.tbar_full = c.sbase + S::TBAR_OFF;
+    c.tbar_empty = c.tbar_full + 8 * kTileRing;
+    c.tring = reinterpret_cast<volatile int*>(c.smem + S::TILE_OFF);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S::NST; ++s) {
+            mbar_init(c.bar_full + 8 * s, 1);
+            mbar_init(c.bar_empty + 8 * s, 4 * NWG);  // one arrival per consumer warp
+        }
+        for (int r = 0; r < kTileRing; ++r) {
+            mbar_init(c.tbar_full + 8 * r, 1);
+            mbar_init(c.tbar_empty + 8 * r, 4 * NWG);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+    {  // e4m3 1.0 = 0x38 in the rows below every V^T stage (the bulk copies never touch them)
+        for (int i = threadIdx.x; i < S::NST * S::ONES / 4; i += threads(NWG)) {
+            const int st = i / (S::ONES / 4), wd = i % (S::ONES / 4);
+            *reinterpret_cast<uint32_t*>(c.smem + S::V_OFF + st * S::VSTRIDE + S::VBYTES + 4 * wd) = 0x38383838u;
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma (async proxy)
+    }
+    __syncthreads();
+    return c;
 }
-}  // namespace sage
+
+// the producer's side of the tile ring: hand work item t (>= nitems: no more) to the consumers
+template <int D, int NWG>
+__device__ __forceinline__ void publish(const Cta<D, NWG>& c, int& ti, int t) {
+    const int r = ti % kTileRing;
+    mbar_wait(c.tbar_empty + 8 * r, ((uint32_t)(ti / kTileRing) & 1u) ^ 1u);
+    c.tring[r] = t;
+    mbar_arrive(c.tbar_full + 8 * r);
+    ++ti;
+}
+
+// the consumers' side of the tile ring: the next work item from the producer (>= nitems: no more)
+struct TakeTile {  // the next work item from the producer (>= nitems: no more)
+    int& ci;
+    const uint32_t& tbar_full;
+    volatile int* const& tring;
+    const int& lane;
+    const uint32_t& tbar_empty;
+    __device__ __forceinline__ int operator()() const {
+        const int r = ci % kTileRing;
+        mbar_wait(tbar_full + 8 * r, (uint32_t)(ci / kTileRing) & 1u);
+        const int t = tring[r];
+        __syncwarp();
+        if (lane == 0) mbar_arrive(tbar_empty + 8 * r);
+        ++ci;
+        return t;
+    }
+};
+
+// stage and phase of the it-th block a consumer takes (NST stages: Smem::NST)
+template <int NST = kStages>
+__device__ __forceinline__ int stage_of(int i, uint32_t& ph) {
+    ph = (uint32_t)(i / NST) & 1u;
+    return i % NST;
+}
+// a block this warpgroup does not compute (wholly past its causal diagonal or before its sliding window): only
+// released, after it landed (an early arrival would count towards the stage's previous use)
+template <int NST>
+__device__ __forceinline__ void release_block(int it, uint32_t bar_full, uint32_t bar_empty, int lane) {
+    uint32_t ph;
+    const int s = stage_of<NST>(it, ph);
+    mbar_wait(bar_full + 8 * s, ph);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+}
+
+}  // namespace sage::hopper

@@ -1,17 +1,16 @@
-// Hopper path: the consumer's online softmax over 128-key blocks (HopSoftmax: a thread's two rows, row0 = its warp
+// Hopper path: the consumer's online softmax over 128-key blocks (Softmax: a thread's two rows, row0 = its warp
 // row g and row1 = g + 8, with the row state as explicit members) and the P~ packing into the FP8 wgmma A fragments.
 // The pieces are small functor structs bound to the consumer's registers (the same code the compiler saw when they
 // were lambdas: the SASS is unchanged, tools/sass_diff.py).
 #pragma once
-#include "pipeline.cuh"
 #include "tile_scheduler.cuh"
 #include "../common/quant.cuh"
 
-namespace sage {
+namespace sage::hopper {
 
 // masked blocks: key attended by the row (inside the sequence, not padded, not past the causal diagonal; the
-// sliding window is HopGeneral's)
-struct HopKeyOk {
+// sliding window is General's)
+struct KeyOk {
     const int& skv;
     const uint8_t* const& mrow;
     const SageAttnParams& p;
@@ -23,7 +22,7 @@ struct HopKeyOk {
 
 // blocks without padded keys: row r attends to keys kbase + k for k < lim (sequence end, causal diagonal), one
 // compare and select per score instead of the general test with its branches
-struct HopLim {
+struct Lim {
     const int& skv;
     const SageAttnParams& p;
     const int& diag;
@@ -31,31 +30,31 @@ struct HopLim {
     __device__ __forceinline__ int operator()(int row) const { return min(skv, p.causal ? row + diag + 1 : skv) - kbase; }
 };
 // per-row visibility of the key 2 t4 + c of the block: a prefix (c < l: the lane's offset folded into l) ...
-struct HopPrefix {
+struct Prefix {
     const int& l;
     __device__ __forceinline__ bool operator()(int c) const { return c < l; }
 };
 // ... or the general test (padded keys, a sliding window): c > wlo, the row's last key before its window with the
 // lane's offset folded in (as the prefix limits: one compare with an immediate per score)
-struct HopGeneral {
-    const HopKeyOk& key_ok;
+struct General {
+    const KeyOk& key_ok;
     const int& kbase;
     const int& t4;
     const int& row;
     const int wlo;
     __device__ __forceinline__ bool operator()(int c) const { return c > wlo && key_ok(kbase + 2 * t4 + c, row); }
 };
-// HopGeneral's wlo for a row: its last hidden key before the window (key <= row + diag - window_keys), relative to
+// General's wlo for a row: its last hidden key before the window (key <= row + diag - window_keys), relative to
 // the lane's first key of the block; INT_MIN (a compile-time constant: no test) in kernels without a window
 template <bool WIN>
-__device__ __forceinline__ int hop_window_lo(const SageAttnParams& p, int row, int diag, int kbase, int t4) {
+__device__ __forceinline__ int window_lo(const SageAttnParams& p, int row, int diag, int kbase, int t4) {
     if constexpr (!WIN) return INT_MIN;
     return row + diag - p.window_keys - kbase - 2 * t4;
 }
 // Visits the thread's scores of a block, key 2 t4 + c of the block for c = 8 j + e (a compile-time constant once
 // unrolled): step(c, i0, i1), with i0 / i1 the score's index in the accumulator layout for row0 / row1
 template <typename Step>
-__device__ __forceinline__ void hop_each_key(const Step& step) {
+__device__ __forceinline__ void each_key(const Step& step) {
 #pragma unroll
     for (int j = 0; j < 16; ++j)
 #pragma unroll
@@ -64,7 +63,7 @@ __device__ __forceinline__ void hop_each_key(const Step& step) {
 // the row max over visible scores (hidden ones as INT_MIN, the chain runs through the max only); vis0 / vis1: the
 // per-row visibility of key c
 template <typename V0, typename V1>
-struct HopMaskedMax {
+struct MaskedMax {
     int& im0;
     int& im1;
     const int (&acc)[64];
@@ -77,7 +76,7 @@ struct HopMaskedMax {
 };
 // zeros for the hidden scores after the exponentials
 template <typename V0, typename V1>
-struct HopZeroHidden {
+struct ZeroHidden {
     float (&sf)[64];
     V0 vis0;
     V1 vis1;
@@ -87,7 +86,7 @@ struct HopZeroHidden {
     }
 };
 // the exponent of one score: int -> float bits (1.5 * 2^23 + x) times the scale minus c
-struct HopArg {
+struct Arg {
     const int (&acc)[64];
     const float& sc;
     __device__ __forceinline__ float operator()(int i, float c) const {
@@ -99,13 +98,13 @@ struct HopArg {
 // The online softmax of a consumer thread's two rows (row0, row1 = row0 + 8) over 128-key blocks. Its row state
 // (running maxima m, fp32 LSE sums ls) is explicit: members bound to the consumer's registers.
 template <bool LSE, bool WIN>
-struct HopSoftmax {
+struct Softmax {
     const int& skv;
     const SageAttnParams& p;
     const int& wrow_min;  // first row of this warpgroup
     const int& diag;      // causal offset skv - sq
     const float& qs;      // this thread's Q scale (log2 domain, sm_scale folded in)
-    const HopKeyOk& key_ok;
+    const KeyOk& key_ok;
     const int& t4;
     const int& row0;
     const int& row1;
@@ -113,17 +112,17 @@ struct HopSoftmax {
     float& m1;
     float& ls0;           // fp32 sums of 448 p over this lane's keys, for the LSE only
     float& ls1;
-    // S of block kb (int32 wgmma accumulator) -> 448 p per score (fp32, before the e4m3 conversion of HopPackP)
+    // S of block kb (int32 wgmma accumulator) -> 448 p per score (fp32, before the e4m3 conversion of pack_p)
     // and the rescale factors alpha. kscale: this thread's K scale of block kb (prefetched one block ahead);
     // kmasked: the block needs the general per-key test (padded keys, or a sliding window cutting it)
-    __device__ __forceinline__ void operator()(const int (&acc)[64], int kb, float kscale, int kmasked,
-                                               float (&sf)[64], float& al0, float& al1) const {
-        const int kbase = kb * kHopBN;
-        const bool need_mask = (kbase + kHopBN > skv) || kmasked ||
-                               (p.causal && kbase + kHopBN - 1 > wrow_min + diag);
+    __device__ __forceinline__ void online_softmax(const int (&acc)[64], int kb, float kscale, int kmasked,
+                                                   float (&sf)[64], float& al0, float& al1) const {
+        const int kbase = kb * kBN;
+        const bool need_mask = (kbase + kBN > skv) || kmasked ||
+                               (p.causal && kbase + kBN - 1 > wrow_min + diag);
         const float sc = qs * kscale;  // one Q and one K scale per thread (>= 0); log2 domain
         // (the prefix limits are computed where used: kept live across the exponentials they cost registers)
-        HopLim lim{skv, p, diag, kbase};
+        Lim lim{skv, p, diag, kbase};
         // Row max on the int32 scores (a lane's scale is >= 0, so the order is the same), then per score one IADD
         // (int -> float bits: 1.5 * 2^23 + x, exact for |x| < 2^22), one FFMA (scale, subtract the max and the
         // 1.5 * 2^23 offset, add log2 448) and EX2. The offset folded into c costs one rounding of c, the same for
@@ -141,11 +140,11 @@ struct HopSoftmax {
             }
         } else if (!kmasked) {  // sequence end / causal diagonal: a row's keys are a prefix of the block
             const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
-            hop_each_key(HopMaskedMax<HopPrefix, HopPrefix>{im0, im1, acc, HopPrefix{l0}, HopPrefix{l1}});
+            each_key(MaskedMax<Prefix, Prefix>{im0, im1, acc, Prefix{l0}, Prefix{l1}});
         } else {
-            const HopGeneral general0{key_ok, kbase, t4, row0, hop_window_lo<WIN>(p, row0, diag, kbase, t4)};
-            const HopGeneral general1{key_ok, kbase, t4, row1, hop_window_lo<WIN>(p, row1, diag, kbase, t4)};
-            hop_each_key(HopMaskedMax<HopGeneral, HopGeneral>{im0, im1, acc, general0, general1});
+            const General general0{key_ok, kbase, t4, row0, window_lo<WIN>(p, row0, diag, kbase, t4)};
+            const General general1{key_ok, kbase, t4, row1, window_lo<WIN>(p, row1, diag, kbase, t4)};
+            each_key(MaskedMax<General, General>{im0, im1, acc, general0, general1});
         }
         // the 4 lanes of a row hold different K scale groups: compare them as scaled floats
         float mx0 = im0 == INT_MIN ? -INFINITY : (float)im0 * sc;
@@ -160,7 +159,7 @@ struct HopSoftmax {
         al1 = fast_exp2(m1 - mu1);
         m0 = mx0; m1 = mx1;
         const float c0 = fmaf(kMagicF, sc, mu0 - kLog2Fp8Max), c1 = fmaf(kMagicF, sc, mu1 - kLog2Fp8Max);
-        HopArg arg{acc, sc};
+        Arg arg{acc, sc};
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
             sf[4 * j] = fast_exp2(arg(4 * j, c0));
@@ -170,11 +169,11 @@ struct HopSoftmax {
         }
         if (need_mask && !kmasked) {
             const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
-            hop_each_key(HopZeroHidden<HopPrefix, HopPrefix>{sf, HopPrefix{l0}, HopPrefix{l1}});
+            each_key(ZeroHidden<Prefix, Prefix>{sf, Prefix{l0}, Prefix{l1}});
         } else if (need_mask) {
-            const HopGeneral general0{key_ok, kbase, t4, row0, hop_window_lo<WIN>(p, row0, diag, kbase, t4)};
-            const HopGeneral general1{key_ok, kbase, t4, row1, hop_window_lo<WIN>(p, row1, diag, kbase, t4)};
-            hop_each_key(HopZeroHidden<HopGeneral, HopGeneral>{sf, general0, general1});
+            const General general0{key_ok, kbase, t4, row0, window_lo<WIN>(p, row0, diag, kbase, t4)};
+            const General general1{key_ok, kbase, t4, row1, window_lo<WIN>(p, row1, diag, kbase, t4)};
+            each_key(ZeroHidden<General, General>{sf, general0, general1});
         }
         // the output is normalised by the tensor cores' row sums (merge); the LSE keeps fp32 sums of p (the FP8
         // accumulator keeps ~13 bits: its sums run up to ~1% low, which cancels in the output, not in the LSE)
@@ -191,17 +190,15 @@ struct HopSoftmax {
 };
 
 // 448 p (fp32) -> the e4m3 A fragments of the four k32 steps of P~V
-struct HopPackP {
-    __device__ __forceinline__ void operator()(const float (&sf)[64], uint32_t (&pa)[4][4]) const {
+__device__ __forceinline__ void pack_p(const float (&sf)[64], uint32_t (&pa)[4][4]) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {  // slots follow V^T's permuted key order
-            const float* q = sf + 16 * kk;
-            pa[kk][0] = cvt_e4m3x2(q[0], q[1]) | (cvt_e4m3x2(q[4], q[5]) << 16);
-            pa[kk][1] = cvt_e4m3x2(q[2], q[3]) | (cvt_e4m3x2(q[6], q[7]) << 16);
-            pa[kk][2] = cvt_e4m3x2(q[8], q[9]) | (cvt_e4m3x2(q[12], q[13]) << 16);
-            pa[kk][3] = cvt_e4m3x2(q[10], q[11]) | (cvt_e4m3x2(q[14], q[15]) << 16);
-        }
+    for (int kk = 0; kk < 4; ++kk) {  // slots follow V^T's permuted key order
+        const float* q = sf + 16 * kk;
+        pa[kk][0] = cvt_e4m3x2(q[0], q[1]) | (cvt_e4m3x2(q[4], q[5]) << 16);
+        pa[kk][1] = cvt_e4m3x2(q[2], q[3]) | (cvt_e4m3x2(q[6], q[7]) << 16);
+        pa[kk][2] = cvt_e4m3x2(q[8], q[9]) | (cvt_e4m3x2(q[12], q[13]) << 16);
+        pa[kk][3] = cvt_e4m3x2(q[10], q[11]) | (cvt_e4m3x2(q[14], q[15]) << 16);
     }
-};
+}
 
-}  // namespace sage
+}  // namespace sage::hopper

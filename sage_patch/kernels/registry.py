@@ -51,7 +51,7 @@ KERNEL_BLOCK_K = 64
 HOPPER_Q_GROUPING_ARGS = (16, 8, 1)
 HOPPER_K_GROUPING_ARGS = (128, 8, 2)
 HOPPER_BLOCK_K = 128
-HOPPER_STATS_SAMPLE = 128  # tokens the Hopper path's K/V means and V base scale come from (kHopSample)
+HOPPER_STATS_SAMPLE = 128  # tokens the Hopper path's K/V means and V base scale come from (kSample, kernels_cuda/hopper/traits.cuh)
 
 FORCE_PV = os.environ.get("SAGE_PATCH_PV", "").lower() or None
 FORCE_QK = os.environ.get("SAGE_PATCH_QK_MMA", "").lower() or None

@@ -84,7 +84,7 @@ def test_hopper_many_tiles_matches_simulation(b, hq, hkv, n, d, causal):
 
 
 def _expected_parts(b, hq, n, d):
-    """hop_plan (non-causal, no LSE): the ntiles mod nsm tail tiles split into min(4, nsm // rem, nkb // 4) parts."""
+    """hopper::plan (non-causal, no LSE): the ntiles mod nsm tail tiles split into min(4, nsm // rem, nkb // 4) parts."""
     nwg = 4 if d == 64 else 3 if d == 128 else 2
     ntiles = b * hq * -(-n // (64 * nwg))
     nsm = torch.cuda.get_device_properties(DEV).multi_processor_count
