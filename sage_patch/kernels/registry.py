@@ -126,7 +126,6 @@ def _fp16_pv_smem(t: Target):
     return None
 
 
-
 def head_dim_reason(d: int, dv: int | None = None) -> str | None:
     """Why no compiled kernel serves q/k head dim d and v head dim dv (None: one does, natively or zero-padded to
     the next native head dim, kernels.head_dims); one rule for can_run, the registry and the resolver's early
@@ -209,7 +208,7 @@ class KernelVariant:
         a call padded to a native head dim (head_dim, head_dim_v not native) gets PADDED_SPEED_ASSUMPTION's.
         A training variant runs its own head dims only (no padding): its table's entry as it stands."""
         if self.trains:
-            per_arch = self.sdpa_faster_below.get(arch_key(cc), self.sdpa_faster_below.get(ANY_ARCH))
+            per_arch = _per_arch(self.sdpa_faster_below, cc)
             return None if per_arch is None else per_arch.get((head_dim, bool(causal)))
         return _crossover(self.sdpa_faster_below, cc, head_dim, causal, head_dim_v)
 
@@ -306,13 +305,18 @@ def arch_key(cc: tuple[int, int]) -> str:
     return f"sm_{major}{minor}" if major < 10 else f"sm_{major}0"
 
 
+def _per_arch(table, cc):
+    """A crossover table's entries for a device of capability `cc` (its arch's, else ANY_ARCH's, else None)."""
+    return table.get(arch_key(cc), table.get(ANY_ARCH))
+
+
 def padded_measurement(table, cc, head_dim, causal, head_dim_v=None):
     """(m, crossover) of the measured padded head dim that stands for a padded call in `table` on `cc`, or None.
     A table may name padded head dims (measured zero-padded to their native dim n); a call of head dims D, Dv padded
     to n takes the entry of the largest measured m <= (D + Dv) / 2 padded to the same n: its work ratio is m's or
     more (the kernel does n's work, SDPA that of (D + Dv) / 2), so its crossover is m's or later, never earlier
     (the measured ones: 80, 96 and 112 have the same crossovers, and 160 and 192)."""
-    per_arch = table.get(arch_key(cc), table.get(ANY_ARCH))
+    per_arch = _per_arch(table, cc)
     n = native_head_dim(head_dim, head_dim_v)
     if per_arch is None or n is None or (n == head_dim and head_dim_v in (None, head_dim)):  # native: no stand-in
         return None
@@ -326,7 +330,7 @@ def padded_measurement(table, cc, head_dim, causal, head_dim_v=None):
 
 
 def _crossover(table, cc, head_dim, causal, head_dim_v=None):
-    per_arch = table.get(arch_key(cc), table.get(ANY_ARCH))
+    per_arch = _per_arch(table, cc)
     n = native_head_dim(head_dim, head_dim_v)
     if n is None or (n == head_dim and head_dim_v in (None, head_dim)):  # native (or no kernel at all)
         return None if per_arch is None else per_arch.get((head_dim, bool(causal)))
