@@ -98,6 +98,7 @@ int main() {
         fails += run(2, 2, 1, 130, 150, 64, 1, pvm, 1, cc);
         fails += run(1, 2, 2, 70, 129, 128, 0, pvm, 0, cc);
         fails += run(2, 2, 2, 65, 64, 128, 1, pvm, 1, cc);
+        fails += run(2, 2, 1, 97, 150, 256, 1, pvm, 1, cc);  // head dim 256: one m16 tile per warp / 2 Hopper stages
     }
     if (cc == 90 && sage_hopper_compiled()) {  // Hopper kernel: smooth V, several tiles per CTA (persistent)
         g_smooth_v = 1;
@@ -105,9 +106,11 @@ int main() {
         fails += run(1, 150, 150, 128, 128, 64, 0, 3, 0, cc);  // 150 tiles > 132 CTAs
         g_v_outlier = 1;
         fails += run(1, 2, 2, 200, 1000, 64, 0, 3, 1, cc);
+        fails += run(1, 2, 2, 200, 1000, 256, 0, 3, 1, cc);
         g_no_lse = 1;  // 2 tiles on 132 SMs: each split into 2 key parts (partials, counters, the last one combines)
         fails += run(1, 2, 2, 100, 1000, 128, 0, 3, 0, cc);
         fails += run(1, 2, 2, 200, 1000, 64, 0, 3, 1, cc);
+        fails += run(1, 2, 2, 100, 1000, 256, 0, 3, 0, cc);
         g_no_lse = 0;
         g_smooth_v = 0;
         fails += run(1, 2, 1, 200, 1000, 128, 1, 3, 0, cc);
@@ -119,6 +122,7 @@ int main() {
         const int pvm = cc >= 89 ? 2 : 1;
         fails += run(2, 2, 1, 130, 150, 64, 1, pvm, 1, cc);
         fails += run(1, 2, 2, 70, 129, 128, 0, pvm, 0, cc);
+        fails += run(1, 2, 2, 70, 129, 256, 0, pvm, 0, cc);
     }
     std::printf(fails ? "FAILED\n" : "OK\n");
     return fails ? 1 : 0;
