@@ -172,6 +172,14 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
              key_padding_mask=None):
     """Backward from what `forward` returned. dout (B, Hq, Sq, D) (cast to v's dtype, as autograd may hand it in
     another). Returns (dq, dk, dv) in v's dtype, contiguous."""
+    return _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, is_causal=is_causal, scale=scale,
+                     key_padding_mask=key_padding_mask, cuda_dkdv=False)
+
+
+def _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal, scale, key_padding_mask,
+              cuda_dkdv: bool):
+    """`backward`, with dK and dV from the Triton dkdv_kernel or (cuda_dkdv) the compiled sm_90a kernel
+    (hopper.dkdv: the same numerics from the same prepared operands); dQ from the Triton dq_kernel either way."""
     from .bwd import dkdv_kernel, dq_kernel
 
     dout = _descriptor_ready(dout.to(v.dtype))
@@ -195,9 +203,15 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     args = (_descriptor(q_int.view(b * hq, sq, d), (1, bm, d)), _descriptor(q_t, (1, half, bm)), k_int, k_scale, v,
             v.stride(0), v.stride(1), v.stride(2), _descriptor(dout, (1, 1, bm, d)), _descriptor(do_t, (1, half, bm)),
             _descriptor(stats, (1, bm, 4)), dk, dv, kpm, skpm, *sizes)
-    grid = (_cdiv(skv, t["dkdv_n"]), b * hkv)
-    for parts in ((True, True),) if t["dkdv_fused"] else ((False, True), (True, False)):
-        dkdv_kernel[grid](*args, DK=parts[0], DV=parts[1], **flags)
+    if cuda_dkdv:
+        from .hopper import dkdv
+
+        dkdv(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, key_padding_mask, is_causal=is_causal,
+             scale=scale)
+    else:
+        grid = (_cdiv(skv, t["dkdv_n"]), b * hkv)
+        for parts in ((True, True),) if t["dkdv_fused"] else ((False, True), (True, False)):
+            dkdv_kernel[grid](*args, DK=parts[0], DV=parts[1], **flags)
     del args, do_t, q_t  # the transposed INT8 operands are not needed by dQ: freed before K^T is made
     k_t = _transpose(k_int)   # the K-major operand of dS K^
     dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)

@@ -1,0 +1,361 @@
+// Hopper (sm_90a) SageBwd training backward, dK and dV: INT8 and 16-bit wgmma on the transposed problem.
+//
+// One CTA per 64 kBwdNwg keys of one (batch, KV head), one warpgroup per 64 keys; it walks the query heads of the GQA
+// group and their 64-query tiles (the numerics' block_q) that see its keys (causal: from the first visible tile),
+// so dK and dV are summed over the group in registers. Per query tile, with the keys as the wgmma M dimension:
+//   S^T  = K^ Q^^T                INT8 m64n64k32, both operands K-major shared-memory images (hop_img_off)
+//   dP^T = V dO^T                 16-bit m64n64k16 (fp32 accumulation), V and dO images in 64-channel chunks
+//   P^T  = exp2(S^T s_K tau log2e s_Q - LSE)   (masked pairs 0)
+//   dV  += q8(P^T s_dO) dO^       INT8, A from registers: quantized per key row over the tile's 64 queries (a row
+//   dS^T = P^T o (dP^T - Delta)                 lives in the 4 lanes of a quad), B = the transposed dO^ image
+//   dK  += q8(dS^T s_Q) Q^        likewise with the transposed Q^ image; dK is scaled by tau at the end
+// Query order: row c of the Q^ and dO images (the N dimension of S^T and dP^T) holds query hop_slot_of_key(c) of
+// its 32-query group, so the accumulator fragment of a lane is directly its A fragment for the transposed INT8
+// images in natural query order (the forward's V^T trick, applied to the other operand): every tile is copied
+// with 16-byte cp.async into its swizzled place, no byte shuffles. The numerics are those of
+// sage_patch/kernels/sagebwd/bwd.py's dkdv_kernel (SageBwdConfig(**KERNEL_LAYOUT)): the same products, scale
+// foldings, per-row quantization (127 / amax, round half to even, NaN amax -> NaN scale) and accumulation order.
+//
+// Tiles are double-buffered and shared by the CTA's warpgroups: all threads issue the next tile's cp.async copies
+// before computing this one (no producer warp yet; the products run serially within a warpgroup, the other
+// warpgroup keeps the tensor cores busy meanwhile). H200, B=4 H=32 bf16 N=16K, backward alone with dQ from the
+// Triton dq_kernel: D=128 0.82x (full) / 0.83x (causal) of the all-Triton backward, D=64 0.70x / 0.70x: still
+// latency-bound (each product waited on before the math that follows it). Next: a producer warp with bulk copies,
+// S / dP of the next tile issued before this tile's INT8 products (FA3's order), dQ fused (5 products, not 8).
+#pragma once
+#include "pipeline.cuh"
+#include "../common/ptx.cuh"
+#include "../common/quant.cuh"
+
+namespace sage {
+
+constexpr int kBwdKeys = 64;     // keys per warpgroup (wgmma M)
+constexpr int kBwdNwg = 2;       // warpgroups per CTA: they share each query tile's loads (half the traffic per key)
+constexpr int kBwdThreads = 128 * kBwdNwg;
+constexpr int kBwdQueries = 64;  // queries per tile: SageBwd's block_q (the P s_dO / dS s_Q quantization groups)
+
+// shared-memory images, 1024-byte aligned: INT8 ones K-major with rows of D bytes (K^, Q^) or 64 bytes (the
+// transposed Q^T, dO^T: D rows of 64 query slots); 16-bit ones (V, dO) as D / 64 chunks of 64 rows x 128 bytes
+template <int D>
+struct BwdSmem {
+    static constexpr int I8 = 64 * D, H16 = 128 * D;
+    // per warpgroup w: its K^ image at KV_OFF + w KV_STRIDE, its V image I8 further
+    static constexpr int KV_OFF = 0, KV_STRIDE = I8 + H16, V_IN_KV = I8;
+    static constexpr int STAGE0 = KV_OFF + kBwdNwg * KV_STRIDE;
+    // per stage (query tile): Q^, Q^T, dO, dO^T images and the 64 x 4 floats of bwd.row_stats
+    static constexpr int Q_OFF = 0, QT_OFF = Q_OFF + I8, DO_OFF = QT_OFF + I8, DOT_OFF = DO_OFF + H16,
+                         ST_OFF = DOT_OFF + I8;
+    static constexpr int STAGE = ST_OFF + 1024;  // a multiple of 1024: every stage's images stay aligned
+    static constexpr int TOTAL = STAGE0 + 2 * STAGE + 1024;  // + slack to align the base to 1024 bytes
+};
+
+// 16 bytes global -> shared, zero-filled where !ok (src is then not read)
+__device__ __forceinline__ void bwd_cp16(uint8_t* dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(ok ? 16 : 0));
+}
+// query of row / column c of a tile in the permuted order (hop_slot_of_key within each 32)
+__host__ __device__ constexpr int bwd_query_of(int c) { return (c & ~31) | hop_slot_of_key(c & 31); }
+
+// byte offset of the 16-byte chunk c8 (8 16-bit channels 8 c8..) of row r in a 16-bit image
+__device__ __forceinline__ int bwd_h16_off(int r, int c8) { return (c8 >> 3) * 8192 + hop_img_off(r, 16 * (c8 & 7), 128); }
+
+template <typename T> struct BwdWgmmaType;
+template <> struct BwdWgmmaType<__half> { static constexpr const char* name = "f16"; };
+template <> struct BwdWgmmaType<__nv_bfloat16> { static constexpr const char* name = "bf16"; };
+
+// C (64 x 64 int32) (+)= A (64 x 32 int8, smem) B (64 x 32 int8, smem)^T
+#define SAGE_BWD_S8_SS(SCALE_D, C) \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {" SAGE_LIST32 "}, %32, %33, " SCALE_D ";\n" \
+                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) : "l"(da), "l"(db))
+template <bool ACC> __device__ __forceinline__ void bwd_s8_ss(int (&d)[32], uint64_t da, uint64_t db) {
+    if constexpr (ACC) SAGE_BWD_S8_SS("1", "+r");
+    else SAGE_BWD_S8_SS("0", "=r");
+}
+// C (64 x 64 int32) (+)= A (64 x 32 int8, registers) B (64 x 32 int8, smem)^T
+#define SAGE_BWD_S8_RS(SCALE_D, C) \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {" SAGE_LIST32 "}, {%32, %33, %34, %35}, %36, " \
+                 SCALE_D ";\n" \
+                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+template <bool ACC> __device__ __forceinline__ void bwd_s8_rs(int (&d)[32], const uint32_t* a, uint64_t db) {
+    if constexpr (ACC) SAGE_BWD_S8_RS("1", "+r");
+    else SAGE_BWD_S8_RS("0", "=r");
+}
+// C (64 x 64 fp32) (+)= A (64 x 16 fp16/bf16, smem) B (64 x 16, smem)^T, both K-major
+#define SAGE_BWD_H16(TY, SCALE_D, C) \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" SAGE_LIST32 "}, %32, %33, " SCALE_D \
+                 ", 1, 1, 0, 0;\n" \
+                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) : "l"(da), "l"(db))
+template <typename T, bool ACC> __device__ __forceinline__ void bwd_h16_ss(float (&d)[32], uint64_t da, uint64_t db) {
+    if constexpr (std::is_same<T, __half>::value) {
+        if constexpr (ACC) SAGE_BWD_H16("f16", "1", "+f");
+        else SAGE_BWD_H16("f16", "0", "=f");
+    } else {
+        if constexpr (ACC) SAGE_BWD_H16("bf16", "1", "+f");
+        else SAGE_BWD_H16("bf16", "0", "=f");
+    }
+}
+
+// x rounded half to even as the low byte of the result (x * inv, |x * inv| <= 127): quant.to_int8's rounding add,
+// the product rounded first as Triton and the reference compute it
+__device__ __forceinline__ uint32_t bwd_i8_bits(float x, float inv) { return __float_as_uint(__fmul_rn(x, inv) + 12582912.f); }
+
+// One 64 x 64 fp32 tile x (accumulator layout: x[4 i + 2 hh + e] = row g + 8 hh, column 8 i + 2 t4 + e) quantized
+// per row to INT8 A fragments of two k32 steps (columns in hop_slot_of_key order within each 32), and the rows'
+// scales amax / 127 (NaN where the row holds a NaN: it must reach the product, quant.row_amax)
+__device__ __forceinline__ void bwd_quantize_rows(const float (&x)[32], uint32_t (&a)[2][4], float& sc0, float& sc1) {
+    float m0 = 0.f, m1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        m0 = fmax_nan(m0, fmax_nan(fabsf(x[4 * i]), fabsf(x[4 * i + 1])));
+        m1 = fmax_nan(m1, fmax_nan(fabsf(x[4 * i + 2]), fabsf(x[4 * i + 3])));
+    }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+        m0 = fmax_nan(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+        m1 = fmax_nan(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+    }
+    const float inv0 = m0 > 0.f ? 127.f / m0 : 0.f, inv1 = m1 > 0.f ? 127.f / m1 : 0.f;
+    sc0 = m0 / 127.f;
+    sc1 = m1 / 127.f;
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+        const float* q = x + 16 * kk;
+        a[kk][0] = pack_low_bytes(bwd_i8_bits(q[0], inv0), bwd_i8_bits(q[1], inv0), bwd_i8_bits(q[4], inv0),
+                                  bwd_i8_bits(q[5], inv0));
+        a[kk][1] = pack_low_bytes(bwd_i8_bits(q[2], inv1), bwd_i8_bits(q[3], inv1), bwd_i8_bits(q[6], inv1),
+                                  bwd_i8_bits(q[7], inv1));
+        a[kk][2] = pack_low_bytes(bwd_i8_bits(q[8], inv0), bwd_i8_bits(q[9], inv0), bwd_i8_bits(q[12], inv0),
+                                  bwd_i8_bits(q[13], inv0));
+        a[kk][3] = pack_low_bytes(bwd_i8_bits(q[10], inv1), bwd_i8_bits(q[11], inv1), bwd_i8_bits(q[14], inv1),
+                                  bwd_i8_bits(q[15], inv1));
+    }
+}
+
+// acc (D/2 fp32, this lane's rows g, g + 8 and columns 64 nh + 8 i + 2 t4 + e) += (A8 B^T) * row scale, B = the
+// transposed image at bt (D rows of 64 query slots), one n64 product per 64 channels
+template <int D>
+__device__ __forceinline__ void bwd_int8_update(float (&acc)[D / 2], const uint32_t (&a)[2][4], uint32_t bt, float sc0,
+                                                float sc1) {
+#pragma unroll
+    for (int nh = 0; nh < D / 64; ++nh) {
+        int t[32];
+        const uint32_t lo = hop_desc_lo(bt + nh * 4096);
+        wg_fence();
+        bwd_s8_rs<false>(t, a[0], hop_desc_make(lo, hop_desc_hi(64)));
+        bwd_s8_rs<true>(t, a[1], hop_desc_make(lo + hop_desc_step(32), hop_desc_hi(64)));
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(t);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            acc[32 * nh + 4 * i] += (float)t[4 * i] * sc0;
+            acc[32 * nh + 4 * i + 1] += (float)t[4 * i + 1] * sc0;
+            acc[32 * nh + 4 * i + 2] += (float)t[4 * i + 2] * sc1;
+            acc[32 * nh + 4 * i + 3] += (float)t[4 * i + 3] * sc1;
+        }
+    }
+}
+
+// one query tile's operands into stage memory st (cp.async, one commit group): rows m0.. of query head bh
+template <int D, typename T>
+__device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* st, int64_t bh, const T* dop, int m0,
+                                               int tid) {
+    using S = BwdSmem<D>;
+    const int sq = p.Sq;
+    const int8_t* qp = p.q_int + bh * sq * D;
+#pragma unroll 1
+    for (int i = tid; i < 64 * D / 16; i += kBwdThreads) {  // Q^: row c = query m0 + bwd_query_of(c)
+        const int r = i / (D / 16), c = i % (D / 16), qi = m0 + bwd_query_of(r);
+        bwd_cp16(st + S::Q_OFF + hop_img_off(r, 16 * c, D), qp + (int64_t)min(qi, sq - 1) * D + 16 * c, qi < sq);
+    }
+#pragma unroll 1
+    for (int i = tid; i < 64 * D / 8; i += kBwdThreads) {   // dO (16-bit): the same row order
+        const int r = i / (D / 8), c = i % (D / 8), qi = m0 + bwd_query_of(r);
+        bwd_cp16(st + S::DO_OFF + bwd_h16_off(r, c), dop + (int64_t)min(qi, sq - 1) * p.do_ss + 8 * c, qi < sq);
+    }
+    // Q^T and dO^T: channel rows of 64 query bytes in natural order (a row is padded to 16 bytes: a chunk that
+    // starts below sq stays inside it; its bytes past sq meet zero P / dS entries)
+    const int64_t toff = bh * D * p.t_stride;
+#pragma unroll 1
+    for (int i = tid; i < D * 4; i += kBwdThreads) {
+        const int ch = i >> 2, c0 = 16 * (i & 3);
+        const bool ok = m0 + c0 < sq;
+        const int64_t src = toff + ch * p.t_stride + (ok ? m0 + c0 : 0);
+        bwd_cp16(st + S::QT_OFF + hop_img_off(ch, c0, 64), p.q_t + src, ok);
+        bwd_cp16(st + S::DOT_OFF + hop_img_off(ch, c0, 64), p.do_t + src, ok);
+    }
+    if (tid < 64)  // stats in natural query order
+        bwd_cp16(st + S::ST_OFF + 16 * tid, p.stats + 4 * (bh * sq + min(m0 + tid, sq - 1)), m0 + tid < sq);
+    cp_async_commit();
+}
+
+template <int D, typename T>
+__global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_dkdv_kernel(const __grid_constant__ SageBwdParams p) {
+    using S = BwdSmem<D>;
+    extern __shared__ __align__(1024) uint8_t bsmem_raw[];
+    const uint32_t spad = (1024u - (smem_u32(bsmem_raw) & 1023u)) & 1023u;
+    uint8_t* sm = bsmem_raw + spad;
+    // through __shfl_sync ptxas knows the shared base is warp-uniform and keeps the wgmma descriptors in uniform
+    // registers (as the forward's consumer does)
+    const uint32_t sb = __shfl_sync(0xffffffffu, smem_u32(sm), 0);
+    const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), ltid = tid & 127;
+    const int warp = ltid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int ncta = blockIdx.x * kBwdKeys * kBwdNwg, n0 = ncta + wg * kBwdKeys;  // the CTA's / warpgroup's keys
+    const int bkv = blockIdx.y, b = bkv / p.Hkv, hkv = bkv % p.Hkv;
+    const int group = p.Hq / p.Hkv;
+    const int sq = p.Sq, skv = p.Skv, diag = skv - sq;
+    const float tau_log2e = p.sm_scale * kLog2e;
+
+    // K^ and V of this warpgroup's keys, once (0 past skv)
+    uint8_t* skv_img = sm + S::KV_OFF + wg * S::KV_STRIDE;
+    const uint32_t kimg = sb + S::KV_OFF + wg * S::KV_STRIDE, vimg = kimg + S::V_IN_KV;
+    const int8_t* kp = p.k_int + ((int64_t)bkv * skv) * D;
+    for (int i = ltid; i < 64 * D / 16; i += 128) {
+        const int r = i / (D / 16), c = i % (D / 16);
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (n0 + r < skv) x = *reinterpret_cast<const uint4*>(kp + (int64_t)(n0 + r) * D + 16 * c);
+        *reinterpret_cast<uint4*>(skv_img + hop_img_off(r, 16 * c, D)) = x;
+    }
+    const T* vp = static_cast<const T*>(p.v) + b * p.v_sb + hkv * p.v_sh;
+    for (int i = ltid; i < 64 * D / 8; i += 128) {
+        const int r = i / (D / 8), c = i % (D / 8);
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (n0 + r < skv) x = *reinterpret_cast<const uint4*>(vp + (int64_t)(n0 + r) * p.v_ss + 8 * c);
+        *reinterpret_cast<uint4*>(skv_img + S::V_IN_KV + bwd_h16_off(r, c)) = x;
+    }
+    // this lane's keys (rows of the transposed tiles): g and g + 8 of its warp's 16
+    const int key0 = n0 + 16 * warp + g, key1 = key0 + 8;
+    const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
+    const bool kok0 = key0 < skv && (!mrow || mrow[key0]), kok1 = key1 < skv && (!mrow || mrow[key1]);
+    const float ks0 = key0 < skv ? p.k_scale[(int64_t)bkv * skv + key0] * tau_log2e : 0.f;
+    const float ks1 = key1 < skv ? p.k_scale[(int64_t)bkv * skv + key1] * tau_log2e : 0.f;
+
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    // causal: from the first tile that sees the CTA's first key (a warpgroup's tiles before its own first visible
+    // one are wholly masked: they add exact zeros)
+    const int lo = p.causal ? max(ncta - diag, 0) / kBwdQueries * kBwdQueries : 0;
+    // the tiles: (query head gi of the group, query tile) pairs, gi outer (the Triton kernel's summation order)
+    const int ntq = lo < sq ? (sq - lo + kBwdQueries - 1) / kBwdQueries : 0, ntiles = group * ntq;
+    auto tile_of = [&](int t, int64_t& bh, const T*& dop) {
+        const int h = hkv * group + t / ntq;
+        bh = (int64_t)b * p.Hq + h;
+        dop = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh;
+        return lo + (t % ntq) * kBwdQueries;
+    };
+    if (ntiles > 0) {
+        int64_t bh;
+        const T* dop;
+        const int m0 = tile_of(0, bh, dop);
+        bwd_issue_tile<D, T>(p, sm + S::STAGE0, bh, dop, m0, tid);
+    }
+    for (int t = 0; t < ntiles; ++t) {
+        int64_t bh;
+        const T* dop;
+        const int m0 = tile_of(t, bh, dop);
+        if (t + 1 < ntiles) {  // the next tile's copies, in flight during this one
+            int64_t bh1;
+            const T* dop1;
+            const int m1 = tile_of(t + 1, bh1, dop1);
+            bwd_issue_tile<D, T>(p, sm + S::STAGE0 + ((t + 1) & 1) * S::STAGE, bh1, dop1, m1, tid);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma (async proxy)
+        __syncthreads();
+        const uint32_t sst = __shfl_sync(0xffffffffu, sb + S::STAGE0 + (t & 1) * S::STAGE, 0);
+        const float4* st = reinterpret_cast<const float4*>(sm + S::STAGE0 + (t & 1) * S::STAGE + S::ST_OFF);
+        {
+            // S^T = K^ Q^^T and dP^T = V dO^T, in flight together
+            int sacc[32];
+            float dpt[32];
+            wg_fence();
+            {
+                const uint32_t ka = hop_desc_lo(kimg), qa = hop_desc_lo(sst + S::Q_OFF);
+                bwd_s8_ss<false>(sacc, hop_desc_make(ka, hop_desc_hi(D)), hop_desc_make(qa, hop_desc_hi(D)));
+#pragma unroll
+                for (int k = 1; k < D / 32; ++k)
+                    bwd_s8_ss<true>(sacc, hop_desc_make(ka + hop_desc_step(32 * k), hop_desc_hi(D)),
+                                    hop_desc_make(qa + hop_desc_step(32 * k), hop_desc_hi(D)));
+                wg_commit();
+#pragma unroll
+                for (int cc = 0; cc < D / 64; ++cc) {
+                    const uint32_t va = hop_desc_lo(vimg + cc * 8192),
+                                   da = hop_desc_lo(sst + S::DO_OFF + cc * 8192);
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk) {
+                        const uint64_t x = hop_desc_make(va + hop_desc_step(32 * kk), hop_desc_hi(128));
+                        const uint64_t y = hop_desc_make(da + hop_desc_step(32 * kk), hop_desc_hi(128));
+                        if (cc == 0 && kk == 0) bwd_h16_ss<T, false>(dpt, x, y);
+                        else bwd_h16_ss<T, true>(dpt, x, y);
+                    }
+                }
+                wg_commit();
+            }
+            wg_wait<1>();
+            reg_fence(sacc);
+            // P^T (masked pairs 0: keys past skv or padded, past the causal diagonal, queries past sq)
+            float pt[32];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int qc = bwd_query_of(8 * i + 2 * t4 + e), qi = m0 + qc;
+                    const float4 s4 = st[qc];  // q scale, LSE (log2), Delta, dO scale
+                    const bool qok = qi < sq;
+                    const bool v0 = qok && kok0 && (!p.causal || key0 <= qi + diag);
+                    const bool v1 = qok && kok1 && (!p.causal || key1 <= qi + diag);
+                    const float x0 = fast_exp2((float)sacc[4 * i + e] * ks0 * s4.x - s4.y);
+                    const float x1 = fast_exp2((float)sacc[4 * i + 2 + e] * ks1 * s4.x - s4.y);
+                    pt[4 * i + e] = v0 ? x0 : 0.f;
+                    pt[4 * i + 2 + e] = v1 ? x1 : 0.f;
+                }
+            }
+            // in place (registers): dpt <- dS^T s_Q = P^T o (dP^T - Delta) s_Q, pt <- P^T s_dO; both quantized
+            // per key row into A fragments before either INT8 product runs
+            wg_wait<0>();  // (dP^T, issued with S^T)
+            reg_fence(dpt);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float4 s4 = st[bwd_query_of(8 * i + 2 * t4 + e)];
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int j = 4 * i + 2 * hh + e;
+                        dpt[j] = pt[j] * (dpt[j] - s4.z) * s4.x;
+                        pt[j] = pt[j] * s4.w;
+                    }
+                }
+            uint32_t adv[2][4], adk[2][4];
+            float pv0, pv1, pk0, pk1;
+            bwd_quantize_rows(pt, adv, pv0, pv1);
+            bwd_quantize_rows(dpt, adk, pk0, pk1);
+            bwd_int8_update<D>(dv, adv, sst + S::DOT_OFF, pv0, pv1);   // dV += q8(P^T s_dO) dO^
+            bwd_int8_update<D>(dk, adk, sst + S::QT_OFF, pk0, pk1);    // dK += q8(dS^T s_Q) Q^
+        }
+        __syncthreads();  // every wgmma on this stage has completed before the next issue overwrites it
+    }
+    // epilogue: rows key0 / key1, channels 64 nh + 8 i + 2 t4 (+1); dK times tau
+    T* dkp = static_cast<T*>(p.dk) + ((int64_t)bkv * skv) * D;
+    T* dvp = static_cast<T*>(p.dv) + ((int64_t)bkv * skv) * D;
+#pragma unroll
+    for (int nh = 0; nh < D / 64; ++nh)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int ch = 64 * nh + 8 * i + 2 * t4, j = 32 * nh + 4 * i;
+            if (key0 < skv) {
+                *reinterpret_cast<uint32_t*>(dkp + (int64_t)key0 * D + ch) = pack2<T>(dk[j] * p.sm_scale, dk[j + 1] * p.sm_scale);
+                *reinterpret_cast<uint32_t*>(dvp + (int64_t)key0 * D + ch) = pack2<T>(dv[j], dv[j + 1]);
+            }
+            if (key1 < skv) {
+                *reinterpret_cast<uint32_t*>(dkp + (int64_t)key1 * D + ch) = pack2<T>(dk[j + 2] * p.sm_scale, dk[j + 3] * p.sm_scale);
+                *reinterpret_cast<uint32_t*>(dvp + (int64_t)key1 * D + ch) = pack2<T>(dv[j + 2], dv[j + 3]);
+            }
+        }
+}
+
+}  // namespace sage
