@@ -3,13 +3,13 @@
 // One CTA per 64 kBwdNwg keys of one (batch, KV head), one warpgroup per 64 keys; it walks the query heads of the GQA
 // group and their 64-query tiles (the numerics' block_q) that see its keys (causal: from the first visible tile),
 // so dK and dV are summed over the group in registers. Per query tile, with the keys as the wgmma M dimension:
-//   S^T  = K^ Q^^T                INT8 m64n64k32, both operands K-major shared-memory images (hop_img_off)
+//   S^T  = K^ Q^^T                INT8 m64n64k32, both operands K-major shared-memory images (img_off)
 //   dP^T = V dO^T                 16-bit m64n64k16 (fp32 accumulation), V and dO images in 64-channel chunks
 //   P^T  = exp2(S^T s_K tau log2e s_Q - LSE)   (masked pairs 0)
 //   dV  += q8(P^T s_dO) dO^       INT8, A from registers: quantized per key row over the tile's 64 queries (a row
 //   dS^T = P^T o (dP^T - Delta)                 lives in the 4 lanes of a quad), B = the transposed dO^ image
 //   dK  += q8(dS^T s_Q) Q^        likewise with the transposed Q^ image; dK is scaled by tau at the end
-// Query order: row c of the Q^ and dO images (the N dimension of S^T and dP^T) holds query hop_slot_of_key(c) of
+// Query order: row c of the Q^ and dO images (the N dimension of S^T and dP^T) holds query slot_of_key(c) of
 // its 32-query group, so the accumulator fragment of a lane is directly its A fragment for the transposed INT8
 // images in natural query order (the forward's V^T trick, applied to the other operand): every tile is copied
 // with 16-byte cp.async into its swizzled place, no byte shuffles. The numerics are those of
@@ -23,11 +23,11 @@
 // latency-bound (each product waited on before the math that follows it). Next: a producer warp with bulk copies,
 // S / dP of the next tile issued before this tile's INT8 products (FA3's order), dQ fused (5 products, not 8).
 #pragma once
-#include "pipeline.cuh"
+#include "wgmma.cuh"
 #include "../common/ptx.cuh"
 #include "../common/quant.cuh"
 
-namespace sage {
+namespace sage::hopper {
 
 constexpr int kBwdKeys = 64;     // keys per warpgroup (wgmma M)
 constexpr int kBwdNwg = 2;       // warpgroups per CTA: they share each query tile's loads (half the traffic per key)
@@ -53,55 +53,18 @@ struct BwdSmem {
 __device__ __forceinline__ void bwd_cp16(uint8_t* dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(ok ? 16 : 0));
 }
-// query of row / column c of a tile in the permuted order (hop_slot_of_key within each 32)
-__host__ __device__ constexpr int bwd_query_of(int c) { return (c & ~31) | hop_slot_of_key(c & 31); }
+// query of row / column c of a tile in the permuted order (slot_of_key within each 32)
+__host__ __device__ constexpr int bwd_query_of(int c) { return (c & ~31) | slot_of_key(c & 31); }
 
 // byte offset of the 16-byte chunk c8 (8 16-bit channels 8 c8..) of row r in a 16-bit image
-__device__ __forceinline__ int bwd_h16_off(int r, int c8) { return (c8 >> 3) * 8192 + hop_img_off(r, 16 * (c8 & 7), 128); }
-
-template <typename T> struct BwdWgmmaType;
-template <> struct BwdWgmmaType<__half> { static constexpr const char* name = "f16"; };
-template <> struct BwdWgmmaType<__nv_bfloat16> { static constexpr const char* name = "bf16"; };
-
-// C (64 x 64 int32) (+)= A (64 x 32 int8, smem) B (64 x 32 int8, smem)^T
-#define SAGE_BWD_S8_SS(SCALE_D, C) \
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {" SAGE_LIST32 "}, %32, %33, " SCALE_D ";\n" \
-                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) : "l"(da), "l"(db))
-template <bool ACC> __device__ __forceinline__ void bwd_s8_ss(int (&d)[32], uint64_t da, uint64_t db) {
-    if constexpr (ACC) SAGE_BWD_S8_SS("1", "+r");
-    else SAGE_BWD_S8_SS("0", "=r");
-}
-// C (64 x 64 int32) (+)= A (64 x 32 int8, registers) B (64 x 32 int8, smem)^T
-#define SAGE_BWD_S8_RS(SCALE_D, C) \
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {" SAGE_LIST32 "}, {%32, %33, %34, %35}, %36, " \
-                 SCALE_D ";\n" \
-                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
-template <bool ACC> __device__ __forceinline__ void bwd_s8_rs(int (&d)[32], const uint32_t* a, uint64_t db) {
-    if constexpr (ACC) SAGE_BWD_S8_RS("1", "+r");
-    else SAGE_BWD_S8_RS("0", "=r");
-}
-// C (64 x 64 fp32) (+)= A (64 x 16 fp16/bf16, smem) B (64 x 16, smem)^T, both K-major
-#define SAGE_BWD_H16(TY, SCALE_D, C) \
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" SAGE_LIST32 "}, %32, %33, " SCALE_D \
-                 ", 1, 1, 0, 0;\n" \
-                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) : "l"(da), "l"(db))
-template <typename T, bool ACC> __device__ __forceinline__ void bwd_h16_ss(float (&d)[32], uint64_t da, uint64_t db) {
-    if constexpr (std::is_same<T, __half>::value) {
-        if constexpr (ACC) SAGE_BWD_H16("f16", "1", "+f");
-        else SAGE_BWD_H16("f16", "0", "=f");
-    } else {
-        if constexpr (ACC) SAGE_BWD_H16("bf16", "1", "+f");
-        else SAGE_BWD_H16("bf16", "0", "=f");
-    }
-}
+__device__ __forceinline__ int bwd_h16_off(int r, int c8) { return (c8 >> 3) * 8192 + img_off(r, 16 * (c8 & 7), 128); }
 
 // x rounded half to even as the low byte of the result (x * inv, |x * inv| <= 127): quant.to_int8's rounding add,
 // the product rounded first as Triton and the reference compute it
 __device__ __forceinline__ uint32_t bwd_i8_bits(float x, float inv) { return __float_as_uint(__fmul_rn(x, inv) + 12582912.f); }
 
 // One 64 x 64 fp32 tile x (accumulator layout: x[4 i + 2 hh + e] = row g + 8 hh, column 8 i + 2 t4 + e) quantized
-// per row to INT8 A fragments of two k32 steps (columns in hop_slot_of_key order within each 32), and the rows'
+// per row to INT8 A fragments of two k32 steps (columns in slot_of_key order within each 32), and the rows'
 // scales amax / 127 (NaN where the row holds a NaN: it must reach the product, quant.row_amax)
 __device__ __forceinline__ void bwd_quantize_rows(const float (&x)[32], uint32_t (&a)[2][4], float& sc0, float& sc1) {
     float m0 = 0.f, m1 = 0.f;
@@ -140,10 +103,10 @@ __device__ __forceinline__ void bwd_int8_update(float (&acc)[D / 2], const uint3
 #pragma unroll
     for (int nh = 0; nh < D / 64; ++nh) {
         int t[32];
-        const uint32_t lo = hop_desc_lo(bt + nh * 4096);
+        const uint32_t lo = desc_lo(bt + nh * 4096);
         wg_fence();
-        bwd_s8_rs<false>(t, a[0], hop_desc_make(lo, hop_desc_hi(64)));
-        bwd_s8_rs<true>(t, a[1], hop_desc_make(lo + hop_desc_step(32), hop_desc_hi(64)));
+        wgmma_s8_n64_rs<false>(t, a[0], desc_make(lo, desc_hi(64)));
+        wgmma_s8_n64_rs<true>(t, a[1], desc_make(lo + desc_step(32), desc_hi(64)));
         wg_commit();
         wg_wait<0>();
         reg_fence(t);
@@ -167,7 +130,7 @@ __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* 
 #pragma unroll 1
     for (int i = tid; i < 64 * D / 16; i += kBwdThreads) {  // Q^: row c = query m0 + bwd_query_of(c)
         const int r = i / (D / 16), c = i % (D / 16), qi = m0 + bwd_query_of(r);
-        bwd_cp16(st + S::Q_OFF + hop_img_off(r, 16 * c, D), qp + (int64_t)min(qi, sq - 1) * D + 16 * c, qi < sq);
+        bwd_cp16(st + S::Q_OFF + img_off(r, 16 * c, D), qp + (int64_t)min(qi, sq - 1) * D + 16 * c, qi < sq);
     }
 #pragma unroll 1
     for (int i = tid; i < 64 * D / 8; i += kBwdThreads) {   // dO (16-bit): the same row order
@@ -182,8 +145,8 @@ __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* 
         const int ch = i >> 2, c0 = 16 * (i & 3);
         const bool ok = m0 + c0 < sq;
         const int64_t src = toff + ch * p.t_stride + (ok ? m0 + c0 : 0);
-        bwd_cp16(st + S::QT_OFF + hop_img_off(ch, c0, 64), p.q_t + src, ok);
-        bwd_cp16(st + S::DOT_OFF + hop_img_off(ch, c0, 64), p.do_t + src, ok);
+        bwd_cp16(st + S::QT_OFF + img_off(ch, c0, 64), p.q_t + src, ok);
+        bwd_cp16(st + S::DOT_OFF + img_off(ch, c0, 64), p.do_t + src, ok);
     }
     if (tid < 64)  // stats in natural query order
         bwd_cp16(st + S::ST_OFF + 16 * tid, p.stats + 4 * (bh * sq + min(m0 + tid, sq - 1)), m0 + tid < sq);
@@ -215,7 +178,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_dkdv_kernel(const _
         const int r = i / (D / 16), c = i % (D / 16);
         uint4 x = make_uint4(0, 0, 0, 0);
         if (n0 + r < skv) x = *reinterpret_cast<const uint4*>(kp + (int64_t)(n0 + r) * D + 16 * c);
-        *reinterpret_cast<uint4*>(skv_img + hop_img_off(r, 16 * c, D)) = x;
+        *reinterpret_cast<uint4*>(skv_img + img_off(r, 16 * c, D)) = x;
     }
     const T* vp = static_cast<const T*>(p.v) + b * p.v_sb + hkv * p.v_sh;
     for (int i = ltid; i < 64 * D / 8; i += 128) {
@@ -274,23 +237,23 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_dkdv_kernel(const _
             float dpt[32];
             wg_fence();
             {
-                const uint32_t ka = hop_desc_lo(kimg), qa = hop_desc_lo(sst + S::Q_OFF);
-                bwd_s8_ss<false>(sacc, hop_desc_make(ka, hop_desc_hi(D)), hop_desc_make(qa, hop_desc_hi(D)));
+                const uint32_t ka = desc_lo(kimg), qa = desc_lo(sst + S::Q_OFF);
+                wgmma_s8_n64_ss<false>(sacc, desc_make(ka, desc_hi(D)), desc_make(qa, desc_hi(D)));
 #pragma unroll
                 for (int k = 1; k < D / 32; ++k)
-                    bwd_s8_ss<true>(sacc, hop_desc_make(ka + hop_desc_step(32 * k), hop_desc_hi(D)),
-                                    hop_desc_make(qa + hop_desc_step(32 * k), hop_desc_hi(D)));
+                    wgmma_s8_n64_ss<true>(sacc, desc_make(ka + desc_step(32 * k), desc_hi(D)),
+                                    desc_make(qa + desc_step(32 * k), desc_hi(D)));
                 wg_commit();
 #pragma unroll
                 for (int cc = 0; cc < D / 64; ++cc) {
-                    const uint32_t va = hop_desc_lo(vimg + cc * 8192),
-                                   da = hop_desc_lo(sst + S::DO_OFF + cc * 8192);
+                    const uint32_t va = desc_lo(vimg + cc * 8192),
+                                   da = desc_lo(sst + S::DO_OFF + cc * 8192);
 #pragma unroll
                     for (int kk = 0; kk < 4; ++kk) {
-                        const uint64_t x = hop_desc_make(va + hop_desc_step(32 * kk), hop_desc_hi(128));
-                        const uint64_t y = hop_desc_make(da + hop_desc_step(32 * kk), hop_desc_hi(128));
-                        if (cc == 0 && kk == 0) bwd_h16_ss<T, false>(dpt, x, y);
-                        else bwd_h16_ss<T, true>(dpt, x, y);
+                        const uint64_t x = desc_make(va + desc_step(32 * kk), desc_hi(128));
+                        const uint64_t y = desc_make(da + desc_step(32 * kk), desc_hi(128));
+                        if (cc == 0 && kk == 0) wgmma_h16_n64<T, false>(dpt, x, y);
+                        else wgmma_h16_n64<T, true>(dpt, x, y);
                     }
                 }
                 wg_commit();
@@ -358,4 +321,4 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_dkdv_kernel(const _
         }
 }
 
-}  // namespace sage
+}  // namespace sage::hopper

@@ -4,10 +4,10 @@
 #include "../common/host_launch.h"
 #include "bwd_kernel.cuh"
 
-namespace sage {
+namespace sage::hopper {
 
 template <int D, typename T>
-int hop_bwd_launch(const SageBwdParams& p, cudaStream_t st) {
+int bwd_launch(const SageBwdParams& p, cudaStream_t st) {
     using S = BwdSmem<D>;
     auto kern = hopper_bwd_dkdv_kernel<D, T>;
     static bool done[64] = {};
@@ -19,14 +19,18 @@ int hop_bwd_launch(const SageBwdParams& p, cudaStream_t st) {
     return (int)cudaGetLastError();
 }
 
+}  // namespace sage::hopper
+
+namespace sage {
+
 int hopper_bwd_dkdv(const SageBwdParams& p, cudaStream_t st) {
     // 16-byte row loads of V and dO
     const bool v16 = reinterpret_cast<uintptr_t>(p.v) % 16 == 0 && p.v_sb % 8 == 0 && p.v_sh % 8 == 0 && p.v_ss % 8 == 0;
     const bool d16 = reinterpret_cast<uintptr_t>(p.dout) % 16 == 0 && p.do_sb % 8 == 0 && p.do_sh % 8 == 0 &&
                      p.do_ss % 8 == 0;
     if (!v16 || !d16) return SAGE_E_BADARG;
-    if (p.D == 64) return p.dtype == 0 ? hop_bwd_launch<64, __half>(p, st) : hop_bwd_launch<64, __nv_bfloat16>(p, st);
-    return p.dtype == 0 ? hop_bwd_launch<128, __half>(p, st) : hop_bwd_launch<128, __nv_bfloat16>(p, st);
+    if (p.D == 64) return p.dtype == 0 ? hopper::bwd_launch<64, __half>(p, st) : hopper::bwd_launch<64, __nv_bfloat16>(p, st);
+    return p.dtype == 0 ? hopper::bwd_launch<128, __half>(p, st) : hopper::bwd_launch<128, __nv_bfloat16>(p, st);
 }
 
 }  // namespace sage
