@@ -9,9 +9,9 @@ forward + backward and backward alone, and whole training steps of two architect
 Cases (--cases, default all three):
 - attention: B=4 H=32 (--batch, --heads), --dtype (bf16), D in --dims, causal and not, N in --seqs. Implementations
   (--impls): sage8b = `sage_patch.trainable.sagebwd_attention` (the SageBwd kernel, no routing), sage8b_hopper =
-  the same with dK/dV from the sm_90a CUDA kernel (sage_patch.kernels.sagebwd.hopper; H100/H200), sage_api =
-  `sage_patch.attention(..., precision="8b")` (the resolver: may run SDPA below a measured crossover; what it ran is
-  recorded per case), and torch SDPA with one backend forced (cudnn, flash; on CPU math and flash, the backends
+  the same with its backward (dQ, dK, dV) from the sm_90a CUDA kernel (sage_patch.kernels.sagebwd.hopper;
+  H100/H200), sage_api = `sage_patch.attention(..., precision="8b")` (the resolver: may run SDPA below a measured
+  crossover; what it ran is recorded per case), and torch SDPA with one backend forced (cudnn, flash; on CPU math and flash, the backends
   torch has there). Every implementation gets the same inputs (randn; K and V with a per-channel bias of 4 sigma,
   as bench_kernel's accuracy inputs). "fwdbwd" times out = f(q, k, v) then torch.autograd.grad(out, (q, k, v), dO);
   "bwd" times torch.autograd.grad(..., retain_graph=True) of one forward done outside the timed region. Whole

@@ -18,7 +18,7 @@ namespace sage {  // no sm_90a in this build: sage_attn_fwd refuses the Hopper k
 bool hopper_supported(const SageAttnParams&) { return false; }
 int64_t hopper_workspace_bytes(const SageAttnParams&) { return -1; }
 int hopper_fwd(const SageAttnParams&, cudaStream_t) { return SAGE_E_ARCH; }
-int hopper_bwd_dkdv(const SageBwdParams&, cudaStream_t) { return SAGE_E_ARCH; }
+int hopper_bwd(const SageBwdParams&, cudaStream_t) { return SAGE_E_ARCH; }
 }  // namespace sage
 #endif
 
@@ -75,9 +75,9 @@ int sage_attn_fwd(const SageAttnParams* p, void* stream) {
     return sage::portable_fwd(q, st);
 }
 
-int sage_bwd_dkdv(const SageBwdParams* p, void* stream) {
+int sage_bwd(const SageBwdParams* p, void* stream) {
     if (!p || !p->q_int || !p->q_t || !p->do_t || !p->stats || !p->k_int || !p->k_scale || !p->v || !p->dout ||
-        !p->dk || !p->dv)
+        !p->dk || !p->dv || !p->dq_acc)
         return SAGE_E_BADARG;
     if (p->B <= 0 || p->Hq <= 0 || p->Hkv <= 0 || p->Sq <= 0 || p->Skv <= 0 || p->Hq % p->Hkv != 0) return SAGE_E_BADARG;
     if ((int64_t)p->B * p->Hkv > 65535) return SAGE_E_BADARG;  // grid.y
@@ -90,7 +90,7 @@ int sage_bwd_dkdv(const SageBwdParams* p, void* stream) {
         cudaError_t e = cudaSetDevice(p->device);
         if (e != cudaSuccess) return (int)e;
     }
-    return sage::hopper_bwd_dkdv(*p, static_cast<cudaStream_t>(stream));
+    return sage::hopper_bwd(*p, static_cast<cudaStream_t>(stream));
 }
 
 const char* sage_error_string(int code) {

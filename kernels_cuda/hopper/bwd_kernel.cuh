@@ -35,18 +35,23 @@ constexpr int kBwdThreads = 128 * kBwdNwg;
 constexpr int kBwdQueries = 64;  // queries per tile: SageBwd's block_q (the P s_dO / dS s_Q quantization groups)
 
 // shared-memory images, 1024-byte aligned: INT8 ones K-major with rows of D bytes (K^, Q^) or 64 bytes (the
-// transposed Q^T, dO^T: D rows of 64 query slots); 16-bit ones (V, dO) as D / 64 chunks of 64 rows x 128 bytes
+// transposed Q^T, dO^T: D rows of 64 query slots; K^T: D rows of 64 key positions; dS: 64 query rows of 64 key
+// positions); 16-bit ones (V, dO) as D / 64 chunks of 64 rows x 128 bytes
 template <int D>
 struct BwdSmem {
     static constexpr int I8 = 64 * D, H16 = 128 * D;
-    // per warpgroup w: its K^ image at KV_OFF + w KV_STRIDE, its V image I8 further
-    static constexpr int KV_OFF = 0, KV_STRIDE = I8 + H16, V_IN_KV = I8;
+    // per warpgroup w at KV_OFF + w KV_STRIDE: its K^, V and K^T images, its quantized dS s_K (dQ's A operand), the
+    // column maxima of its 4 warps (64 floats each) and the per-query scales of its dS
+    static constexpr int V_IN_KV = I8, KT_IN_KV = V_IN_KV + H16, DS_IN_KV = KT_IN_KV + I8, RED_IN_KV = DS_IN_KV + 4096,
+                         SC_IN_KV = RED_IN_KV + 1024;
+    static constexpr int KV_OFF = 0, KV_STRIDE = SC_IN_KV + 1024;
     static constexpr int STAGE0 = KV_OFF + kBwdNwg * KV_STRIDE;
     // per stage (query tile): Q^, Q^T, dO, dO^T images and the 64 x 4 floats of bwd.row_stats
     static constexpr int Q_OFF = 0, QT_OFF = Q_OFF + I8, DO_OFF = QT_OFF + I8, DOT_OFF = DO_OFF + H16,
                          ST_OFF = DOT_OFF + I8;
     static constexpr int STAGE = ST_OFF + 1024;  // a multiple of 1024: every stage's images stay aligned
     static constexpr int TOTAL = STAGE0 + 2 * STAGE + 1024;  // + slack to align the base to 1024 bytes
+    static_assert(TOTAL <= 232448, "more than the 227 KB of shared memory per block");
 };
 
 // 16 bytes global -> shared, zero-filled where !ok (src is then not read)
@@ -56,8 +61,17 @@ __device__ __forceinline__ void bwd_cp16(uint8_t* dst, const void* src, bool ok)
 // query of row / column c of a tile in the permuted order (slot_of_key within each 32)
 __host__ __device__ constexpr int bwd_query_of(int c) { return (c & ~31) | slot_of_key(c & 31); }
 
+// position of key k (of a warpgroup's 64) along K in the dS and K^T images: the keys g and g + 8 of each warp's 16,
+// which a lane holds in one accumulator column, side by side (one 2-byte store per query)
+__host__ __device__ constexpr int bwd_kpos(int k) { return (k & 48) | ((k & 7) << 1) | ((k >> 3) & 1); }
+
 // byte offset of the 16-byte chunk c8 (8 16-bit channels 8 c8..) of row r in a 16-bit image
 __device__ __forceinline__ int bwd_h16_off(int r, int c8) { return (c8 >> 3) * 8192 + img_off(r, 16 * (c8 & 7), 128); }
+
+// *p += (a, b), one vector reduction in L2 (8-byte aligned p): the fused dQ's accumulation
+__device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
 
 // x rounded half to even as the low byte of the result (x * inv, |x * inv| <= 127): quant.to_int8's rounding add,
 // the product rounded first as Triton and the reference compute it
@@ -120,6 +134,106 @@ __device__ __forceinline__ void bwd_int8_update(float (&acc)[D / 2], const uint3
     }
 }
 
+// one butterfly step of bwd_quantize_cols: cm[k] (k < N) <- the max of this lane's and its partner's column k or
+// k + N (lane bit 2 + log2(N / 2), a bit of g, picks which half it keeps)
+template <int N>
+__device__ __forceinline__ void bwd_halve(float (&cm)[16], int lane) {
+    constexpr int bit = N == 8 ? 4 : N == 4 ? 3 : 2;
+    const int up = (lane >> bit) & 1;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const float lo = cm[k], hi = cm[k + N];  // (values, not addresses: no local-memory copy of cm)
+        float keep, send;
+        asm("{\n .reg .pred u;\n setp.ne.b32 u, %4, 0;\n selp.f32 %0, %2, %3, u;\n selp.f32 %1, %3, %2, u;\n}\n"
+            : "=f"(keep), "=f"(send) : "f"(hi), "f"(lo), "r"(up));
+        cm[k] = fmax_nan(keep, __shfl_xor_sync(0xffffffffu, send, 1 << bit));
+    }
+}
+
+// One 64 x 64 fp32 tile x (accumulator layout, rows = the warpgroup's keys, columns = query slots) quantized per
+// column (per query over the 64 keys: dQ's dS s_K groups) into the dS image at ds (rows = queries in natural
+// order, K = keys at bwd_kpos), and the columns' scales amax / 127 into sc[query] (NaN where the column holds a
+// NaN). The column maxima: a butterfly over the 8 lanes of a column within the warp (each exchange halves the
+// columns a lane carries: lane g ends with columns 8 g + 2 t4, +1), then the 4 warps' through red (shared memory),
+// each lane's two quotients 127 / amax handed to the 7 other lanes that quantize those columns.
+__device__ __forceinline__ void bwd_quantize_cols(const float (&x)[32], uint8_t* ds, float* red, float* sc, int wg_bar,
+                                                  int warp, int lane) {
+    const int g = lane >> 2, t4 = lane & 3;
+    float cm[16];  // cm[2 i + e]: column 8 i + 2 t4 + e over this lane's rows g, g + 8
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) cm[2 * i + e] = fmax_nan(fabsf(x[4 * i + e]), fabsf(x[4 * i + 2 + e]));
+    bwd_halve<8>(cm, lane);
+    bwd_halve<4>(cm, lane);
+    bwd_halve<2>(cm, lane);
+    *reinterpret_cast<float2*>(red + 64 * warp + 8 * g + 2 * t4) = make_float2(cm[0], cm[1]);
+    named_sync(wg_bar, 128);
+    float inv[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        float m = red[8 * g + 2 * t4 + e];
+#pragma unroll
+        for (int w = 1; w < 4; ++w) m = fmax_nan(m, red[64 * w + 8 * g + 2 * t4 + e]);
+        inv[e] = m > 0.f ? 127.f / m : 0.f;
+        if (warp == 0) sc[bwd_query_of(8 * g + 2 * t4 + e)] = m / 127.f;
+    }
+    const int kp = 16 * warp + 2 * g;  // keys 16 warp + g (low byte) and + 8 (high byte)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float iv = __shfl_sync(0xffffffffu, inv[e], 4 * i + t4);
+            const uint32_t b0 = bwd_i8_bits(x[4 * i + e], iv) & 0xFFu, b1 = bwd_i8_bits(x[4 * i + 2 + e], iv) & 0xFFu;
+            *reinterpret_cast<uint16_t*>(ds + img_off(bwd_query_of(8 * i + 2 * t4 + e), kp, 64)) =
+                (uint16_t)(b0 | (b1 << 8));
+        }
+}
+
+// dQ (fp32, without tau) += sum over the CTA's key blocks kb of (q8(dS s_K)_kb K^_kb) scale_kb for the 64 queries of
+// a tile from m0, this warpgroup's half of the channels (h0..h0 + D/2), added to dq (the tile's first row) with
+// vector reductions: the two warpgroups' products summed in registers first (one reduction per key pair of blocks)
+template <int D>
+__device__ __forceinline__ void bwd_dq_update(uint32_t kv0, const float* sc0, const float* sc1, float* dq, int h0,
+                                              int rows, int warp, int lane) {
+    using S = BwdSmem<D>;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int r0 = 16 * warp + g, r1 = r0 + 8;
+    const float s00 = sc0[r0], s01 = sc0[r1], s10 = sc1[r0], s11 = sc1[r1];
+#pragma unroll
+    for (int ch = 0; ch < D / 64; ++ch) {  // 32 channels per product
+        int t0[16], t1[16];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+            const uint32_t a0 = desc_lo(kv0 + S::DS_IN_KV) + desc_step(32 * kk),
+                           b0 = desc_lo(kv0 + S::KT_IN_KV + 64 * (h0 + 32 * ch)) + desc_step(32 * kk);
+            const uint32_t a1 = a0 + desc_step(S::KV_STRIDE), b1 = b0 + desc_step(S::KV_STRIDE);
+            if (kk == 0) {
+                wgmma_s8_n32_ss<false>(t0, desc_make(a0, desc_hi(64)), desc_make(b0, desc_hi(64)));
+                wgmma_s8_n32_ss<false>(t1, desc_make(a1, desc_hi(64)), desc_make(b1, desc_hi(64)));
+            } else {
+                wgmma_s8_n32_ss<true>(t0, desc_make(a0, desc_hi(64)), desc_make(b0, desc_hi(64)));
+                wgmma_s8_n32_ss<true>(t1, desc_make(a1, desc_hi(64)), desc_make(b1, desc_hi(64)));
+            }
+        }
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(t0);
+        reg_fence(t1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int c = h0 + 32 * ch + 8 * i + 2 * t4;
+            if (r0 < rows)
+                red_add_v2(dq + (int64_t)r0 * D + c, (float)t0[4 * i] * s00 + (float)t1[4 * i] * s10,
+                           (float)t0[4 * i + 1] * s00 + (float)t1[4 * i + 1] * s10);
+            if (r1 < rows)
+                red_add_v2(dq + (int64_t)r1 * D + c, (float)t0[4 * i + 2] * s01 + (float)t1[4 * i + 2] * s11,
+                           (float)t0[4 * i + 3] * s01 + (float)t1[4 * i + 3] * s11);
+        }
+    }
+}
+
 // one query tile's operands into stage memory st (cp.async, one commit group): rows m0.. of query head bh
 template <int D, typename T>
 __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* st, int64_t bh, const T* dop, int m0,
@@ -154,7 +268,7 @@ __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* 
 }
 
 template <int D, typename T>
-__global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_dkdv_kernel(const __grid_constant__ SageBwdParams p) {
+__global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid_constant__ SageBwdParams p) {
     using S = BwdSmem<D>;
     extern __shared__ __align__(1024) uint8_t bsmem_raw[];
     const uint32_t spad = (1024u - (smem_u32(bsmem_raw) & 1023u)) & 1023u;
@@ -179,6 +293,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_dkdv_kernel(const _
         uint4 x = make_uint4(0, 0, 0, 0);
         if (n0 + r < skv) x = *reinterpret_cast<const uint4*>(kp + (int64_t)(n0 + r) * D + 16 * c);
         *reinterpret_cast<uint4*>(skv_img + img_off(r, 16 * c, D)) = x;
+        // and K^T (dQ's B operand: channel rows, keys at bwd_kpos), byte by byte (once per CTA)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const uint32_t w = j < 4 ? x.x : j < 8 ? x.y : j < 12 ? x.z : x.w;
+            skv_img[S::KT_IN_KV + img_off(16 * c + j, bwd_kpos(r), 64)] = (uint8_t)(w >> (8 * (j & 3)));
+        }
     }
     const T* vp = static_cast<const T*>(p.v) + b * p.v_sb + hkv * p.v_sh;
     for (int i = ltid; i < 64 * D / 8; i += 128) {
@@ -191,8 +311,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_dkdv_kernel(const _
     const int key0 = n0 + 16 * warp + g, key1 = key0 + 8;
     const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
     const bool kok0 = key0 < skv && (!mrow || mrow[key0]), kok1 = key1 < skv && (!mrow || mrow[key1]);
-    const float ks0 = key0 < skv ? p.k_scale[(int64_t)bkv * skv + key0] * tau_log2e : 0.f;
-    const float ks1 = key1 < skv ? p.k_scale[(int64_t)bkv * skv + key1] * tau_log2e : 0.f;
+    const float ksr0 = key0 < skv ? p.k_scale[(int64_t)bkv * skv + key0] : 0.f;  // dQ's dS s_K
+    const float ksr1 = key1 < skv ? p.k_scale[(int64_t)bkv * skv + key1] : 0.f;
+    const float ks0 = ksr0 * tau_log2e, ks1 = ksr1 * tau_log2e;
 
     float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -277,8 +398,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_dkdv_kernel(const _
                     pt[4 * i + 2 + e] = v1 ? x1 : 0.f;
                 }
             }
-            // in place (registers): dpt <- dS^T s_Q = P^T o (dP^T - Delta) s_Q, pt <- P^T s_dO; both quantized
-            // per key row into A fragments before either INT8 product runs
+            // in place (registers): dpt <- dS^T = P^T o (dP^T - Delta), pt <- P^T s_dO, quantized per key row and
+            // dV += q8(P^T s_dO) dO^
             wg_wait<0>();  // (dP^T, issued with S^T)
             reg_fence(dpt);
 #pragma unroll
@@ -289,16 +410,44 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_dkdv_kernel(const _
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
                         const int j = 4 * i + 2 * hh + e;
-                        dpt[j] = pt[j] * (dpt[j] - s4.z) * s4.x;
+                        dpt[j] = pt[j] * (dpt[j] - s4.z);
                         pt[j] = pt[j] * s4.w;
                     }
                 }
-            uint32_t adv[2][4], adk[2][4];
-            float pv0, pv1, pk0, pk1;
-            bwd_quantize_rows(pt, adv, pv0, pv1);
-            bwd_quantize_rows(dpt, adk, pk0, pk1);
-            bwd_int8_update<D>(dv, adv, sst + S::DOT_OFF, pv0, pv1);   // dV += q8(P^T s_dO) dO^
-            bwd_int8_update<D>(dk, adk, sst + S::QT_OFF, pk0, pk1);    // dK += q8(dS^T s_Q) Q^
+            {
+                uint32_t adv[2][4];
+                float pv0, pv1;
+                bwd_quantize_rows(pt, adv, pv0, pv1);
+                bwd_int8_update<D>(dv, adv, sst + S::DOT_OFF, pv0, pv1);
+            }
+            // dQ's operand dS s_K, quantized per query over this warpgroup's 64 keys into its dS image
+#pragma unroll
+            for (int j = 0; j < 32; ++j) pt[j] = dpt[j] * ((j & 2) ? ksr1 : ksr0);
+            bwd_quantize_cols(pt, skv_img + S::DS_IN_KV, reinterpret_cast<float*>(skv_img + S::RED_IN_KV),
+                              reinterpret_cast<float*>(skv_img + S::SC_IN_KV), 1 + wg, warp, lane);
+            // dK += q8(dS^T s_Q) Q^
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float qs = st[bwd_query_of(8 * i + 2 * t4 + e)].x;
+                    dpt[4 * i + e] *= qs;
+                    dpt[4 * i + 2 + e] *= qs;
+                }
+            {
+                uint32_t adk[2][4];
+                float pk0, pk1;
+                bwd_quantize_rows(dpt, adk, pk0, pk1);
+                bwd_int8_update<D>(dk, adk, sst + S::QT_OFF, pk0, pk1);
+            }
+        }
+        // dQ: both warpgroups' dS images written (generic stores, read by wgmma: the async proxy)
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        {
+            const float* sc = reinterpret_cast<const float*>(sm + S::KV_OFF + S::SC_IN_KV);
+            bwd_dq_update<D>(sb + S::KV_OFF, sc, sc + S::KV_STRIDE / 4, p.dq_acc + (bh * sq + m0) * D, wg * (D / 2),
+                             sq - m0, warp, lane);
         }
         __syncthreads();  // every wgmma on this stage has completed before the next issue overwrites it
     }

@@ -1,4 +1,4 @@
-// The Hopper SageBwd backward (dK, dV), one translation unit compiled for sm_90a only: the kernel's instantiations
+// The Hopper SageBwd backward (dQ, dK, dV), one translation unit compiled for sm_90a only: the kernel's instantiations
 // and its launch (bwd_kernel.cuh).
 #include "../common/entry.h"
 #include "../common/host_launch.h"
@@ -9,7 +9,7 @@ namespace sage::hopper {
 template <int D, typename T>
 int bwd_launch(const SageBwdParams& p, cudaStream_t st) {
     using S = BwdSmem<D>;
-    auto kern = hopper_bwd_dkdv_kernel<D, T>;
+    auto kern = hopper_bwd_kernel<D, T>;
     static bool done[64] = {};
     cudaError_t e = opt_in_dynamic_smem(kern, S::TOTAL, done, p.device);
     if (e != cudaSuccess) return (int)e;
@@ -23,8 +23,9 @@ int bwd_launch(const SageBwdParams& p, cudaStream_t st) {
 
 namespace sage {
 
-int hopper_bwd_dkdv(const SageBwdParams& p, cudaStream_t st) {
-    // 16-byte row loads of V and dO
+int hopper_bwd(const SageBwdParams& p, cudaStream_t st) {
+    // 16-byte row loads of V and dO; 8-byte vector reductions into dQ
+    if (reinterpret_cast<uintptr_t>(p.dq_acc) % 16 != 0) return SAGE_E_BADARG;
     const bool v16 = reinterpret_cast<uintptr_t>(p.v) % 16 == 0 && p.v_sb % 8 == 0 && p.v_sh % 8 == 0 && p.v_ss % 8 == 0;
     const bool d16 = reinterpret_cast<uintptr_t>(p.dout) % 16 == 0 && p.do_sb % 8 == 0 && p.do_sh % 8 == 0 &&
                      p.do_ss % 8 == 0;

@@ -37,14 +37,14 @@ class SageAttnParams(ctypes.Structure):
 
 
 class SageBwdParams(ctypes.Structure):
-    """ABI 8: the Hopper SageBwd backward's dK/dV launch (sage_bwd_dkdv; sage_patch.kernels.sagebwd.hopper)."""
+    """ABI 8: the Hopper SageBwd backward's launch (sage_bwd; sage_patch.kernels.sagebwd.hopper)."""
 
     _fields_ = [
         ("q_int", ctypes.c_void_p), ("q_t", ctypes.c_void_p), ("do_t", ctypes.c_void_p), ("stats", ctypes.c_void_p),
         ("k_int", ctypes.c_void_p), ("k_scale", ctypes.c_void_p),
         ("v", ctypes.c_void_p), ("v_sb", ctypes.c_int64), ("v_sh", ctypes.c_int64), ("v_ss", ctypes.c_int64),
         ("dout", ctypes.c_void_p), ("do_sb", ctypes.c_int64), ("do_sh", ctypes.c_int64), ("do_ss", ctypes.c_int64),
-        ("dk", ctypes.c_void_p), ("dv", ctypes.c_void_p),
+        ("dk", ctypes.c_void_p), ("dv", ctypes.c_void_p), ("dq_acc", ctypes.c_void_p),
         ("kmask", ctypes.c_void_p), ("kmask_sb", ctypes.c_int64),
         ("t_stride", ctypes.c_int64),
         ("B", ctypes.c_int32), ("Hq", ctypes.c_int32), ("Hkv", ctypes.c_int32),
@@ -128,8 +128,8 @@ class Lib:
             h.sage_attn_fwd.restype = ctypes.c_int
             h.sage_attn_fwd.argtypes = [ctypes.POINTER(SageAttnParams), ctypes.c_void_p]
             h.sage_hopper_compiled.restype = ctypes.c_int
-            h.sage_bwd_dkdv.restype = ctypes.c_int
-            h.sage_bwd_dkdv.argtypes = [ctypes.POINTER(SageBwdParams), ctypes.c_void_p]
+            h.sage_bwd.restype = ctypes.c_int
+            h.sage_bwd.argtypes = [ctypes.POINTER(SageBwdParams), ctypes.c_void_p]
             abi = h.sage_abi_version()
         except AttributeError as e:
             self.reason = f"{path} is not a sage_patch kernel library ({e})"

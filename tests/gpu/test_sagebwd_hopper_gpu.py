@@ -1,7 +1,13 @@
-"""The sm_90a SageBwd backward (dK, dV from kernels_cuda/hopper/bwd_kernel.cuh; sage_patch.kernels.sagebwd.hopper)
+"""The sm_90a SageBwd backward (dQ, dK, dV from kernels_cuda/hopper/bwd_kernel.cuh; sage_patch.kernels.sagebwd.hopper)
 on the GPU: the same comparisons as the Triton kernels' (test_sagebwd_gpu.py) against the reference simulation of
 their numerics, against float64, and the training contract (poisoned memory, odd lengths, GQA, key padding, NaN
-rule, CUDA graphs). Runs on an H100/H200 with an sm_90a build only."""
+rule, CUDA graphs). Runs on an H100/H200 with an sm_90a build only.
+
+dQ is summed across key blocks with fp32 reductions in whatever order they land, so two runs of the same call may
+differ in the last bit of a dQ element that sits near a rounding boundary of the output dtype: where the Triton tests
+ask for bitwise equality, dQ is held to DQ_ORDER (rel L1) instead, dK and dV stay bitwise. Against the simulation
+dQ keeps the Triton kernels' tolerance (rel L1 <= 1e-3: the simulation's accumulation order is not a kernel's either;
+reordering fp32 sums of <= Skv / 64 terms moves them by ~1e-6 relative, far below it)."""
 import math
 import os
 import sys
@@ -23,6 +29,16 @@ from tests.gpu.test_sagebwd_gpu import (NONFINITE_VARIANTS, _float64_grads, _inp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attention_fuzz import NONFINITE_WHERE, check_nonfinite_training  # noqa: E402
+
+
+DQ_ORDER = 1e-4   # rel L1 between two runs' dQ (the reductions' order); garbage or a missed zeroing is >> this
+
+
+def _same_grads(a, b):
+    """(dq, dk, dv) of two runs of one call: dK, dV bitwise, dQ up to the order of its fp32 reductions."""
+    assert rel_l1(a[0].float(), b[0].float()) <= DQ_ORDER, rel_l1(a[0].float(), b[0].float())
+    for x, y in zip(a[1:], b[1:]):
+        assert torch.equal(x, y)
 
 
 @pytest.fixture(autouse=True)
@@ -65,18 +81,19 @@ def test_matches_the_simulation_and_the_triton_kernels(case, dtype):
     mask = _key_padding(b, skv) if kp else None
     (out, lse, lse_s, qi, qs, ki, ks), (dq, dk, dv) = _run(q, k, v, dout, causal, mask, hopper.backward)
     _, (tq, tk, tv) = _run(q, k, v, dout, causal, mask, sagebwd.backward)
-    assert torch.equal(dq, tq)   # dQ: the same Triton kernel
-    for name, ours, theirs in (("dk", dk, tk), ("dv", dv, tv)):
+    vs_triton = {n: rel_l1(o, t) for n, o, t in (("dq", dq, tq), ("dk", dk, tk), ("dv", dv, tv))}
+    print("rel L1 vs Triton", case, dtype, vs_triton)
+    for name, ours, theirs in (("dq", dq, tq), ("dk", dk, tk), ("dv", dv, tv)):
         assert ours.dtype == dtype and ours.shape == theirs.shape and torch.isfinite(ours).all(), name
-        assert rel_l1(ours, theirs) <= 2e-4, (name, rel_l1(ours, theirs))
+        assert vs_triton[name] <= 2e-4, (name, vs_triton[name])
     # against the simulation from the same saved operands, as the Triton kernels are checked
-    q, k, v, dout, out, lse_s, qi, qs, ki, ks, dk, dv = (
-        x.cpu() for x in (q, k, v, dout, out, lse_s, qi, qs, ki, ks, dk, dv))
+    q, k, v, dout, out, lse_s, qi, qs, ki, ks, dq, dk, dv = (
+        x.cpu() for x in (q, k, v, dout, out, lse_s, qi, qs, ki, ks, dq, dk, dv))
     mask = None if mask is None else mask.cpu()
     _, _, saved = sagebwd_forward(q, k, v, is_causal=causal, attn_mask=mask, config=KERNEL_CONFIG)
     same = saved._replace(q_int=qi, q_scale=qs, k_int=ki, k_scale=ks, out=out, lse=lse_s)
-    _, rk, rv = sagebwd_backward(dout, same)
-    for name, ours, ref in (("dk", dk, rk), ("dv", dv, rv)):
+    rq, rk, rv = sagebwd_backward(dout, same)
+    for name, ours, ref in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
         assert rel_l1(ours, ref.to(dtype)) <= 1e-3, (name, rel_l1(ours, ref.to(dtype)))
 
 
@@ -99,21 +116,19 @@ def test_poisoned_memory_and_inputs_untouched():
     junk = torch.full((64 << 20,), float("nan"), device="cuda")
     del junk
     poisoned = _run(q, k, v, dout, True, None, hopper.backward)[1]
-    for a, b in zip(clean, poisoned):
-        assert torch.equal(a, b)
+    _same_grads(clean, poisoned)
     for a, b in zip(before, (q, k, v, dout)):
         assert torch.equal(a, b)
 
 
-def test_gqa_sums_over_the_group_and_is_deterministic():
+def test_gqa_sums_over_the_group_and_repeats():
     q, k, v, dout = _inputs(1, 6, 2, 257, 257, 64, torch.float16)
     _, (dq, dk, dv) = _run(q, k, v, dout, True, None, hopper.backward)
     _, again = _run(q, k, v, dout, True, None, hopper.backward)
-    for x, y in zip((dq, dk, dv), again):
-        assert torch.equal(x, y)
+    _same_grads((dq, dk, dv), again)
     _, (dq_r, dk_r, dv_r) = _run(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), dout, True, None,
                                  hopper.backward)
-    assert torch.equal(dq, dq_r)
+    assert rel_l1(dq.float(), dq_r.float()) <= DQ_ORDER
     torch.testing.assert_close(dk, dk_r.view(1, 2, 3, 257, 64).float().sum(2).half(), rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(dv, dv_r.view(1, 2, 3, 257, 64).float().sum(2).half(), rtol=2e-3, atol=2e-3)
 
@@ -128,8 +143,7 @@ def test_non_contiguous_views_and_caller_stream():
     with torch.cuda.stream(s):
         got = _run(*views, True, None, hopper.backward)[1]
     torch.cuda.current_stream().wait_stream(s)
-    for a, b in zip(ref, got):
-        assert torch.equal(a, b)
+    _same_grads(ref, got)
 
 
 def test_cuda_graph_capture(through_hopper):
@@ -158,7 +172,20 @@ def test_cuda_graph_capture(through_hopper):
         out.backward(dout)
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip((qg.grad, kg.grad, vg.grad), eager_grads):
+    _same_grads((qg.grad, kg.grad, vg.grad), eager_grads)
+
+
+def test_deterministic_mode_runs_the_triton_kernels():
+    """Under torch.use_deterministic_algorithms(True) the backward is the Triton kernels' (no floating atomics):
+    bitwise their results, dQ included."""
+    q, k, v, dout = _inputs(1, 4, 2, 300, 300, 64, torch.bfloat16)
+    want = _run(q, k, v, dout, True, None, sagebwd.backward)[1]
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = _run(q, k, v, dout, True, None, hopper.backward)[1]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(want, got):
         assert torch.equal(a, b)
 
 
@@ -177,5 +204,5 @@ def _autograd(q, k, v, dout, mask, causal):
 def test_nonfinite_poisons_what_it_reaches(through_hopper, where, bad, variant, d, dtype):
     b, hq, hkv, sq, skv, causal, kp = NONFINITE_VARIANTS[variant]
     fails = check_nonfinite_training(_autograd, where, bad, b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, dtype=dtype,
-                                     causal=causal, key_padding=kp, device="cuda")
+                                     causal=causal, key_padding=kp, device="cuda", dq_order=DQ_ORDER)
     assert not fails, fails
