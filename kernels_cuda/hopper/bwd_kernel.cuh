@@ -1,4 +1,4 @@
-// Hopper (sm_90a) SageBwd training backward, dK and dV: INT8 and 16-bit wgmma on the transposed problem.
+// Hopper (sm_90a) SageBwd training backward, dQ, dK and dV: INT8 and 16-bit wgmma on the transposed problem.
 //
 // One CTA per 64 kBwdNwg keys of one (batch, KV head), one warpgroup per 64 keys; it walks the query heads of the GQA
 // group and their 64-query tiles (the numerics' block_q) that see its keys (causal: from the first visible tile),
@@ -9,19 +9,30 @@
 //   dV  += q8(P^T s_dO) dO^       INT8, A from registers: quantized per key row over the tile's 64 queries (a row
 //   dS^T = P^T o (dP^T - Delta)                 lives in the 4 lanes of a quad), B = the transposed dO^ image
 //   dK  += q8(dS^T s_Q) Q^        likewise with the transposed Q^ image; dK is scaled by tau at the end
+//   dQ  += q8(dS s_K) K^          INT8, dS s_K quantized per query over the warpgroup's 64 keys (the numerics'
+//                                 block_k: column maxima across the 4 warps through shared memory) into a dS image
+//                                 (queries x keys), B = a K^T image made once per CTA; each warpgroup computes half
+//                                 the channels over both warpgroups' key blocks (their int32 products scaled and
+//                                 summed in registers), added with red.global.add.v2.f32 into an fp32 buffer that
+//                                 the caller scales by tau and casts (5 products per tile, as FA3's backward)
 // Query order: row c of the Q^ and dO images (the N dimension of S^T and dP^T) holds query slot_of_key(c) of
 // its 32-query group, so the accumulator fragment of a lane is directly its A fragment for the transposed INT8
 // images in natural query order (the forward's V^T trick, applied to the other operand): every tile is copied
 // with 16-byte cp.async into its swizzled place, no byte shuffles. The numerics are those of
-// sage_patch/kernels/sagebwd/bwd.py's dkdv_kernel (SageBwdConfig(**KERNEL_LAYOUT)): the same products, scale
-// foldings, per-row quantization (127 / amax, round half to even, NaN amax -> NaN scale) and accumulation order.
+// sage_patch/kernels/sagebwd/bwd.py's dkdv_kernel and dq_kernel (SageBwdConfig(**KERNEL_LAYOUT)): the same products,
+// scale foldings, per-row quantization (127 / amax, round half to even, NaN amax -> NaN scale); the accumulation
+// order too, except dQ's sum over key blocks (floating-point reductions: no fixed order).
 //
-// Tiles are double-buffered and shared by the CTA's warpgroups: all threads issue the next tile's cp.async copies
-// before computing this one (no producer warp yet; the products run serially within a warpgroup, the other
-// warpgroup keeps the tensor cores busy meanwhile). H200, B=4 H=32 bf16 N=16K, backward alone with dQ from the
-// Triton dq_kernel: D=128 0.82x (full) / 0.83x (causal) of the all-Triton backward, D=64 0.70x / 0.70x: still
-// latency-bound (each product waited on before the math that follows it). Next: a producer warp with bulk copies,
-// S / dP of the next tile issued before this tile's INT8 products (FA3's order), dQ fused (5 products, not 8).
+// Tiles are double-buffered and shared by the CTA's warpgroups: after the one barrier per tile, all threads issue
+// the next tile's cp.async copies before computing this one (no producer warp yet; the products run serially
+// within a warpgroup). A second barrier per tile lets each warpgroup read both dS images for dQ: one reduction per
+// (query, channel) and 128 keys, not per 64 (per-warpgroup dQ, no second barrier but twice the reductions, measured
+// 1.18x slower at D=128). H200, B=4 H=32 bf16 N=16K, backward alone: D=128 0.93x (full) / 0.94x (causal) of the
+// Triton backward, D=64 0.87x / 0.86x: issue- and latency-bound (ncu, before the load addressing was unrolled:
+// 46% of issue slots used with 2 warps per scheduler, ~2500 instructions per warp and 64 x 64 tile, tensor pipes
+// ~15% busy; the dQ reductions cost too: per-warpgroup dQ, with twice as many, is slower). Next: a producer warp
+// with bulk copies (and a bulk reduce-add of dQ from shared memory), the next tile's S / dP issued before this
+// tile's INT8 products (FA3's order), fewer registers (255, a 52-byte spill at D=128) so that both fit.
 #pragma once
 #include "wgmma.cuh"
 #include "../common/ptx.cuh"
@@ -178,15 +189,19 @@ __device__ __forceinline__ void bwd_quantize_cols(const float (&x)[32], uint8_t*
         inv[e] = m > 0.f ? 127.f / m : 0.f;
         if (warp == 0) sc[bwd_query_of(8 * g + 2 * t4 + e)] = m / 127.f;
     }
-    const int kp = 16 * warp + 2 * g;  // keys 16 warp + g (low byte) and + 8 (high byte)
+    // keys 16 warp + g (low byte) and + 8 (high byte) at bytes 2 g of chunk warp of row bwd_query_of(8 i + 2 t4 + e)
+    // = 4 t4 + e + (32 (i >> 2) + 16 ((i >> 1) & 1) + 2 (i & 1)), whose 64B-swizzle phase (bits 1-2) is
+    // (i & 1) | 2 (t4 & 1): img_off as a per-lane base (one per parity of i) plus a constant
+    const int ph = (t4 & 1) << 1;
+    const int base0 = 256 * t4 + 2 * g + ((warp ^ ph) << 4), base1 = 256 * t4 + 2 * g + ((warp ^ ph ^ 1) << 4);
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const float iv = __shfl_sync(0xffffffffu, inv[e], 4 * i + t4);
             const uint32_t b0 = bwd_i8_bits(x[4 * i + e], iv) & 0xFFu, b1 = bwd_i8_bits(x[4 * i + 2 + e], iv) & 0xFFu;
-            *reinterpret_cast<uint16_t*>(ds + img_off(bwd_query_of(8 * i + 2 * t4 + e), kp, 64)) =
-                (uint16_t)(b0 | (b1 << 8));
+            const int row_c = e + 32 * (i >> 2) + 16 * ((i >> 1) & 1) + 2 * (i & 1);
+            *reinterpret_cast<uint16_t*>(ds + (i & 1 ? base1 : base0) + 64 * row_c) = (uint16_t)(b0 | (b1 << 8));
         }
 }
 
@@ -239,28 +254,41 @@ template <int D, typename T>
 __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* st, int64_t bh, const T* dop, int m0,
                                                int tid) {
     using S = BwdSmem<D>;
+    // A thread's chunks are kBwdThreads apart: rows a multiple of 16 apart within each image, which keeps the
+    // swizzle phase and (bit 4 up) the query permutation, so every address after the first is a constant further
+    // (unrolled; the row and column of the first are the only divisions).
     const int sq = p.Sq;
     const int8_t* qp = p.q_int + bh * sq * D;
-#pragma unroll 1
-    for (int i = tid; i < 64 * D / 16; i += kBwdThreads) {  // Q^: row c = query m0 + bwd_query_of(c)
-        const int r = i / (D / 16), c = i % (D / 16), qi = m0 + bwd_query_of(r);
-        bwd_cp16(st + S::Q_OFF + img_off(r, 16 * c, D), qp + (int64_t)min(qi, sq - 1) * D + 16 * c, qi < sq);
+    {  // Q^: row r = query m0 + bwd_query_of(r)
+        constexpr int per_row = D / 16, step = kBwdThreads / per_row;
+        const int r = tid / per_row, c = tid % per_row, qi = m0 + bwd_query_of(r);
+#pragma unroll
+        for (int k = 0; k < 64 * D / 16 / kBwdThreads; ++k)
+            bwd_cp16(st + S::Q_OFF + img_off(r, 16 * c, D) + k * step * D,
+                     qp + (int64_t)min(qi + k * step, sq - 1) * D + 16 * c, qi + k * step < sq);
     }
-#pragma unroll 1
-    for (int i = tid; i < 64 * D / 8; i += kBwdThreads) {   // dO (16-bit): the same row order
-        const int r = i / (D / 8), c = i % (D / 8), qi = m0 + bwd_query_of(r);
-        bwd_cp16(st + S::DO_OFF + bwd_h16_off(r, c), dop + (int64_t)min(qi, sq - 1) * p.do_ss + 8 * c, qi < sq);
+    {  // dO (16-bit): the same row order
+        constexpr int per_row = D / 8, step = kBwdThreads / per_row;
+        static_assert(step % 16 == 0, "bwd_query_of(r + step) = bwd_query_of(r) + step needs 16-row steps");
+        const int r = tid / per_row, c = tid % per_row, qi = m0 + bwd_query_of(r);
+        const T* src = dop + 8 * c;
+#pragma unroll
+        for (int k = 0; k < 64 * D / 8 / kBwdThreads; ++k)
+            bwd_cp16(st + S::DO_OFF + bwd_h16_off(r, c) + k * step * 128,
+                     src + (int64_t)min(qi + k * step, sq - 1) * p.do_ss, qi + k * step < sq);
     }
     // Q^T and dO^T: channel rows of 64 query bytes in natural order (a row is padded to 16 bytes: a chunk that
     // starts below sq stays inside it; its bytes past sq meet zero P / dS entries)
-    const int64_t toff = bh * D * p.t_stride;
-#pragma unroll 1
-    for (int i = tid; i < D * 4; i += kBwdThreads) {
-        const int ch = i >> 2, c0 = 16 * (i & 3);
+    {
+        const int ch = tid >> 2, c0 = 16 * (tid & 3);
         const bool ok = m0 + c0 < sq;
-        const int64_t src = toff + ch * p.t_stride + (ok ? m0 + c0 : 0);
-        bwd_cp16(st + S::QT_OFF + img_off(ch, c0, 64), p.q_t + src, ok);
-        bwd_cp16(st + S::DOT_OFF + img_off(ch, c0, 64), p.do_t + src, ok);
+        const int64_t src = bh * D * p.t_stride + ch * p.t_stride + (ok ? m0 + c0 : 0);
+        constexpr int step = kBwdThreads / 4;
+#pragma unroll
+        for (int k = 0; k < D * 4 / kBwdThreads; ++k) {
+            bwd_cp16(st + S::QT_OFF + img_off(ch, c0, 64) + k * step * 64, p.q_t + src + k * step * p.t_stride, ok);
+            bwd_cp16(st + S::DOT_OFF + img_off(ch, c0, 64) + k * step * 64, p.do_t + src + k * step * p.t_stride, ok);
+        }
     }
     if (tid < 64)  // stats in natural query order
         bwd_cp16(st + S::ST_OFF + 16 * tid, p.stats + 4 * (bh * sq + min(m0 + tid, sq - 1)), m0 + tid < sq);
@@ -339,17 +367,17 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
         int64_t bh;
         const T* dop;
         const int m0 = tile_of(t, bh, dop);
+        cp_async_wait<0>();  // this tile's copies (the only group in flight)
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma (async proxy)
+        // one barrier per tile for the stages: this tile's copies have landed everywhere, and every thread is done
+        // with the previous tile (its stage, the dS images and their scales are free to be written again)
+        __syncthreads();
         if (t + 1 < ntiles) {  // the next tile's copies, in flight during this one
             int64_t bh1;
             const T* dop1;
             const int m1 = tile_of(t + 1, bh1, dop1);
             bwd_issue_tile<D, T>(p, sm + S::STAGE0 + ((t + 1) & 1) * S::STAGE, bh1, dop1, m1, tid);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
         }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma (async proxy)
-        __syncthreads();
         const uint32_t sst = __shfl_sync(0xffffffffu, sb + S::STAGE0 + (t & 1) * S::STAGE, 0);
         const float4* st = reinterpret_cast<const float4*>(sm + S::STAGE0 + (t & 1) * S::STAGE + S::ST_OFF);
         {
@@ -381,23 +409,35 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
             }
             wg_wait<1>();
             reg_fence(sacc);
-            // P^T (masked pairs 0: keys past skv or padded, past the causal diagonal, queries past sq)
+            // P^T (masked pairs 0: keys past skv or padded, past the causal diagonal, queries past sq); a lane whose
+            // pairs of this tile are all visible (most tiles at long lengths) skips the per-pair tests
             float pt[32];
+            auto probs = [&](auto masked) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
+                for (int i = 0; i < 8; ++i) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int qc = bwd_query_of(8 * i + 2 * t4 + e), qi = m0 + qc;
-                    const float4 s4 = st[qc];  // q scale, LSE (log2), Delta, dO scale
-                    const bool qok = qi < sq;
-                    const bool v0 = qok && kok0 && (!p.causal || key0 <= qi + diag);
-                    const bool v1 = qok && kok1 && (!p.causal || key1 <= qi + diag);
-                    const float x0 = fast_exp2((float)sacc[4 * i + e] * ks0 * s4.x - s4.y);
-                    const float x1 = fast_exp2((float)sacc[4 * i + 2 + e] * ks1 * s4.x - s4.y);
-                    pt[4 * i + e] = v0 ? x0 : 0.f;
-                    pt[4 * i + 2 + e] = v1 ? x1 : 0.f;
+                    for (int e = 0; e < 2; ++e) {
+                        const int qc = bwd_query_of(8 * i + 2 * t4 + e), qi = m0 + qc;
+                        const float4 s4 = st[qc];  // q scale, LSE (log2), Delta, dO scale
+                        const float x0 = fast_exp2((float)sacc[4 * i + e] * ks0 * s4.x - s4.y);
+                        const float x1 = fast_exp2((float)sacc[4 * i + 2 + e] * ks1 * s4.x - s4.y);
+                        if constexpr (decltype(masked)::value) {
+                            const bool qok = qi < sq;
+                            const bool v0 = qok && kok0 && (!p.causal || key0 <= qi + diag);
+                            const bool v1 = qok && kok1 && (!p.causal || key1 <= qi + diag);
+                            pt[4 * i + e] = v0 ? x0 : 0.f;
+                            pt[4 * i + 2 + e] = v1 ? x1 : 0.f;
+                        } else {
+                            pt[4 * i + e] = x0;
+                            pt[4 * i + 2 + e] = x1;
+                        }
+                    }
                 }
-            }
+            };
+            if (kok0 && kok1 && m0 + kBwdQueries <= sq && (!p.causal || key1 <= m0 + diag))
+                probs(std::false_type{});
+            else
+                probs(std::true_type{});
             // in place (registers): dpt <- dS^T = P^T o (dP^T - Delta), pt <- P^T s_dO, quantized per key row and
             // dV += q8(P^T s_dO) dO^
             wg_wait<0>();  // (dP^T, issued with S^T)
@@ -449,7 +489,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
             bwd_dq_update<D>(sb + S::KV_OFF, sc, sc + S::KV_STRIDE / 4, p.dq_acc + (bh * sq + m0) * D, wg * (D / 2),
                              sq - m0, warp, lane);
         }
-        __syncthreads();  // every wgmma on this stage has completed before the next issue overwrites it
     }
     // epilogue: rows key0 / key1, channels 64 nh + 8 i + 2 t4 (+1); dK times tau
     T* dkp = static_cast<T*>(p.dk) + ((int64_t)bkv * skv) * D;

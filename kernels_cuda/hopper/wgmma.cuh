@@ -128,8 +128,8 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[pv_n(D) / 2], const uint32_t
     }
 }
 
-// The training backward's products (bwd_kernel.cuh), m64n64 and m64n32: INT8 with A from shared memory or registers, and
-// 16-bit (fp16 / bf16, fp32 accumulation) with both operands K-major in shared memory.
+// The training backward's products (bwd_kernel.cuh), m64n64 and m64n32: INT8 with A from shared memory or
+// registers, and 16-bit (fp16 / bf16, fp32 accumulation) with both operands K-major in shared memory.
 // C (64 x 64 int32) (+)= A (64 x 32 int8, smem) B (64 x 32 int8, smem)^T
 #define SAGE_WGMMA_S8_N64_SS(SCALE_D, C) \
     asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {" SAGE_LIST32 "}, %32, %33, " SCALE_D ";\n" \
