@@ -96,8 +96,8 @@ __device__ __forceinline__ float pow2_inv(float b) { return __int_as_float(0x7f0
 
 // The P~V accumulation (two-level: each block's P~V lands in its own accumulator, then merges into O and l): one
 // object owning the rows' O accumulators and tensor-core row sums l (rows row0 / row1). V~ of block kb is
-// V / (base vfac_kb): O and l are kept divided by the last block's vfac (vfac_prev), so O / l needs no factor at the end.
-template <int D>
+// V / (base vfac_kb): O and l are kept divided by the last block's vfac (vfac_prev): O / l needs no factor at the end.
+template <int D, bool LSE>
 struct PvAccum {
     float o[D / 2] = {};
     float l0 = 0.f;
@@ -126,6 +126,36 @@ struct PvAccum {
         l0 = l0 * al0 + sums[0] * vinv;
         l1 = l1 * al1 + sums[2] * vinv;
     }
+    // The stash (o_stash(D, LSE) > 0, traits.cuh): o's last o_stash values live in shared memory during the block
+    // loop, at sp[128 j] (this thread's float4 j, j < o_stash / 4: a warp's accesses are contiguous). Zeroed at a
+    // work item's start, folded by fold_stashed (as fold: the same FFMA per value), loaded back into o by unstash.
+    static constexpr int kStashOff = D / 2 - o_stash(D, LSE);  // first stashed value of o
+    __device__ __forceinline__ static void stash_zero(float4* sp) {
+#pragma unroll
+        for (int j = 0; j < o_stash(D, LSE) / 4; ++j) sp[128 * j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    // the stashed chunks = stash * alpha + b's chunks 0.. (b: the block accumulator's chunks of the stashed columns)
+    __device__ __forceinline__ static void fold_stashed(float4* sp, const float* b, float al0, float al1) {
+#pragma unroll
+        for (int j = 0; j < o_stash(D, LSE) / 4; ++j) {
+            float4 v = sp[128 * j];
+            v.x = v.x * al0 + b[4 * j];
+            v.y = v.y * al0 + b[4 * j + 1];
+            v.z = v.z * al1 + b[4 * j + 2];
+            v.w = v.w * al1 + b[4 * j + 3];
+            sp[128 * j] = v;
+        }
+    }
+    __device__ __forceinline__ void unstash(const float4* sp) {
+#pragma unroll
+        for (int j = 0; j < o_stash(D, LSE) / 4; ++j) {
+            const float4 v = sp[128 * j];
+            o[kStashOff + 4 * j] = v.x;
+            o[kStashOff + 4 * j + 1] = v.y;
+            o[kStashOff + 4 * j + 2] = v.z;
+            o[kStashOff + 4 * j + 3] = v.w;
+        }
+    }
     // O = O * alpha + block, l likewise with the block's row sums (columns D..; row0: [D/2], row1: [D/2 + 2])
     __device__ __forceinline__ void merge(const float (&blk)[pv_n(D) / 2], float al0, float al1) {
         add_sums(blk + D / 2, al0, al1);
@@ -138,7 +168,7 @@ struct PvAccum {
 template <int D, bool LSE, bool WIN>
 struct RowState {
     static constexpr bool kLse = LSE;
-    PvAccum<D> pv;
+    PvAccum<D, LSE> pv;
     Softmax<LSE, WIN> softmax;
     float qshift0 = 0.f;  // set by the Q prologue
     float qshift1 = 0.f;
@@ -179,17 +209,17 @@ struct PVHalfIssue {
     __device__ __forceinline__ void operator()() const { issue_half(acc, dvh); }
 };
 // merging the halves: o's first 8 column chunks from ba; the row sums and the last 8 chunks from bb
-template <int D>
+template <typename PV>
 struct MergeA {
-    PvAccum<D>& pv;
+    PV& pv;
     float (&ba)[32];
     float& al0;
     float& al1;
     __device__ __forceinline__ void operator()() const { pv.fold(ba, 0, 8, al0, al1); }
 };
-template <int D>
+template <typename PV>
 struct MergeB {
-    PvAccum<D>& pv;
+    PV& pv;
     float (&bb)[36];
     float& al0;
     float& al1;
@@ -285,6 +315,7 @@ struct BlockStep {
     const uint32_t& bar_full;
     const uint32_t& bar_empty;
     const int& lane;
+    float4* const& stash;  // this thread's O stash (D = 256)
     __device__ __forceinline__ void operator()(int s, uint32_t ph, int kb, float kscale, float vfac, int kmask) const {
         using S = Smem<D, NWG>;
         constexpr int kBlk = pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
@@ -301,7 +332,7 @@ struct BlockStep {
             st.softmax.online_softmax(rows, acc, kb, kscale, kmask, sf, al0, al1);
             pack_p(sf, pa);
         }
-        PvAccum<D>& pv = st.pv;
+        PvAccum<D, LSE>& pv = st.pv;
         pv.next_vfac(vfac, al0, al1);
         const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
         if constexpr (D == 128) {
@@ -312,8 +343,8 @@ struct BlockStep {
             PVHalf issue_half{pa};
             PVHalfIssue<32> issue_a{issue_half, ba, dv};
             PVHalfIssue<36> issue_b{issue_half, bb, dvb};
-            MergeA<D> merge_a{pv, ba, al0, al1};
-            MergeB<D> merge_b{pv, bb, al0, al1};
+            MergeA<PvAccum<D, LSE>> merge_a{pv, ba, al0, al1};
+            MergeB<PvAccum<D, LSE>> merge_b{pv, bb, al0, al1};
             // one half after the other (both in flight, or the second issued before the first merge:
             // 1-2% slower, they spill)
             issue_a();
@@ -344,7 +375,9 @@ struct BlockStep {
             reg_fence(pa);
             if (lane == 0) mbar_arrive(bar_empty + 8 * s);
             pv.add_sums(bb + 32, al0, al1);
-            pv.fold(bb, 24, 8, al0, al1);
+            constexpr int kRegCh = 8 - o_stash(D, LSE) / 4;  // this quarter's chunks in registers, then the stash
+            pv.fold(bb, 24, kRegCh, al0, al1);
+            PvAccum<D, LSE>::fold_stashed(stash, bb + 4 * kRegCh, al0, al1);
         } else {
             float blk[kBlk];
             wg_fence();

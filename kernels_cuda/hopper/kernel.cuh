@@ -91,7 +91,12 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
         const SoftmaxRows rows{skv, p, wrow_min, diag, qs, key_ok, t4, row0, row1};
         IssueQK<D, NWG> issue_qk{dk0, dq};
         IssuePV<D, NWG> issue_pv{dv0};
-        const BlockStep<D, NWG, LSE, WIN> consume_block{st, rows, issue_qk, issue_pv, dv0, bar_full, bar_empty, lane};
+        // O's stashed values (D = 256, o_stash): this thread's float4 0 of the warpgroup's stash (stride 128 float4)
+        float4* const stash =
+            reinterpret_cast<float4*>(hsmem + S::STASH_OFF) + cw * (o_stash(D, true) / 4) * 128 + ltid;
+        if constexpr (o_stash(D, LSE) > 0) PvAccum<D, LSE>::stash_zero(stash);
+        const BlockStep<D, NWG, LSE, WIN> consume_block{st,       rows,      issue_qk, issue_pv, dv0,
+                                                        bar_full, bar_empty, lane,     stash};
         // serial blocks need >= 3 consumer warpgroups to keep the tensor cores busy; D = 256 fits only 2 (its O)
         static_assert(NWG >= 3 || D == 256, "serial blocks need >= 3 consumer warpgroups");
         {
@@ -128,6 +133,7 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
             for (; kb < kb1; ++kb, ++it) release_block<S::NST>(it, bar_full, bar_empty, lane);
         }
 
+        if constexpr (o_stash(D, LSE) > 0) st.pv.unstash(stash);
         bool skip = false;
         split_combine<D, NWG>(w, item(tt, w), hsmem, cw, ltid, st, skip);
 
