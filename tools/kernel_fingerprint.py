@@ -3,7 +3,8 @@
 build) on fixed-seed inputs over the feature matrix (D, dtype, causal, GQA, key padding, varlen, smooth V, BSHD, odd
 lengths) and saves outputs and LSEs; `--compare A B` reports per case whether they are bitwise equal. Exit 1 if not.
 For refactors that must not change results (pre-pass rewrites, scheduling), checked on the device. Covers the sm_90a
-Hopper kernel (pv "wgmma", on an sm_90 GPU with an sm_90a build) and the portable mma.sync kernel: "8b" in each
+Hopper kernel (pv "wgmma", on an sm_90 GPU with an sm_90a build; also without the LSE and with a sliding window,
+"<case>/nolse", "/win300", "/win300-nolse") and the portable mma.sync kernel: "8b" in each
 P~V mode the GPU has (fp8-f16, fp8-mma: sm_89+; fp16) and "4b" with INT8 and INT4 MMA (case names
 "<case>/<pv>/<precision>[/<qk>]"). Old vs new build in one run:
     SAGE_PATCH_KERNELS_LIB=old/libsage_kernels.so python tools/kernel_fingerprint.py --save old.pt
@@ -25,7 +26,16 @@ CASES = [  # name, B, Hq, Hkv, Sq, Skv, D, dtype, causal, masked, smooth_v, layo
     ("d128-kmask", 2, 4, 2, 384, 1029, 128, torch.float16, False, True, False, "bhsd"),
     ("d128-smoothv", 1, 4, 4, 1000, 1111, 128, torch.float16, False, False, True, "bhsd"),
     ("d128-long", 1, 8, 8, 4096, 4096, 128, torch.float16, False, False, False, "bhsd"),
+    ("d256-fp16", 2, 4, 4, 1000, 1000, 256, torch.float16, False, False, False, "bhsd"),
+    ("d256-bf16-causal-gqa", 1, 8, 2, 777, 900, 256, torch.bfloat16, True, False, False, "bhsd"),
+    ("d256-kmask-smoothv", 1, 4, 4, 600, 1029, 256, torch.float16, False, True, True, "bhsd"),
+    ("d256-long", 1, 8, 8, 4096, 4096, 256, torch.float16, False, False, False, "bhsd"),
 ]
+# the Hopper kernel only (its instantiations the cases above miss): without the LSE (the split tail runs only
+# there) and with a sliding window (window_left), each with and without the LSE
+HOPPER_ONLY = ("d128-long", "d256-fp16", "d256-bf16-causal-gqa", "d256-kmask-smoothv", "d256-long")
+HOPPER_EXTRA = [  # (name suffix, return_lse, window_left)
+    ("nolse", False, -1), ("win300", True, 300), ("win300-nolse", False, 300)]
 
 
 def inputs(case, seed):
@@ -58,13 +68,19 @@ def run_all():
     res = {}
     for pv, prec, qk in variants:
         for i, case in enumerate(CASES):
-            if pv != "wgmma" and case[0] == "d128-long":
-                continue  # (the portable kernels: the short cases are enough)
+            if pv != "wgmma" and case[0] in HOPPER_ONLY:
+                continue  # (the portable kernels: the short cases are enough; their D=256 is not the Hopper one's)
             q, k, v, mask = inputs(case, 1234 + i)
             o, l = K.attention(q, k, v, layout=case[11], is_causal=case[8], attn_mask=mask, pv=pv, precision=prec,
                                qk=qk, smooth_v=case[10])
             name = case[0] if pv == "wgmma" else "/".join([case[0], pv, prec] + ([qk] if qk else []))
             res[name] = (o.cpu(), l.cpu())
+            if pv != "wgmma":
+                continue
+            for suffix, lse, window in HOPPER_EXTRA:
+                o, l = K.attention(q, k, v, layout=case[11], is_causal=case[8], attn_mask=mask, pv=pv,
+                                   precision=prec, qk=qk, smooth_v=case[10], return_lse=lse, window_left=window)
+                res[f"{case[0]}/{suffix}"] = (o.cpu(), l.cpu() if lse else torch.empty(0))
         # varlen: three packed sequences of different lengths (one shorter than a block)
         g = torch.Generator(device="cuda").manual_seed(99)
         lens = [700, 90, 1333]

@@ -1,9 +1,9 @@
 // Hopper path: a consumer warpgroup's work on one work item, before its epilogue: the Q prologue (this warpgroup's 64
 // rows of the tile quantized into its wgmma Q image) and one block of the loop (S = Q K^T, online softmax, P~V,
-// two-level accumulation) on the row state the kernel holds, and the pieces they use: taking work items, prefetching
-// the next tile's Q rows and per-channel values, issuing S = Q K^T and P~V, the two-level accumulation (small functor
-// structs bound to the consumer's registers: the same code the compiler saw when they were lambdas,
-// tools/sass_diff.py); the online softmax is softmax.cuh's.
+// two-level accumulation) on the row state the consumer loop owns (RowState: the P~V accumulation PvAccum, the
+// softmax, the Q shifts), and the pieces they use: taking work items, prefetching the next tile's Q rows and
+// per-channel values, issuing S = Q K^T and P~V (small functor structs bound to the consumer's registers: the same
+// code the compiler saw when they were lambdas, tools/sass_diff.py); the online softmax is softmax.cuh's.
 #pragma once
 #include "pipeline.cuh"
 #include "softmax.cuh"
@@ -88,15 +88,30 @@ struct IssuePV {
     }
 };
 
+// powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
+__device__ __forceinline__ float pow2_div(float a, float b) {
+    return __int_as_float(__float_as_int(a) - __float_as_int(b) + 0x3f800000);
+}
+__device__ __forceinline__ float pow2_inv(float b) { return __int_as_float(0x7f000000 - __float_as_int(b)); }
+
 // The P~V accumulation (two-level: each block's P~V lands in its own accumulator, then merges into O and l): one
-// object over the rows' O accumulators and tensor-core row sums l (rows row0 / row1)
-template <int D>
+// object owning the rows' O accumulators and tensor-core row sums l (rows row0 / row1). V~ of block kb is
+// V / (base vfac_kb): O and l are kept divided by the last block's vfac (vfac_prev): O / l needs no factor at the end.
+template <int D, bool LSE>
 struct PvAccum {
-    float (&o)[D / 2];
-    float& l0;
-    float& l1;
+    float o[D / 2] = {};
+    float l0 = 0.f;
+    float l1 = 0.f;
+    float vfac_prev = 1.f;
+    // block with V factor vfac next: alpha times vfac_prev / vfac (exact powers of two)
+    __device__ __forceinline__ void next_vfac(float vfac, float& al0, float& al1) {
+        const float q = pow2_div(vfac_prev, vfac);
+        al0 *= q;
+        al1 *= q;
+        vfac_prev = vfac;
+    }
     // o's n8 column chunks off.. off + nch - 1 = o * alpha + the block accumulator's chunks 0..
-    __device__ __forceinline__ void fold(const float* b, int off, int nch, float al0, float al1) const {
+    __device__ __forceinline__ void fold(const float* b, int off, int nch, float al0, float al1) {
 #pragma unroll
         for (int i = 0; i < nch; ++i) {
             o[4 * (off + i)] = o[4 * (off + i)] * al0 + b[4 * i];
@@ -105,19 +120,59 @@ struct PvAccum {
             o[4 * (off + i) + 3] = o[4 * (off + i) + 3] * al1 + b[4 * i + 3];
         }
     }
+    // l = l * alpha + the block's row sums (sums[0]: row0, sums[2]: row1) / vfac
+    __device__ __forceinline__ void add_sums(const float* sums, float al0, float al1) {
+        const float vinv = pow2_inv(vfac_prev);
+        l0 = l0 * al0 + sums[0] * vinv;
+        l1 = l1 * al1 + sums[2] * vinv;
+    }
+    // The stash (o_stash(D, LSE) > 0, traits.cuh): o's last o_stash values live in shared memory during the block
+    // loop, at sp[128 j] (this thread's float4 j, j < o_stash / 4: a warp's accesses are contiguous). Zeroed at a
+    // work item's start, folded by fold_stashed (as fold: the same FFMA per value), loaded back into o by unstash.
+    static constexpr int kStashOff = D / 2 - o_stash(D, LSE);  // first stashed value of o
+    __device__ __forceinline__ static void stash_zero(float4* sp) {
+#pragma unroll
+        for (int j = 0; j < o_stash(D, LSE) / 4; ++j) sp[128 * j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    // the stashed chunks = stash * alpha + b's chunks 0.. (b: the block accumulator's chunks of the stashed columns)
+    __device__ __forceinline__ static void fold_stashed(float4* sp, const float* b, float al0, float al1) {
+#pragma unroll
+        for (int j = 0; j < o_stash(D, LSE) / 4; ++j) {
+            float4 v = sp[128 * j];
+            v.x = v.x * al0 + b[4 * j];
+            v.y = v.y * al0 + b[4 * j + 1];
+            v.z = v.z * al1 + b[4 * j + 2];
+            v.w = v.w * al1 + b[4 * j + 3];
+            sp[128 * j] = v;
+        }
+    }
+    __device__ __forceinline__ void unstash(const float4* sp) {
+#pragma unroll
+        for (int j = 0; j < o_stash(D, LSE) / 4; ++j) {
+            const float4 v = sp[128 * j];
+            o[kStashOff + 4 * j] = v.x;
+            o[kStashOff + 4 * j + 1] = v.y;
+            o[kStashOff + 4 * j + 2] = v.z;
+            o[kStashOff + 4 * j + 3] = v.w;
+        }
+    }
     // O = O * alpha + block, l likewise with the block's row sums (columns D..; row0: [D/2], row1: [D/2 + 2])
-    __device__ __forceinline__ void merge(const float (&blk)[pv_n(D) / 2], float al0, float al1, float vinv) const {
-        l0 = l0 * al0 + blk[D / 2] * vinv;
-        l1 = l1 * al1 + blk[D / 2 + 2] * vinv;
+    __device__ __forceinline__ void merge(const float (&blk)[pv_n(D) / 2], float al0, float al1) {
+        add_sums(blk + D / 2, al0, al1);
         fold(blk, 0, D / 8, al0, al1);
     }
 };
 
-// powers of two as bits: a / b and 1 / b for a, b in [1, 2^64] (one integer add each)
-__device__ __forceinline__ float pow2_div(float a, float b) {
-    return __int_as_float(__float_as_int(a) - __float_as_int(b) + 0x3f800000);
-}
-__device__ __forceinline__ float pow2_inv(float b) { return __int_as_float(0x7f000000 - __float_as_int(b)); }
+// A consumer thread's row state on one work item, owned by the consumer loop: the P~V accumulation (O, l, V factor),
+// the softmax (running maxima, LSE sums) and the rows' Q shifts (q . mean(K), K's smoothing shift: LSE only)
+template <int D, bool LSE, bool WIN>
+struct RowState {
+    static constexpr bool kLse = LSE;
+    PvAccum<D, LSE> pv;
+    Softmax<LSE, WIN> softmax;
+    float qshift0 = 0.f;  // set by the Q prologue
+    float qshift1 = 0.f;
+};
 
 // D = 128: P~V in two column halves, m64n64 into ba (V^T rows from dv) or m64n72 into bb (rows from dvb, with the
 // 8 rows of ones: the row sums); one k32 step of a half
@@ -154,27 +209,22 @@ struct PVHalfIssue {
     __device__ __forceinline__ void operator()() const { issue_half(acc, dvh); }
 };
 // merging the halves: o's first 8 column chunks from ba; the row sums and the last 8 chunks from bb
-template <int D>
+template <typename PV>
 struct MergeA {
-    const PvAccum<D>& pv;
+    PV& pv;
     float (&ba)[32];
     float& al0;
     float& al1;
     __device__ __forceinline__ void operator()() const { pv.fold(ba, 0, 8, al0, al1); }
 };
-template <int D>
+template <typename PV>
 struct MergeB {
-    float& vfac_prev;
-    float& l0;
-    float& al0;
+    PV& pv;
     float (&bb)[36];
-    float& l1;
+    float& al0;
     float& al1;
-    const PvAccum<D>& pv;
     __device__ __forceinline__ void operator()() const {
-        const float vinv = pow2_inv(vfac_prev);
-        l0 = l0 * al0 + bb[32] * vinv;
-        l1 = l1 * al1 + bb[34] * vinv;
+        pv.add_sums(bb + 32, al0, al1);
         pv.fold(bb, 8, 8, al0, al1);
     }
 };
@@ -253,22 +303,19 @@ __device__ __forceinline__ void q_prologue(const SageAttnParams& p, const QPre<D
 // runs its softmax the other two keep the tensor cores busy; no wgmma of its own is in flight during its ALU work
 // (which would slow it). kscale: this thread's K scale of the block, vfac: its V factor, kmask: some key of it is
 // padding-masked (all prefetched one block ahead).
-// Two-level accumulation: each block's P~V lands in its own accumulator, then O = O * alpha + block. V~ of block kb
-// is V / (base vfac_kb): O and l are kept divided by the current block's vfac (the softmax's alpha times vfac_prev /
-// vfac_kb, exact powers of two, and the block's row sums times 1 / vfac_kb), so O / l needs no factor at the end.
+// Two-level accumulation on the row state st (PvAccum): each block's P~V lands in its own accumulator, then
+// O = O * alpha + block; O and l stay divided by the current block's V factor (alpha times vfac_prev / vfac_kb).
 template <int D, int NWG, bool LSE, bool WIN>
 struct BlockStep {
-    const Softmax<LSE, WIN>& softmax;
+    RowState<D, LSE, WIN>& st;
+    const SoftmaxRows& rows;
     const IssueQK<D, NWG>& issue_qk;
     const IssuePV<D, NWG>& issue_pv;
-    const PvAccum<D>& pv;
-    float& l0;         // the rows' tensor-core sums (pv's, also merged by the second half at D = 128)
-    float& l1;
-    float& vfac_prev;  // the last block's V factor: O and l are kept divided by it
     const uint32_t& dv0;
     const uint32_t& bar_full;
     const uint32_t& bar_empty;
     const int& lane;
+    float4* const& stash;  // this thread's O stash (D = 256)
     __device__ __forceinline__ void operator()(int s, uint32_t ph, int kb, float kscale, float vfac, int kmask) const {
         using S = Smem<D, NWG>;
         constexpr int kBlk = pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
@@ -282,15 +329,11 @@ struct BlockStep {
         reg_fence(acc);
         {
             float sf[64];
-            softmax.online_softmax(acc, kb, kscale, kmask, sf, al0, al1);
+            st.softmax.online_softmax(rows, acc, kb, kscale, kmask, sf, al0, al1);
             pack_p(sf, pa);
         }
-        {
-            const float q = pow2_div(vfac_prev, vfac);
-            al0 *= q;
-            al1 *= q;
-            vfac_prev = vfac;
-        }
+        PvAccum<D, LSE>& pv = st.pv;
+        pv.next_vfac(vfac, al0, al1);
         const uint32_t dv = dv0 + (uint32_t)s * (S::VSTRIDE >> 4);
         if constexpr (D == 128) {
             // P~V in two column halves: 32 + 36 accumulator registers (all 68 live at once do not fit)
@@ -300,8 +343,8 @@ struct BlockStep {
             PVHalf issue_half{pa};
             PVHalfIssue<32> issue_a{issue_half, ba, dv};
             PVHalfIssue<36> issue_b{issue_half, bb, dvb};
-            MergeA<D> merge_a{pv, ba, al0, al1};
-            MergeB<D> merge_b{vfac_prev, l0, al0, bb, l1, al1, pv};
+            MergeA<PvAccum<D, LSE>> merge_a{pv, ba, al0, al1};
+            MergeB<PvAccum<D, LSE>> merge_b{pv, bb, al0, al1};
             // one half after the other (both in flight, or the second issued before the first merge:
             // 1-2% slower, they spill)
             issue_a();
@@ -331,10 +374,10 @@ struct BlockStep {
             reg_fence(bb);
             reg_fence(pa);
             if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-            const float vinv = pow2_inv(vfac_prev);
-            l0 = l0 * al0 + bb[32] * vinv;
-            l1 = l1 * al1 + bb[34] * vinv;
-            pv.fold(bb, 24, 8, al0, al1);
+            pv.add_sums(bb + 32, al0, al1);
+            constexpr int kRegCh = 8 - o_stash(D, LSE) / 4;  // this quarter's chunks in registers, then the stash
+            pv.fold(bb, 24, kRegCh, al0, al1);
+            PvAccum<D, LSE>::fold_stashed(stash, bb + 4 * kRegCh, al0, al1);
         } else {
             float blk[kBlk];
             wg_fence();
@@ -343,7 +386,7 @@ struct BlockStep {
             reg_fence(blk);
             reg_fence(pa);
             if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-            pv.merge(blk, al0, al1, pow2_inv(vfac_prev));
+            pv.merge(blk, al0, al1);
         }
     }
 };

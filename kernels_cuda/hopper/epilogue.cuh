@@ -11,11 +11,14 @@ namespace sage::hopper {
 // Split tail: a part's rows as normalised partial output + log2 row sum; the last part to arrive combines all parts
 // (in part order: deterministic) into o and l for the epilogue. skip (false on entry) is set when this part stores
 // nothing (another part combines). sit: the work item (item again, not kept live across the block loop: that cost D=64 registers).
-template <int D, int NWG, bool LSE>
-__device__ __forceinline__ void split_combine(const Ws& w, const Item& sit, uint8_t* hsmem, int cw, int ltid,
-                                                  float (&o)[D / 2], float& l0, float& l1, float m0, float m1,
-                                                  float vfac_prev, bool& skip) {
+template <int D, int NWG, typename RS>
+__device__ __forceinline__ void split_combine(const Ws& w, const Item& sit, uint8_t* hsmem, int cw, int ltid, RS& st,
+                                              bool& skip) {
     using S = Smem<D, NWG>;
+    constexpr bool LSE = RS::kLse;
+    float(&o)[D / 2] = st.pv.o;
+    float &l0 = st.pv.l0, &l1 = st.pv.l1;
+    const float m0 = st.softmax.m0, m1 = st.softmax.m1, vfac_prev = st.pv.vfac_prev;
     if (!LSE && sit.split >= 0) {  // (plan splits no LSE call)
         constexpr int kSlot = (D / 8 + 1) * 128;  // float4 per (part, consumer): D/8 per thread + the sums
         const int64_t pstride = (int64_t)NWG * kSlot;
@@ -70,17 +73,30 @@ __device__ __forceinline__ void split_combine(const Ws& w, const Item& sit, uint
     }
 }
 
-// Epilogue of a work item: rows row0 / row1 (O0 / O1: their first channel of this lane in the output) stored where
-// st0 / st1 (the row inside the sequence and not skipped: another split part stores it). inv0 / inv1: 1 / l (0 for
-// an empty row). sepi: the per-channel V scale and mean staged by the Q prologue; o, l, m, ls: the rows' final state.
-// (The caller computes the addresses and predicates: inside this function the compiler shaped the store predicates
+// Where a consumer thread's two rows of a work item go: rows row0 / row1 of batch b, head h (bhq: b Hq + h) of a
+// sequence of sq rows; O0 / O1: their first channel of this lane in the output, stored where st0 / st1 (the row
+// inside the sequence and not skipped: another split part stores it); inv0 / inv1: 1 / l (0 for an empty row).
+// (The caller computes the addresses and predicates: inside the epilogue the compiler shaped the store predicates
 // differently, and the SASS changed.)
-template <int D, typename T, bool LSE>
-__device__ __forceinline__ void epilogue(const SageAttnParams& p, const float* sepi, int b, int h, int64_t bhq,
-                                             int sq, int row0, int row1, int t4, T* O0, T* O1, bool st0, bool st1,
-                                             bool skip, float inv0, float inv1, float qshift0, float qshift1,
-                                             const float (&o)[D / 2], float l0, float l1, float m0, float m1,
-                                             float ls0, float ls1) {
+template <typename T>
+struct OutRows {
+    int b, h;
+    int64_t bhq;
+    int sq, row0, row1, t4;
+    T* O0;
+    T* O1;
+    bool st0, st1, skip;
+    float inv0, inv1;
+};
+
+// Epilogue of a work item: the rows' final state st (O, l, the softmax's maxima and LSE sums, the Q shifts) into
+// the output rows r; sepi: the per-channel V scale and mean staged by the Q prologue.
+template <int D, typename T, typename RS>
+__device__ __forceinline__ void epilogue(const SageAttnParams& p, const float* sepi, const OutRows<T>& r, RS& st) {
+    constexpr bool LSE = RS::kLse;
+    const float(&o)[D / 2] = st.pv.o;
+    const float l0 = st.pv.l0, l1 = st.pv.l1, inv0 = r.inv0, inv1 = r.inv1;
+    const int t4 = r.t4;
     // smooth V: + mean(V) on rows that attended to something (the staged mean is 0 without smooth V)
     const float f0 = l0 != 0.f ? 1.f : 0.f, f1 = l1 != 0.f ? 1.f : 0.f;
 #pragma unroll
@@ -94,20 +110,16 @@ __device__ __forceinline__ void epilogue(const SageAttnParams& p, const float* s
             r0[q] = pack2<T>(fmaf(mv.x, f0, o[4 * i] * inv0 * vv.x), fmaf(mv.y, f0, o[4 * i + 1] * inv0 * vv.y));
             r1[q] = pack2<T>(fmaf(mv.x, f1, o[4 * i + 2] * inv1 * vv.x), fmaf(mv.y, f1, o[4 * i + 3] * inv1 * vv.y));
         }
-        if (st0) *reinterpret_cast<uint4*>(O0 + 32 * c) = make_uint4(r0[0], r0[1], r0[2], r0[3]);
-        if (st1) *reinterpret_cast<uint4*>(O1 + 32 * c) = make_uint4(r1[0], r1[1], r1[2], r1[3]);
+        if (r.st0) *reinterpret_cast<uint4*>(r.O0 + 32 * c) = make_uint4(r0[0], r0[1], r0[2], r0[3]);
+        if (r.st1) *reinterpret_cast<uint4*>(r.O1 + 32 * c) = make_uint4(r1[0], r1[1], r1[2], r1[3]);
     }
-    if constexpr (LSE) {
-        ls0 += __shfl_xor_sync(0xffffffffu, ls0, 1);
-        ls0 += __shfl_xor_sync(0xffffffffu, ls0, 2);
-        ls1 += __shfl_xor_sync(0xffffffffu, ls1, 1);
-        ls1 += __shfl_xor_sync(0xffffffffu, ls1, 2);
-    }
-    if (LSE && t4 == 0 && !skip) {
-        float* L = p.cu_seqlens_q ? p.lse + h * p.lse_sh + tok0_q(p, b) : p.lse + bhq * p.Sq;
+    st.softmax.finalize();
+    if (LSE && t4 == 0 && !r.skip) {
+        float* L = p.cu_seqlens_q ? p.lse + r.h * p.lse_sh + tok0_q(p, r.b) : p.lse + r.bhq * p.Sq;
         const float ss = p.sm_scale;
-        if (row0 < sq) L[row0] = ls0 != 0.f ? m0 * kLn2 + (logf(ls0) - kLnFp8Max) + qshift0 * ss : -INFINITY;
-        if (row1 < sq) L[row1] = ls1 != 0.f ? m1 * kLn2 + (logf(ls1) - kLnFp8Max) + qshift1 * ss : -INFINITY;
+        const auto& sm = st.softmax;
+        if (r.row0 < r.sq) L[r.row0] = sm.lse(sm.m0, sm.ls0, st.qshift0, ss);
+        if (r.row1 < r.sq) L[r.row1] = sm.lse(sm.m1, sm.ls1, st.qshift1, ss);
     }
 }
 

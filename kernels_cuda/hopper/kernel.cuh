@@ -72,9 +72,10 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
         const int64_t bhq = (int64_t)b * p.Hq + h, bhk = (int64_t)b * p.Hkv + h / group;
         const int row0 = q0 + cw * 64 + lrow0, row1 = row0 + 8;
 
-        float qshift0 = 0.f, qshift1 = 0.f, qs;
+        RowState<D, LSE, WIN> st;  // this work item's row state: O, l, the softmax's maxima and sums, Q shifts
+        float qs;
         float* se = reinterpret_cast<float*>(hsmem + S::EPI_OFF) + (cw * 2 + tpar) * S::EPI_FLOATS;
-        q_prologue<D, T, LSE>(p, pf, se, sQp, cw, ltid, lrow0, t4, qs, qshift0, qshift1);
+        q_prologue<D, T, LSE>(p, pf, se, sQp, cw, ltid, lrow0, t4, qs, st.qshift0, st.qshift1);
         const float* sepi = se;
         tpar ^= 1;
 
@@ -83,22 +84,19 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
         const float* ksc = w.kscale + bhk * w.nkb * 4;
         const float* vfc = w.vfac + bhk * w.nkb;  // per block: V's power-of-two factor over the base scale
         const int* kmf = mrow ? w.kmflag + (int64_t)b * w.nkb : nullptr;
-        float o[D / 2];
-#pragma unroll
-        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-        float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-        float ls0 = 0.f, ls1 = 0.f;
         const int wrow_min = q0 + cw * 64;  // first row of this warpgroup
 
         // masked blocks: key attended by the row (inside the sequence, not padded, not past the causal diagonal)
         KeyOk key_ok{skv, mrow, p, diag};
-        Softmax<LSE, WIN> softmax{skv, p, wrow_min, diag, qs, key_ok, t4, row0, row1, m0, m1, ls0, ls1};
+        const SoftmaxRows rows{skv, p, wrow_min, diag, qs, key_ok, t4, row0, row1};
         IssueQK<D, NWG> issue_qk{dk0, dq};
         IssuePV<D, NWG> issue_pv{dv0};
-        PvAccum<D> pv{o, l0, l1};
-        float vfac_prev = 1.f;
-        const BlockStep<D, NWG, LSE, WIN> consume_block{softmax, issue_qk, issue_pv, pv, l0, l1,
-                                                      vfac_prev, dv0, bar_full, bar_empty, lane};
+        // O's stashed values (D = 256, o_stash): this thread's float4 0 of the warpgroup's stash (stride 128 float4)
+        float4* const stash =
+            reinterpret_cast<float4*>(hsmem + S::STASH_OFF) + cw * (o_stash(D, true) / 4) * 128 + ltid;
+        if constexpr (o_stash(D, LSE) > 0) PvAccum<D, LSE>::stash_zero(stash);
+        const BlockStep<D, NWG, LSE, WIN> consume_block{st,       rows,      issue_qk, issue_pv, dv0,
+                                                        bar_full, bar_empty, lane,     stash};
         // serial blocks need >= 3 consumer warpgroups to keep the tensor cores busy; D = 256 fits only 2 (its O)
         static_assert(NWG >= 3 || D == 256, "serial blocks need >= 3 consumer warpgroups");
         {
@@ -135,8 +133,9 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
             for (; kb < kb1; ++kb, ++it) release_block<S::NST>(it, bar_full, bar_empty, lane);
         }
 
+        if constexpr (o_stash(D, LSE) > 0) st.pv.unstash(stash);
         bool skip = false;
-        split_combine<D, NWG, LSE>(w, item(tt, w), hsmem, cw, ltid, o, l0, l1, m0, m1, vfac_prev, skip);
+        split_combine<D, NWG>(w, item(tt, w), hsmem, cw, ltid, st, skip);
 
         const int tnext = take_tile();
         // in flight during the epilogue; unconditional (the current tile again after the last one) so that the
@@ -145,13 +144,13 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
 
         // ---- epilogue
         // empty row (no visible key): l == 0 exactly; a NaN l (non-finite input) must not pass as empty
+        const float l0 = st.pv.l0, l1 = st.pv.l1;
         const float inv0 = l0 != 0.f ? 1.f / l0 : 0.f, inv1 = l1 != 0.f ? 1.f / l1 : 0.f;
         T* O = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh + tok0_q(p, b) * p.o_ss;
         T* O0 = O + (int64_t)row0 * p.o_ss + 8 * t4;
         T* O1 = O + (int64_t)row1 * p.o_ss + 8 * t4;
         const bool st0 = row0 < sq && !skip, st1 = row1 < sq && !skip;
-        epilogue<D, T, LSE>(p, sepi, b, h, bhq, sq, row0, row1, t4, O0, O1, st0, st1, skip, inv0, inv1, qshift0,
-                                qshift1, o, l0, l1, m0, m1, ls0, ls1);
+        epilogue<D>(p, sepi, OutRows<T>{b, h, bhq, sq, row0, row1, t4, O0, O1, st0, st1, skip, inv0, inv1}, st);
         tt = tnext;
     }
 }

@@ -1,7 +1,7 @@
 // Hopper path: the consumer's online softmax over 128-key blocks (Softmax: a thread's two rows, row0 = its warp
-// row g and row1 = g + 8, with the row state as explicit members) and the P~ packing into the FP8 wgmma A fragments.
-// The pieces are small functor structs bound to the consumer's registers (the same code the compiler saw when they
-// were lambdas: the SASS is unchanged, tools/sass_diff.py).
+// row g and row1 = g + 8; it owns their running maxima and LSE sums) and the P~ packing into the FP8 wgmma A
+// fragments. The masking pieces are small functor structs bound to the consumer's registers (the same code the
+// compiler saw when they were lambdas, tools/sass_diff.py).
 #pragma once
 #include "tile_scheduler.cuh"
 #include "../common/quant.cuh"
@@ -95,10 +95,9 @@ struct Arg {
     }
 };
 
-// The online softmax of a consumer thread's two rows (row0, row1 = row0 + 8) over 128-key blocks. Its row state
-// (running maxima m, fp32 LSE sums ls) is explicit: members bound to the consumer's registers.
-template <bool LSE, bool WIN>
-struct Softmax {
+// Where a consumer thread's two rows lie (row0, row1 = row0 + 8), for the masks and scales of the online softmax
+// (bound to the consumer's registers: the same code as when they were the softmax's own references)
+struct SoftmaxRows {
     const int& skv;
     const SageAttnParams& p;
     const int& wrow_min;  // first row of this warpgroup
@@ -108,19 +107,30 @@ struct Softmax {
     const int& t4;
     const int& row0;
     const int& row1;
-    float& m0;            // running row maxima (scaled scores, log2 domain)
-    float& m1;
-    float& ls0;           // fp32 sums of 448 p over this lane's keys, for the LSE only
-    float& ls1;
+};
+
+// The online softmax of a consumer thread's two rows over 128-key blocks (FlashAttention-3's Softmax): it owns the
+// rows' running maxima (row_max) and, for the LSE, their fp32 sums (row_sum); online_softmax takes one block,
+// finalize / lse end the rows. (O and the tensor-core row sums that normalise it are PvAccum's; the rescale of O by
+// alpha is folded into the P~V merge, one FFMA per value.)
+template <bool LSE, bool WIN>
+struct Softmax {
+    float m0 = -INFINITY;  // running row maxima (scaled scores, log2 domain)
+    float m1 = -INFINITY;
+    float ls0 = 0.f;       // fp32 sums of 448 p over this lane's keys, for the LSE only
+    float ls1 = 0.f;
     // S of block kb (int32 wgmma accumulator) -> 448 p per score (fp32, before the e4m3 conversion of pack_p)
     // and the rescale factors alpha. kscale: this thread's K scale of block kb (prefetched one block ahead);
     // kmasked: the block needs the general per-key test (padded keys, or a sliding window cutting it)
-    __device__ __forceinline__ void online_softmax(const int (&acc)[64], int kb, float kscale, int kmasked,
-                                                   float (&sf)[64], float& al0, float& al1) const {
+    __device__ __forceinline__ void online_softmax(const SoftmaxRows& r, const int (&acc)[64], int kb, float kscale,
+                                                   int kmasked, float (&sf)[64], float& al0, float& al1) {
+        const int& skv = r.skv;
+        const SageAttnParams& p = r.p;
+        const int &diag = r.diag, &t4 = r.t4, &row0 = r.row0, &row1 = r.row1;
         const int kbase = kb * kBN;
         const bool need_mask = (kbase + kBN > skv) || kmasked ||
-                               (p.causal && kbase + kBN - 1 > wrow_min + diag);
-        const float sc = qs * kscale;  // one Q and one K scale per thread (>= 0); log2 domain
+                               (p.causal && kbase + kBN - 1 > r.wrow_min + diag);
+        const float sc = r.qs * kscale;  // one Q and one K scale per thread (>= 0); log2 domain
         // (the prefix limits are computed where used: kept live across the exponentials they cost registers)
         Lim lim{skv, p, diag, kbase};
         // Row max on the int32 scores (a lane's scale is >= 0, so the order is the same), then per score one IADD
@@ -142,8 +152,8 @@ struct Softmax {
             const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
             each_key(MaskedMax<Prefix, Prefix>{im0, im1, acc, Prefix{l0}, Prefix{l1}});
         } else {
-            const General general0{key_ok, kbase, t4, row0, window_lo<WIN>(p, row0, diag, kbase, t4)};
-            const General general1{key_ok, kbase, t4, row1, window_lo<WIN>(p, row1, diag, kbase, t4)};
+            const General general0{r.key_ok, kbase, t4, row0, window_lo<WIN>(p, row0, diag, kbase, t4)};
+            const General general1{r.key_ok, kbase, t4, row1, window_lo<WIN>(p, row1, diag, kbase, t4)};
             each_key(MaskedMax<General, General>{im0, im1, acc, general0, general1});
         }
         // the 4 lanes of a row hold different K scale groups: compare them as scaled floats
@@ -171,8 +181,8 @@ struct Softmax {
             const int l0 = lim(row0) - 2 * t4, l1 = lim(row1) - 2 * t4;
             each_key(ZeroHidden<Prefix, Prefix>{sf, Prefix{l0}, Prefix{l1}});
         } else if (need_mask) {
-            const General general0{key_ok, kbase, t4, row0, window_lo<WIN>(p, row0, diag, kbase, t4)};
-            const General general1{key_ok, kbase, t4, row1, window_lo<WIN>(p, row1, diag, kbase, t4)};
+            const General general0{r.key_ok, kbase, t4, row0, window_lo<WIN>(p, row0, diag, kbase, t4)};
+            const General general1{r.key_ok, kbase, t4, row1, window_lo<WIN>(p, row1, diag, kbase, t4)};
             each_key(ZeroHidden<General, General>{sf, general0, general1});
         }
         // the output is normalised by the tensor cores' row sums (merge); the LSE keeps fp32 sums of p (the FP8
@@ -186,6 +196,20 @@ struct Softmax {
         }
         ls0 = ls0 * al0 + rs0;
         ls1 = ls1 * al1 + rs1;
+    }
+    // the rows' fp32 sums over their four lanes (LSE only)
+    __device__ __forceinline__ void finalize() {
+        if constexpr (LSE) {
+            ls0 += __shfl_xor_sync(0xffffffffu, ls0, 1);
+            ls0 += __shfl_xor_sync(0xffffffffu, ls0, 2);
+            ls1 += __shfl_xor_sync(0xffffffffu, ls1, 1);
+            ls1 += __shfl_xor_sync(0xffffffffu, ls1, 2);
+        }
+    }
+    // after finalize: a row's natural-log LSE (m, ls: the row's maximum and sum; qshift: q . mean(K), K's smoothing
+    // shift, times the softmax scale ss); -inf for a row without a visible key
+    __device__ __forceinline__ static float lse(float m, float ls, float qshift, float ss) {
+        return ls != 0.f ? m * kLn2 + (logf(ls) - kLnFp8Max) + qshift * ss : -INFINITY;
     }
 };
 

@@ -32,7 +32,7 @@ constexpr int kBN = 128;        // keys per block (one wgmma N for S; four k32 s
 // other warpgroups to keep the tensor cores busy; NWG = 2 overlaps S(kb) with P~V(kb-1) inside the warpgroup (~230
 // registers). H200, same-run A/B when the counts were chosen: D = 128 3 vs 2: +4% at 1K, +7% at 2K, +5% at 16K;
 // D = 64 4 vs 2: +13-14% (3: +7-11%); bitwise identical outputs. D = 256: 2 (240 registers: O alone is 128 fp32 per
-// thread), serial blocks too, P~V in four 64-column quarters.
+// thread), serial blocks too, P~V in four 64-column quarters, O's last 24-32 values in shared memory (o_stash).
 __host__ __device__ constexpr int nwg(int D) { return D == 64 ? 4 : D == 128 ? 3 : 2; }
 __host__ __device__ constexpr int bm(int nwg) { return 64 * nwg; }          // query rows per CTA tile
 __host__ __device__ constexpr int threads(int nwg) { return 128 * (nwg + 1); }  // + the producer warpgroup
@@ -72,6 +72,14 @@ __host__ __device__ constexpr int slot_of_key(int k) {
 // involution: V^T row vcol(d) holds channel d.
 __host__ __device__ constexpr int vcol(int j) { return (j & ~0x1E) | ((j >> 2) & 6) | ((j << 2) & 0x18); }
 
+// O values per consumer thread kept in shared memory during the block loop (the last o_stash / 4 n8 column chunks,
+// folded there by the last P~V quarter): at D = 256 the softmax phase holds O (128 fp32) and S (64) within the 240
+// registers setmaxnreg gives, and ptxas spilled 16 of O to local memory otherwise, with copies between spill slots
+// at every block (~220 STL/LDL in the kernel); the stash costs o_stash / 4 LDS.128 + STS.128 per block and thread.
+// Numerics unchanged (the same FFMA per value). The counts are ptxas's fewest spills (sm_90a, nvcc 13.0): without
+// the LSE 24 (2 STL/LDL left; 16: 40, 32: 239), with it 32 (11-15; 24: 39-52). 0 below D = 256.
+__host__ __device__ constexpr int o_stash(int D, bool lse) { return D == 256 ? (lse ? 32 : 24) : 0; }
+
 template <int D, int NWG>
 struct Smem {
     static constexpr int NST = stages(D);       // K/V ring stages
@@ -85,7 +93,8 @@ struct Smem {
     static constexpr int V_OFF = K_OFF + NST * KBYTES;
     static constexpr int EPI_OFF = V_OFF + NST * VSTRIDE;  // V scale, V mean, K mean per consumer x tile parity
     static constexpr int EPI_FLOATS = 3 * D;
-    static constexpr int BAR_OFF = EPI_OFF + NWG * 2 * EPI_FLOATS * 4;
+    static constexpr int STASH_OFF = EPI_OFF + NWG * 2 * EPI_FLOATS * 4;  // O's stashed values (o_stash, the larger)
+    static constexpr int BAR_OFF = STASH_OFF + NWG * 128 * o_stash(D, true) * 4;
     static constexpr int TBAR_OFF = BAR_OFF + 2 * NST * 8;  // tile ring: full / empty mbarriers
     static constexpr int TILE_OFF = TBAR_OFF + 2 * kTileRing * 8;  // tile ring: tile indices
     static constexpr int FLAG_OFF = TILE_OFF + kTileRing * 4;  // per consumer: its split counter's old value

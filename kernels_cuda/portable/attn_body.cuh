@@ -4,7 +4,7 @@
 #include "../common/quant.cuh"
 #include "../common/ptx.cuh"
 
-namespace sage {
+namespace sage::portable {
 
 // ----------------------------------------------------------------------------------------------
 // 3. attention.
@@ -414,4 +414,4 @@ __device__ __forceinline__ void attn_body(const SageAttnParams& p, const AttnWs&
     attn_epilogue<D, PV, T>(p, w, o, m, l, b, h, bhq, bhk, sq, sq_pad, wrow, g, t);
 }
 
-}  // namespace sage
+}  // namespace sage::portable

@@ -4,7 +4,7 @@
 #include "prepass.cuh"
 #include "attn_body.cuh"
 
-namespace sage {
+namespace sage::portable {
 
 template <int D, int PV, typename T, int QKM>
 __global__ void __launch_bounds__(kThreads, kAttnMinBlocks) attn_kernel(SageAttnParams p, AttnWs w) {
@@ -71,11 +71,15 @@ int dispatch_d(const SageAttnParams& p, cudaStream_t st) {
     return SAGE_E_HEADDIM;
 }
 
-int64_t portable_workspace_bytes(const SageAttnParams& p) { return carve_portable_ws(p, nullptr).total; }
+}  // namespace sage::portable
+
+namespace sage {
+
+int64_t portable_workspace_bytes(const SageAttnParams& p) { return portable::carve_portable_ws(p, nullptr).total; }
 
 int portable_fwd(const SageAttnParams& p, cudaStream_t st) {
-    if (p.dtype == 0) return dispatch_d<__half>(p, st);
-    if (p.dtype == 1) return dispatch_d<__nv_bfloat16>(p, st);
+    if (p.dtype == 0) return portable::dispatch_d<__half>(p, st);
+    if (p.dtype == 1) return portable::dispatch_d<__nv_bfloat16>(p, st);
     return SAGE_E_BADARG;
 }
 

@@ -5,7 +5,7 @@
 #include "../common/quant.cuh"
 #include "../common/ptx.cuh"
 
-namespace sage {
+namespace sage::portable {
 
 // passes of the kThreads threads over a head's D channels (one per thread up to D = 128: the loops below are then
 // the single `threadIdx.x < D` step they were)
@@ -462,4 +462,4 @@ __global__ void __launch_bounds__(kThreads) delta_s_kernel(SageAttnParams p, con
     }
 }
 
-}  // namespace sage
+}  // namespace sage::portable

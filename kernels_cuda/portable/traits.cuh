@@ -4,7 +4,7 @@
 #include "../common/params.cuh"
 #include "../common/host_launch.h"
 
-namespace sage {
+namespace sage::portable {
 
 constexpr int kThreads = 128;  // 4 warps everywhere
 // rows per warp (WQ) in the attention kernel: 32 = two m16 tiles sharing every K/V fragment (half the shared-memory
@@ -92,4 +92,4 @@ inline PortableWs carve_portable_ws(const SageAttnParams& p, void* ws) {
     return L;
 }
 
-}  // namespace sage
+}  // namespace sage::portable
