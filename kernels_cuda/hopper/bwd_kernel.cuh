@@ -27,9 +27,11 @@
 // dO, Q^T, dO^T, stats) with cp.async into a ring of kBwdStages stages guarded by mbarriers (full: the producer,
 // one tile behind, after its copies landed and a proxy fence; empty: one arrival per consumer warp after its last
 // read of the stage), and gives its registers to the two consumer warpgroups (setmaxnreg 24 / 240). The consumers
-// never meet at a CTA-wide barrier: per tile one named barrier of the two (both dS images written) before dQ, whose
-// dS images are double-buffered by tile parity (a warpgroup may write tile t + 1's while the other still reads
-// tile t's). Each warpgroup's products still run serially (S^T and dP^T together, then dV, dK, dQ). dQ over both
+// never meet at a CTA-wide barrier, nor wait for each other at one point of the tile: their dS images are double-
+// buffered by tile parity, a warpgroup announces its dS of tile t (bar.arrive) and computes tile t's dQ only at the
+// start of tile t + 1 (bar.sync on the other's), and may overwrite its image of tile t at tile t + 2 once the
+// other's dQ of tile t announced it free: either may run up to about a tile ahead, so that one's math overlaps the
+// other's products. Each warpgroup's products still run serially (S^T and dP^T together, then dV, dK, dQ). dQ over both
 // key blocks at once: one reduction per (query, channel) and 128 keys, not per 64 (per-warpgroup dQ, no barrier but
 // twice the reductions, measured 1.18x slower at D=128 before the producer split). Before the split (all threads
 // loading, two CTA barriers per tile), H200, B=4 H=32 bf16 N=16K, backward alone: D=128 0.93x (full) / 0.94x
@@ -48,6 +50,10 @@ constexpr int kBwdNwg = 2;       // consumer warpgroups per CTA: they share each
 constexpr int kBwdLoaders = 128; // the producer warpgroup's threads (cp.async copies of the query tiles)
 constexpr int kBwdThreads = kBwdLoaders + 128 * kBwdNwg;
 constexpr int kBwdStages = 3;    // query tiles in the ring: the producer signals a tile one behind its copies
+// named barriers (0: __syncthreads, 1 + w: consumer warpgroup w's own), each for one warpgroup's dS image of one
+// tile parity par: ready (written; its owner arrives, the other warpgroup waits before dQ) and free (the other
+// warpgroup's dQ read it; that one arrives, the owner waits before writing it again two tiles later)
+constexpr int kBarDsReady = 3, kBarDsFree = kBarDsReady + 2 * kBwdNwg;
 constexpr int kBwdQueries = 64;  // queries per tile: SageBwd's block_q (the P s_dO / dS s_Q quantization groups)
 
 // shared-memory images, 1024-byte aligned: INT8 ones K-major with rows of D bytes (K^, Q^) or 64 bytes (the
@@ -433,11 +439,26 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    // dQ of tile tq (query rows m0q.. of bhq) over both warpgroups' dS images: once the other's is written (every
+    // thread of both meets at the ready barrier: this warpgroup's own image is complete too), then this one's read of
+    // the other's image announced (unless nothing will wait for it)
+    static_assert(kBwdNwg == 2, "dQ pairs the two consumer warpgroups");
+    auto dq_tile = [&](int tq, int64_t bhq, int m0q) {
+        const int pq = tq & 1;
+        named_sync(kBarDsReady + 2 * (1 - wg) + pq, 128 * kBwdNwg);
+        const float* sc = reinterpret_cast<const float*>(sm + S::KV_OFF + S::SC_IN_KV) + 64 * pq;
+        bwd_dq_update<D>(sb + S::KV_OFF, S::DS_IN_KV + pq * S::DS_BYTES, sc, sc + S::KV_STRIDE / 4,
+                         p.dq_acc + (bhq * sq + m0q) * D, wg * (D / 2), sq - m0q, warp, lane);
+        if (tq + 2 < tl.ntiles) named_arrive(kBarDsFree + 2 * (1 - wg) + pq, 128 * kBwdNwg);
+    };
+    int mprev = 0;
+    int64_t bhprev = 0;
     for (int t = 0; t < tl.ntiles; ++t) {
         int64_t bh;
         const T* dop;
         const int m0 = tl.at(p, t, bh, dop);
         const int stg = t % kBwdStages, par = t & 1;
+        if (t > 0) dq_tile(t - 1, bhprev, mprev);  // the previous tile's dQ (the stage wait may overlap it)
         mbar_wait(full + 8 * stg, (uint32_t)(t / kBwdStages) & 1u);  // this tile's operands landed
         const uint32_t sst = __shfl_sync(0xffffffffu, sb + S::STAGE0 + stg * S::STAGE, 0);
         const float4* st = reinterpret_cast<const float4*>(sm + S::STAGE0 + stg * S::STAGE + S::ST_OFF);
@@ -521,12 +542,17 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                 bwd_quantize_rows(pt, adv, pv0, pv1);
                 bwd_int8_update<D>(dv, adv, sst + S::DOT_OFF, pv0, pv1);
             }
-            // dQ's operand dS s_K, quantized per query over this warpgroup's 64 keys into its dS image
+            // dQ's operand dS s_K, quantized per query over this warpgroup's 64 keys into its dS image (free once the
+            // other warpgroup's dQ of tile t - 2 read it), announced to the other warpgroup (generic stores read by
+            // wgmma: the async proxy)
 #pragma unroll
             for (int j = 0; j < 32; ++j) pt[j] = dpt[j] * ((j & 2) ? ksr1 : ksr0);
+            if (t >= 2) named_sync(kBarDsFree + 2 * wg + par, 128 * kBwdNwg);
             bwd_quantize_cols(pt, skv_img + S::DS_IN_KV + par * S::DS_BYTES,
                               reinterpret_cast<float*>(skv_img + S::RED_IN_KV),
                               reinterpret_cast<float*>(skv_img + S::SC_IN_KV) + 64 * par, 1 + wg, warp, lane);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            named_arrive(kBarDsReady + 2 * wg + par, 128 * kBwdNwg);
             // dK += q8(dS^T s_Q) Q^
 #pragma unroll
             for (int i = 0; i < 8; ++i)
@@ -546,16 +572,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
         // this warp's last read of the stage (the dK product is complete): the producer may refill it
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + 8 * stg);
-        // dQ: both warpgroups' dS images of this parity written (generic stores, read by wgmma: the async proxy); the
-        // other parity's may still be read by the other warpgroup's previous dQ
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        named_sync(3, 128 * kBwdNwg);
-        {
-            const float* sc = reinterpret_cast<const float*>(sm + S::KV_OFF + S::SC_IN_KV) + 64 * par;
-            bwd_dq_update<D>(sb + S::KV_OFF, S::DS_IN_KV + par * S::DS_BYTES, sc, sc + S::KV_STRIDE / 4,
-                             p.dq_acc + (bh * sq + m0) * D, wg * (D / 2), sq - m0, warp, lane);
-        }
+        mprev = m0;
+        bhprev = bh;
     }
+    if (tl.ntiles > 0) dq_tile(tl.ntiles - 1, bhprev, mprev);
     // epilogue: rows key0 / key1, channels 64 nh + 8 i + 2 t4 (+1); dK times tau
     T* dkp = static_cast<T*>(p.dk) + ((int64_t)bkv * skv) * D;
     T* dvp = static_cast<T*>(p.dv) + ((int64_t)bkv * skv) * D;
