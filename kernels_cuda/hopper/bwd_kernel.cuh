@@ -54,6 +54,10 @@ constexpr int kBwdStages = 3;    // query tiles in the ring: the producer signal
 // tile parity par: ready (written; its owner arrives, the other warpgroup waits before dQ) and free (the other
 // warpgroup's dQ read it; that one arrives, the owner waits before writing it again two tiles later)
 constexpr int kBarDsReady = 3, kBarDsFree = kBarDsReady + 2 * kBwdNwg;
+// products kept in flight across math where registers allow (D = 64: dK and dV hold 64 registers, not 128; at
+// D = 128 either order below spills): the previous tile's dQ issued after this tile's S^T and dP^T (FA3's order:
+// their 64 accumulators live across it), the dV product in flight during dS s_K's quantization
+template <int D> constexpr bool kBwdOverlap = D == 64;
 constexpr int kBwdQueries = 64;  // queries per tile: SageBwd's block_q (the P s_dO / dS s_Q quantization groups)
 
 // shared-memory images, 1024-byte aligned: INT8 ones K-major with rows of D bytes (K^, Q^) or 64 bytes (the
@@ -133,32 +137,38 @@ __device__ __forceinline__ void bwd_quantize_rows(const float (&x)[32], uint32_t
     }
 }
 
+// t (64 x 64 int32, accumulator layout) = A8 B^T for the 64 channels of the transposed image at bt (64 rows of 64
+// query slots) that start at channel 64 nh: one commit group, in flight on return
+__device__ __forceinline__ void bwd_int8_issue(int (&t)[32], const uint32_t (&a)[2][4], uint32_t bt, int nh) {
+    const uint32_t lo = desc_lo(bt + nh * 4096);
+    wg_fence();
+    wgmma_s8_n64_rs<false>(t, a[0], desc_make(lo, desc_hi(64)));
+    wgmma_s8_n64_rs<true>(t, a[1], desc_make(lo + desc_step(32), desc_hi(64)));
+    wg_commit();
+}
+// acc (32 fp32 of one 64-channel block) += t * row scale, t complete
+__device__ __forceinline__ void bwd_int8_fold(float* acc, const int (&t)[32], float sc0, float sc1) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        acc[4 * i] += (float)t[4 * i] * sc0;
+        acc[4 * i + 1] += (float)t[4 * i + 1] * sc0;
+        acc[4 * i + 2] += (float)t[4 * i + 2] * sc1;
+        acc[4 * i + 3] += (float)t[4 * i + 3] * sc1;
+    }
+}
 // acc (D/2 fp32, this lane's rows g, g + 8 and columns 64 nh + 8 i + 2 t4 + e) += (A8 B^T) * row scale, B = the
-// transposed image at bt (D rows of 64 query slots), one n64 product per 64 channels
+// transposed image at bt (D rows of 64 query slots), one n64 product per 64 channels, each waited for
 template <int D>
 __device__ __forceinline__ void bwd_int8_update(float (&acc)[D / 2], const uint32_t (&a)[2][4], uint32_t bt, float sc0,
                                                 float sc1) {
 #pragma unroll
     for (int nh = 0; nh < D / 64; ++nh) {
         int t[32];
-        const uint32_t lo = desc_lo(bt + nh * 4096);
-        wg_fence();
-        wgmma_s8_n64_rs<false>(t, a[0], desc_make(lo, desc_hi(64)));
-        wgmma_s8_n64_rs<true>(t, a[1], desc_make(lo + desc_step(32), desc_hi(64)));
-        wg_commit();
+        bwd_int8_issue(t, a, bt, nh);
         wg_wait<0>();
         reg_fence(t);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            acc[32 * nh + 4 * i] += (float)t[4 * i] * sc0;
-            acc[32 * nh + 4 * i + 1] += (float)t[4 * i + 1] * sc0;
-            acc[32 * nh + 4 * i + 2] += (float)t[4 * i + 2] * sc1;
-            acc[32 * nh + 4 * i + 3] += (float)t[4 * i + 3] * sc1;
-        }
+        bwd_int8_fold(acc + 32 * nh, t, sc0, sc1);
     }
-    // the sums done here: ptxas would otherwise sink them past the barriers and products that follow, keeping the
-    // int32 product (32 registers) live across them (116 spilled bytes at D = 128 with 240 registers)
-    reg_fence(acc);
 }
 
 // one butterfly step of bwd_quantize_cols: cm[k] (k < N) <- the max of this lane's and its partner's column k or
@@ -458,7 +468,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
         const T* dop;
         const int m0 = tl.at(p, t, bh, dop);
         const int stg = t % kBwdStages, par = t & 1;
-        if (t > 0) dq_tile(t - 1, bhprev, mprev);  // the previous tile's dQ (the stage wait may overlap it)
+        if (!kBwdOverlap<D> && t > 0) dq_tile(t - 1, bhprev, mprev);  // the previous tile's dQ
         mbar_wait(full + 8 * stg, (uint32_t)(t / kBwdStages) & 1u);  // this tile's operands landed
         const uint32_t sst = __shfl_sync(0xffffffffu, sb + S::STAGE0 + stg * S::STAGE, 0);
         const float4* st = reinterpret_cast<const float4*>(sm + S::STAGE0 + stg * S::STAGE + S::ST_OFF);
@@ -489,6 +499,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                 }
                 wg_commit();
             }
+            // FA3's order where registers allow: the previous tile's dQ products run with S^T and dP^T in flight (its
+            // wait_group waits for them too)
+            if (kBwdOverlap<D> && t > 0) dq_tile(t - 1, bhprev, mprev);
             wg_wait<1>();
             reg_fence(sacc);
             // P^T (masked pairs 0: keys past skv or padded, past the causal diagonal, queries past sq); a lane whose
@@ -536,12 +549,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                         pt[j] = pt[j] * s4.w;
                     }
                 }
-            {
-                uint32_t adv[2][4];
-                float pv0, pv1;
-                bwd_quantize_rows(pt, adv, pv0, pv1);
-                bwd_int8_update<D>(dv, adv, sst + S::DOT_OFF, pv0, pv1);
-            }
+            uint32_t adv[2][4];
+            float pv0, pv1;
+            int tv[32];
+            bwd_quantize_rows(pt, adv, pv0, pv1);
+            if constexpr (kBwdOverlap<D>) bwd_int8_issue(tv, adv, sst + S::DOT_OFF, 0);
+            else bwd_int8_update<D>(dv, adv, sst + S::DOT_OFF, pv0, pv1);
             // dQ's operand dS s_K, quantized per query over this warpgroup's 64 keys into its dS image (free once the
             // other warpgroup's dQ of tile t - 2 read it), announced to the other warpgroup (generic stores read by
             // wgmma: the async proxy)
@@ -553,6 +566,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                               reinterpret_cast<float*>(skv_img + S::SC_IN_KV) + 64 * par, 1 + wg, warp, lane);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             named_arrive(kBarDsReady + 2 * wg + par, 128 * kBwdNwg);
+            if constexpr (kBwdOverlap<D>) {
+                wg_wait<0>();
+                reg_fence(tv);
+                bwd_int8_fold(dv, tv, pv0, pv1);
+            }
             // dK += q8(dS^T s_Q) Q^
 #pragma unroll
             for (int i = 0; i < 8; ++i)
