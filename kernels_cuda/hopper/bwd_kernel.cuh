@@ -56,7 +56,8 @@ constexpr int kBwdStages = 3;    // query tiles in the ring: the producer signal
 constexpr int kBarDsReady = 3, kBarDsFree = kBarDsReady + 2 * kBwdNwg;
 // products kept in flight across math where registers allow (D = 64: dK and dV hold 64 registers, not 128; at
 // D = 128 either order below spills): the previous tile's dQ issued after this tile's S^T and dP^T (FA3's order:
-// their 64 accumulators live across it), the dV product in flight during dS s_K's quantization
+// their 64 accumulators live across it), the dV product in flight during dS s_K's quantization. D = 128: the
+// previous tile's dQ issued after S^T only (32 accumulators), dP^T after it
 template <int D> constexpr bool kBwdOverlap = D == 64;
 constexpr int kBwdQueries = 64;  // queries per tile: SageBwd's block_q (the P s_dO / dS s_Q quantization groups)
 
@@ -468,7 +469,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
         const T* dop;
         const int m0 = tl.at(p, t, bh, dop);
         const int stg = t % kBwdStages, par = t & 1;
-        if (!kBwdOverlap<D> && t > 0) dq_tile(t - 1, bhprev, mprev);  // the previous tile's dQ
         mbar_wait(full + 8 * stg, (uint32_t)(t / kBwdStages) & 1u);  // this tile's operands landed
         const uint32_t sst = __shfl_sync(0xffffffffu, sb + S::STAGE0 + stg * S::STAGE, 0);
         const float4* st = reinterpret_cast<const float4*>(sm + S::STAGE0 + stg * S::STAGE + S::ST_OFF);
@@ -485,6 +485,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                     wgmma_s8_n64_ss<true>(sacc, desc_make(ka + desc_step(32 * k), desc_hi(D)),
                                     desc_make(qa + desc_step(32 * k), desc_hi(D)));
                 wg_commit();
+                // D = 128: the previous tile's dQ products with S^T in flight (room for S^T's 32 accumulators only)
+                if (!kBwdOverlap<D> && t > 0) {
+                    dq_tile(t - 1, bhprev, mprev);
+                    wg_fence();
+                }
 #pragma unroll
                 for (int cc = 0; cc < D / 64; ++cc) {
                     const uint32_t va = desc_lo(vimg + cc * 8192),
