@@ -31,13 +31,15 @@
 // buffered by tile parity, a warpgroup announces its dS of tile t (bar.arrive) and computes tile t's dQ only at the
 // start of tile t + 1 (bar.sync on the other's), and may overwrite its image of tile t at tile t + 2 once the
 // other's dQ of tile t announced it free: either may run up to about a tile ahead, so that one's math overlaps the
-// other's products. Each warpgroup's products still run serially (S^T and dP^T together, then dV, dK, dQ). dQ over both
-// key blocks at once: one reduction per (query, channel) and 128 keys, not per 64 (per-warpgroup dQ, no barrier but
-// twice the reductions, measured 1.18x slower at D=128 before the producer split). Before the split (all threads
-// loading, two CTA barriers per tile), H200, B=4 H=32 bf16 N=16K, backward alone: D=128 0.93x (full) / 0.94x
-// (causal) of the Triton backward, D=64 0.87x / 0.86x, issue- and latency-bound (ncu: 46% of issue slots used with
-// 2 warps per scheduler, ~2500 instructions per warp and 64 x 64 tile, tensor pipes ~15% busy). Next: the next
-// tile's S / dP issued before this tile's INT8 products (FA3's order), a bulk reduce-add of dQ from shared memory.
+// other's products. Within a warpgroup, the previous tile's dQ products run with this tile's S^T (D = 128) or S^T
+// and dP^T (D = 64, FA3's order) in flight, and at D = 64 the dV product with dS s_K's quantization (kBwdOverlap:
+// D = 128's dK and dV accumulators leave no room for more). dQ over both key blocks at once: one reduction per
+// (query, channel) and 128 keys, not per 64 (per-warpgroup dQ, no barrier but twice the reductions, measured 1.18x
+// slower at D=128 before the producer split). Before the split (all threads loading, two CTA barriers per tile),
+// H200, B=4 H=32 bf16 N=16K, backward alone: D=128 0.93x (full) / 0.94x (causal) of the Triton backward, D=64
+// 0.87x / 0.86x, issue- and latency-bound (ncu: 46% of issue slots used with 2 warps per scheduler, ~2500
+// instructions per warp and 64 x 64 tile, tensor pipes ~15% busy); the split cut the hot path's SASS per tile by
+// 9% (D=128) / 5.5% (D=64), not yet measured on the GPU. Next: a bulk reduce-add of dQ from shared memory.
 #pragma once
 #include "wgmma.cuh"
 #include "../common/ptx.cuh"
