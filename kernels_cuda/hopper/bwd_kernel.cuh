@@ -290,26 +290,44 @@ __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* 
     // column of the first are the only divisions).
     const int sq = p.Sq;
     const int8_t* qp = p.q_int + bh * sq * D;
+    // a tile wholly below sq (all but a head's last): no per-row clamp or test, the rows a constant stride apart
+    const bool whole = m0 + kBwdQueries <= sq;
     {  // Q^: row r = query m0 + bwd_query_of(r)
         constexpr int per_row = D / 16, step = kBwdLoaders / per_row;
         static_assert(step % 16 == 0, "bwd_query_of(r + step) = bwd_query_of(r) + step needs 16-row steps");
         const int r = tid / per_row, c = tid % per_row, qi = m0 + bwd_query_of(r);
+        uint8_t* dst = st + S::Q_OFF + img_off(r, 16 * c, D);
+        if (whole) {
+            const int8_t* src = qp + (int64_t)qi * D + 16 * c;
 #pragma unroll
-        for (int k = 0; k < 64 * D / 16 / kBwdLoaders; ++k)
-            bwd_cp16(st + S::Q_OFF + img_off(r, 16 * c, D) + k * step * D,
-                     qp + (int64_t)min(qi + k * step, sq - 1) * D + 16 * c, qi + k * step < sq);
+            for (int k = 0; k < 64 * D / 16 / kBwdLoaders; ++k) bwd_cp16(dst + k * step * D, src + k * step * D, true);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 64 * D / 16 / kBwdLoaders; ++k)
+                bwd_cp16(dst + k * step * D, qp + (int64_t)min(qi + k * step, sq - 1) * D + 16 * c, qi + k * step < sq);
+        }
     }
     {  // dO (16-bit): the same row order; 8 threads per row, each its chunks c, c + 8 (16-row steps at D = 128)
         constexpr int per_row = 8, chunks = D / 8 / per_row, step = kBwdLoaders / per_row;
         static_assert(step % 16 == 0, "bwd_query_of(r + step) = bwd_query_of(r) + step needs 16-row steps");
         const int r = tid / per_row, c = tid % per_row, qi = m0 + bwd_query_of(r);
         const T* src = dop + 8 * c;
+        uint8_t* dst = st + S::DO_OFF + bwd_h16_off(r, c);
+        if (whole) {
+            const T* row = src + (int64_t)qi * p.do_ss;
+            const int64_t rstep = (int64_t)step * p.do_ss;
 #pragma unroll
-        for (int k = 0; k < 64 / step; ++k)
+            for (int k = 0; k < 64 / step; ++k)
 #pragma unroll
-            for (int j = 0; j < chunks; ++j)
-                bwd_cp16(st + S::DO_OFF + bwd_h16_off(r, c + 8 * j) + k * step * 128,
-                         src + 64 * j + (int64_t)min(qi + k * step, sq - 1) * p.do_ss, qi + k * step < sq);
+                for (int j = 0; j < chunks; ++j) bwd_cp16(dst + j * 8192 + k * step * 128, row + k * rstep + 64 * j, true);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 64 / step; ++k)
+#pragma unroll
+                for (int j = 0; j < chunks; ++j)
+                    bwd_cp16(dst + j * 8192 + k * step * 128,
+                             src + 64 * j + (int64_t)min(qi + k * step, sq - 1) * p.do_ss, qi + k * step < sq);
+        }
     }
     // Q^T and dO^T: channel rows of 64 query bytes in natural order (a row is padded to 16 bytes: a chunk that
     // starts below sq stays inside it; its bytes past sq meet zero P / dS entries)
@@ -342,13 +360,24 @@ struct BwdTiles {
         b = b_;
         h0 = hkv * group;
     }
-    // tile t: its first query (returned), (batch, query head) row index bh and dO rows dop
+    // the tile of head gi and query tile qt: its first query (returned), (batch, query head) row index bh and dO
+    // rows dop
     template <typename T>
-    __device__ __forceinline__ int at(const SageBwdParams& p, int t, int64_t& bh, const T*& dop) const {
-        const int h = h0 + t / ntq;
+    __device__ __forceinline__ int at(const SageBwdParams& p, int gi, int qt, int64_t& bh, const T*& dop) const {
+        const int h = h0 + gi;
         bh = (int64_t)b * p.Hq + h;
         dop = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh;
-        return lo + (t % ntq) * kBwdQueries;
+        return lo + qt * kBwdQueries;
+    }
+};
+// a walk over BwdTiles and the stage ring, by increments (no division per tile): head gi, query tile qt, stage stg
+// and its phase ph
+struct BwdCursor {
+    int gi = 0, qt = 0, stg = 0;
+    uint32_t ph = 0;
+    __device__ __forceinline__ void next(const BwdTiles& tl) {
+        if (++qt == tl.ntq) qt = 0, ++gi;
+        if (++stg == kBwdStages) stg = 0, ph ^= 1u;
     }
 };
 
@@ -360,23 +389,25 @@ __device__ __forceinline__ void bwd_producer(const SageBwdParams& p, const BwdTi
                                              uint32_t empty, int tid) {
     using S = BwdSmem<D>;
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    for (int t = 0; t < tl.ntiles; ++t) {
-        const int s = t % kBwdStages;
-        mbar_wait(empty + 8 * s, ((uint32_t)(t / kBwdStages) & 1u) ^ 1u);
+    BwdCursor cu;
+    int sprev = 0;
+    for (int t = 0; t < tl.ntiles; ++t, cu.next(tl)) {
+        mbar_wait(empty + 8 * cu.stg, cu.ph ^ 1u);
         int64_t bh;
         const T* dop;
-        const int m0 = tl.at(p, t, bh, dop);
-        bwd_issue_tile<D, T>(p, sm + S::STAGE0 + s * S::STAGE, bh, dop, m0, tid);
+        const int m0 = tl.at(p, cu.gi, cu.qt, bh, dop);
+        bwd_issue_tile<D, T>(p, sm + S::STAGE0 + cu.stg * S::STAGE, bh, dop, m0, tid);
         if (t > 0) {
             cp_async_wait<1>();
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            mbar_arrive(full + 8 * ((t - 1) % kBwdStages));
+            mbar_arrive(full + 8 * sprev);
         }
+        sprev = cu.stg;
     }
     if (tl.ntiles > 0) {
         cp_async_wait<0>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        mbar_arrive(full + 8 * ((tl.ntiles - 1) % kBwdStages));
+        mbar_arrive(full + 8 * sprev);
     }
 }
 
@@ -469,7 +500,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     for (int t = 0; t < tl.ntiles; ++t) {
         int64_t bh;
         const T* dop;
-        const int m0 = tl.at(p, t, bh, dop);
+        const int m0 = tl.at(p, t / tl.ntq, t % tl.ntq, bh, dop);
         const int stg = t % kBwdStages, par = t & 1;
         mbar_wait(full + 8 * stg, (uint32_t)(t / kBwdStages) & 1u);  // this tile's operands landed
         const uint32_t sst = __shfl_sync(0xffffffffu, sb + S::STAGE0 + stg * S::STAGE, 0);
