@@ -497,10 +497,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     };
     int mprev = 0;
     int64_t bhprev = 0;
+    int gi = 0, qt = 0;
     for (int t = 0; t < tl.ntiles; ++t) {
         int64_t bh;
         const T* dop;
-        const int m0 = tl.at(p, t / tl.ntq, t % tl.ntq, bh, dop);
+        const int m0 = tl.at(p, gi, qt, bh, dop);
+        if (++qt == tl.ntq) qt = 0, ++gi;
         const int stg = t % kBwdStages, par = t & 1;
         mbar_wait(full + 8 * stg, (uint32_t)(t / kBwdStages) & 1u);  // this tile's operands landed
         const uint32_t sst = __shfl_sync(0xffffffffu, sb + S::STAGE0 + stg * S::STAGE, 0);
