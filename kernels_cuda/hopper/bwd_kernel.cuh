@@ -23,16 +23,23 @@
 // scale foldings, per-row quantization (127 / amax, round half to even, NaN amax -> NaN scale); the accumulation
 // order too, except dQ's sum over key blocks (floating-point reductions: no fixed order).
 //
-// Tiles are double-buffered and shared by the CTA's warpgroups: after the one barrier per tile, all threads issue
-// the next tile's cp.async copies before computing this one (no producer warp yet; the products run serially
-// within a warpgroup). A second barrier per tile lets each warpgroup read both dS images for dQ: one reduction per
-// (query, channel) and 128 keys, not per 64 (per-warpgroup dQ, no second barrier but twice the reductions, measured
-// 1.18x slower at D=128). H200, B=4 H=32 bf16 N=16K, backward alone: D=128 0.93x (full) / 0.94x (causal) of the
-// Triton backward, D=64 0.87x / 0.86x: issue- and latency-bound (ncu, before the load addressing was unrolled:
-// 46% of issue slots used with 2 warps per scheduler, ~2500 instructions per warp and 64 x 64 tile, tensor pipes
-// ~15% busy; the dQ reductions cost too: per-warpgroup dQ, with twice as many, is slower). Next: a producer warp
-// with bulk copies (and a bulk reduce-add of dQ from shared memory), the next tile's S / dP issued before this
-// tile's INT8 products (FA3's order), fewer registers (255, a 52-byte spill at D=128) so that both fit.
+// Warp-specialized (the forward's shape): warpgroup 0 is the producer, which streams each query tile's operands (Q^,
+// dO, Q^T, dO^T, stats) with cp.async into a ring of kBwdStages stages guarded by mbarriers (full: the producer,
+// one tile behind, after its copies landed and a proxy fence; empty: one arrival per consumer warp after its last
+// read of the stage), and gives its registers to the two consumer warpgroups (setmaxnreg 24 / 240). The consumers
+// never meet at a CTA-wide barrier, nor wait for each other at one point of the tile: their dS images are double-
+// buffered by tile parity, a warpgroup announces its dS of tile t (bar.arrive) and computes tile t's dQ only at the
+// start of tile t + 1 (bar.sync on the other's), and may overwrite its image of tile t at tile t + 2 once the
+// other's dQ of tile t announced it free: either may run up to about a tile ahead, so that one's math overlaps the
+// other's products. Within a warpgroup, the previous tile's dQ products run with this tile's S^T (D = 128) or S^T
+// and dP^T (D = 64, FA3's order) in flight, and at D = 64 the dV product with dS s_K's quantization (kBwdOverlap:
+// D = 128's dK and dV accumulators leave no room for more). dQ over both key blocks at once: one reduction per
+// (query, channel) and 128 keys, not per 64 (per-warpgroup dQ, no barrier but twice the reductions, measured 1.18x
+// slower at D=128 before the producer split). Before the split (all threads loading, two CTA barriers per tile),
+// H200, B=4 H=32 bf16 N=16K, backward alone: D=128 0.93x (full) / 0.94x (causal) of the Triton backward, D=64
+// 0.87x / 0.86x, issue- and latency-bound (ncu: 46% of issue slots used with 2 warps per scheduler, ~2500
+// instructions per warp and 64 x 64 tile, tensor pipes ~15% busy); the split cut the hot path's SASS per tile by
+// 9% (D=128) / 5.5% (D=64), not yet measured on the GPU. Next: a bulk reduce-add of dQ from shared memory.
 #pragma once
 #include "wgmma.cuh"
 #include "../common/ptx.cuh"
@@ -41,8 +48,19 @@
 namespace sage::hopper {
 
 constexpr int kBwdKeys = 64;     // keys per warpgroup (wgmma M)
-constexpr int kBwdNwg = 2;       // warpgroups per CTA: they share each query tile's loads (half the traffic per key)
-constexpr int kBwdThreads = 128 * kBwdNwg;
+constexpr int kBwdNwg = 2;       // consumer warpgroups per CTA: they share each query tile's loads (half the traffic per key)
+constexpr int kBwdLoaders = 128; // the producer warpgroup's threads (cp.async copies of the query tiles)
+constexpr int kBwdThreads = kBwdLoaders + 128 * kBwdNwg;
+constexpr int kBwdStages = 3;    // query tiles in the ring: the producer signals a tile one behind its copies
+// named barriers (0: __syncthreads, 1 + w: consumer warpgroup w's own), each for one warpgroup's dS image of one
+// tile parity par: ready (written; its owner arrives, the other warpgroup waits before dQ) and free (the other
+// warpgroup's dQ read it; that one arrives, the owner waits before writing it again two tiles later)
+constexpr int kBarDsReady = 3, kBarDsFree = kBarDsReady + 2 * kBwdNwg;
+// products kept in flight across math where registers allow (D = 64: dK and dV hold 64 registers, not 128; at
+// D = 128 either order below spills): the previous tile's dQ issued after this tile's S^T and dP^T (FA3's order:
+// their 64 accumulators live across it), the dV product in flight during dS s_K's quantization. D = 128: the
+// previous tile's dQ issued after S^T only (32 accumulators), dP^T after it
+template <int D> constexpr bool kBwdOverlap = D == 64;
 constexpr int kBwdQueries = 64;  // queries per tile: SageBwd's block_q (the P s_dO / dS s_Q quantization groups)
 
 // shared-memory images, 1024-byte aligned: INT8 ones K-major with rows of D bytes (K^, Q^) or 64 bytes (the
@@ -51,20 +69,22 @@ constexpr int kBwdQueries = 64;  // queries per tile: SageBwd's block_q (the P s
 template <int D>
 struct BwdSmem {
     static constexpr int I8 = 64 * D, H16 = 128 * D;
-    // per warpgroup w at KV_OFF + w KV_STRIDE: its K^, V and K^T images, its quantized dS s_K (dQ's A operand), the
-    // column maxima of its 4 warps (64 floats each) and the per-query scales of its dS
-    static constexpr int V_IN_KV = I8, KT_IN_KV = V_IN_KV + H16, DS_IN_KV = KT_IN_KV + I8, RED_IN_KV = DS_IN_KV + 4096,
-                         SC_IN_KV = RED_IN_KV + 1024;
+    // per consumer warpgroup w at KV_OFF + w KV_STRIDE: its K^, V and K^T images, its quantized dS s_K (dQ's A
+    // operand; two, by tile parity), the column maxima of its 4 warps (64 floats each) and the per-query scales of
+    // its dS (64 floats per parity)
+    static constexpr int V_IN_KV = I8, KT_IN_KV = V_IN_KV + H16, DS_IN_KV = KT_IN_KV + I8, DS_BYTES = 4096,
+                         RED_IN_KV = DS_IN_KV + 2 * DS_BYTES, SC_IN_KV = RED_IN_KV + 1024;
     static constexpr int KV_OFF = 0, KV_STRIDE = SC_IN_KV + 1024;
     static constexpr int STAGE0 = KV_OFF + kBwdNwg * KV_STRIDE;
     // per stage (query tile): Q^, Q^T, dO, dO^T images and the 64 x 4 floats of bwd.row_stats
     static constexpr int Q_OFF = 0, QT_OFF = Q_OFF + I8, DO_OFF = QT_OFF + I8, DOT_OFF = DO_OFF + H16,
                          ST_OFF = DOT_OFF + I8;
     static constexpr int STAGE = ST_OFF + 1024;  // a multiple of 1024: every stage's images stay aligned
-    static constexpr int TOTAL = STAGE0 + 2 * STAGE + 1024;  // + slack to align the base to 1024 bytes
+    // the stage ring's mbarriers: full[kBwdStages], then empty[kBwdStages]
+    static constexpr int BAR_OFF = STAGE0 + kBwdStages * STAGE;
+    static constexpr int TOTAL = BAR_OFF + 16 * kBwdStages + 1024;  // + slack to align the base to 1024 bytes
     static_assert(TOTAL <= 232448, "more than the 227 KB of shared memory per block");
 };
-
 // 16 bytes global -> shared, zero-filled where !ok (src is then not read)
 __device__ __forceinline__ void bwd_cp16(uint8_t* dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(ok ? 16 : 0));
@@ -120,28 +140,37 @@ __device__ __forceinline__ void bwd_quantize_rows(const float (&x)[32], uint32_t
     }
 }
 
+// t (64 x 64 int32, accumulator layout) = A8 B^T for the 64 channels of the transposed image at bt (64 rows of 64
+// query slots) that start at channel 64 nh: one commit group, in flight on return
+__device__ __forceinline__ void bwd_int8_issue(int (&t)[32], const uint32_t (&a)[2][4], uint32_t bt, int nh) {
+    const uint32_t lo = desc_lo(bt + nh * 4096);
+    wg_fence();
+    wgmma_s8_n64_rs<false>(t, a[0], desc_make(lo, desc_hi(64)));
+    wgmma_s8_n64_rs<true>(t, a[1], desc_make(lo + desc_step(32), desc_hi(64)));
+    wg_commit();
+}
+// acc (32 fp32 of one 64-channel block) += t * row scale, t complete
+__device__ __forceinline__ void bwd_int8_fold(float* acc, const int (&t)[32], float sc0, float sc1) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        acc[4 * i] += (float)t[4 * i] * sc0;
+        acc[4 * i + 1] += (float)t[4 * i + 1] * sc0;
+        acc[4 * i + 2] += (float)t[4 * i + 2] * sc1;
+        acc[4 * i + 3] += (float)t[4 * i + 3] * sc1;
+    }
+}
 // acc (D/2 fp32, this lane's rows g, g + 8 and columns 64 nh + 8 i + 2 t4 + e) += (A8 B^T) * row scale, B = the
-// transposed image at bt (D rows of 64 query slots), one n64 product per 64 channels
+// transposed image at bt (D rows of 64 query slots), one n64 product per 64 channels, each waited for
 template <int D>
 __device__ __forceinline__ void bwd_int8_update(float (&acc)[D / 2], const uint32_t (&a)[2][4], uint32_t bt, float sc0,
                                                 float sc1) {
 #pragma unroll
     for (int nh = 0; nh < D / 64; ++nh) {
         int t[32];
-        const uint32_t lo = desc_lo(bt + nh * 4096);
-        wg_fence();
-        wgmma_s8_n64_rs<false>(t, a[0], desc_make(lo, desc_hi(64)));
-        wgmma_s8_n64_rs<true>(t, a[1], desc_make(lo + desc_step(32), desc_hi(64)));
-        wg_commit();
+        bwd_int8_issue(t, a, bt, nh);
         wg_wait<0>();
         reg_fence(t);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            acc[32 * nh + 4 * i] += (float)t[4 * i] * sc0;
-            acc[32 * nh + 4 * i + 1] += (float)t[4 * i + 1] * sc0;
-            acc[32 * nh + 4 * i + 2] += (float)t[4 * i + 2] * sc1;
-            acc[32 * nh + 4 * i + 3] += (float)t[4 * i + 3] * sc1;
-        }
+        bwd_int8_fold(acc + 32 * nh, t, sc0, sc1);
     }
 }
 
@@ -207,10 +236,11 @@ __device__ __forceinline__ void bwd_quantize_cols(const float (&x)[32], uint8_t*
 
 // dQ (fp32, without tau) += sum over the CTA's key blocks kb of (q8(dS s_K)_kb K^_kb) scale_kb for the 64 queries of
 // a tile from m0, this warpgroup's half of the channels (h0..h0 + D/2), added to dq (the tile's first row) with
-// vector reductions: the two warpgroups' products summed in registers first (one reduction per key pair of blocks)
+// vector reductions: the two warpgroups' products summed in registers first (one reduction per key pair of blocks).
+// kv0: the first warpgroup's region, ds: the dS images' offset in it (the tile's parity)
 template <int D>
-__device__ __forceinline__ void bwd_dq_update(uint32_t kv0, const float* sc0, const float* sc1, float* dq, int h0,
-                                              int rows, int warp, int lane) {
+__device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float* sc0, const float* sc1, float* dq,
+                                              int h0, int rows, int warp, int lane) {
     using S = BwdSmem<D>;
     const int g = lane >> 2, t4 = lane & 3;
     const int r0 = 16 * warp + g, r1 = r0 + 8;
@@ -221,7 +251,7 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, const float* sc0, co
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
-            const uint32_t a0 = desc_lo(kv0 + S::DS_IN_KV) + desc_step(32 * kk),
+            const uint32_t a0 = desc_lo(kv0 + ds) + desc_step(32 * kk),
                            b0 = desc_lo(kv0 + S::KT_IN_KV + 64 * (h0 + 32 * ch)) + desc_step(32 * kk);
             const uint32_t a1 = a0 + desc_step(S::KV_STRIDE), b1 = b0 + desc_step(S::KV_STRIDE);
             if (kk == 0) {
@@ -249,33 +279,55 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, const float* sc0, co
     }
 }
 
-// one query tile's operands into stage memory st (cp.async, one commit group): rows m0.. of query head bh
+// one query tile's operands into stage memory st (cp.async by the producer's kBwdLoaders threads, one commit
+// group): rows m0.. of query head bh
 template <int D, typename T>
 __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* st, int64_t bh, const T* dop, int m0,
                                                int tid) {
     using S = BwdSmem<D>;
-    // A thread's chunks are kBwdThreads apart: rows a multiple of 16 apart within each image, which keeps the
-    // swizzle phase and (bit 4 up) the query permutation, so every address after the first is a constant further
-    // (unrolled; the row and column of the first are the only divisions).
+    // A thread's chunks are rows a multiple of 16 apart within each image, which keeps the swizzle phase and (bit 4
+    // up) the query permutation, so every address after the first is a constant further (unrolled; the row and
+    // column of the first are the only divisions).
     const int sq = p.Sq;
     const int8_t* qp = p.q_int + bh * sq * D;
+    // a tile wholly below sq (all but a head's last): no per-row clamp or test, the rows a constant stride apart
+    const bool whole = m0 + kBwdQueries <= sq;
     {  // Q^: row r = query m0 + bwd_query_of(r)
-        constexpr int per_row = D / 16, step = kBwdThreads / per_row;
+        constexpr int per_row = D / 16, step = kBwdLoaders / per_row;
+        static_assert(step % 16 == 0, "bwd_query_of(r + step) = bwd_query_of(r) + step needs 16-row steps");
         const int r = tid / per_row, c = tid % per_row, qi = m0 + bwd_query_of(r);
+        uint8_t* dst = st + S::Q_OFF + img_off(r, 16 * c, D);
+        if (whole) {
+            const int8_t* src = qp + (int64_t)qi * D + 16 * c;
 #pragma unroll
-        for (int k = 0; k < 64 * D / 16 / kBwdThreads; ++k)
-            bwd_cp16(st + S::Q_OFF + img_off(r, 16 * c, D) + k * step * D,
-                     qp + (int64_t)min(qi + k * step, sq - 1) * D + 16 * c, qi + k * step < sq);
+            for (int k = 0; k < 64 * D / 16 / kBwdLoaders; ++k) bwd_cp16(dst + k * step * D, src + k * step * D, true);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 64 * D / 16 / kBwdLoaders; ++k)
+                bwd_cp16(dst + k * step * D, qp + (int64_t)min(qi + k * step, sq - 1) * D + 16 * c, qi + k * step < sq);
+        }
     }
-    {  // dO (16-bit): the same row order
-        constexpr int per_row = D / 8, step = kBwdThreads / per_row;
+    {  // dO (16-bit): the same row order; 8 threads per row, each its chunks c, c + 8 (16-row steps at D = 128)
+        constexpr int per_row = 8, chunks = D / 8 / per_row, step = kBwdLoaders / per_row;
         static_assert(step % 16 == 0, "bwd_query_of(r + step) = bwd_query_of(r) + step needs 16-row steps");
         const int r = tid / per_row, c = tid % per_row, qi = m0 + bwd_query_of(r);
         const T* src = dop + 8 * c;
+        uint8_t* dst = st + S::DO_OFF + bwd_h16_off(r, c);
+        if (whole) {
+            const T* row = src + (int64_t)qi * p.do_ss;
+            const int64_t rstep = (int64_t)step * p.do_ss;
 #pragma unroll
-        for (int k = 0; k < 64 * D / 8 / kBwdThreads; ++k)
-            bwd_cp16(st + S::DO_OFF + bwd_h16_off(r, c) + k * step * 128,
-                     src + (int64_t)min(qi + k * step, sq - 1) * p.do_ss, qi + k * step < sq);
+            for (int k = 0; k < 64 / step; ++k)
+#pragma unroll
+                for (int j = 0; j < chunks; ++j) bwd_cp16(dst + j * 8192 + k * step * 128, row + k * rstep + 64 * j, true);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 64 / step; ++k)
+#pragma unroll
+                for (int j = 0; j < chunks; ++j)
+                    bwd_cp16(dst + j * 8192 + k * step * 128,
+                             src + 64 * j + (int64_t)min(qi + k * step, sq - 1) * p.do_ss, qi + k * step < sq);
+        }
     }
     // Q^T and dO^T: channel rows of 64 query bytes in natural order (a row is padded to 16 bytes: a chunk that
     // starts below sq stays inside it; its bytes past sq meet zero P / dS entries)
@@ -283,9 +335,9 @@ __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* 
         const int ch = tid >> 2, c0 = 16 * (tid & 3);
         const bool ok = m0 + c0 < sq;
         const int64_t src = bh * D * p.t_stride + ch * p.t_stride + (ok ? m0 + c0 : 0);
-        constexpr int step = kBwdThreads / 4;
+        constexpr int step = kBwdLoaders / 4;
 #pragma unroll
-        for (int k = 0; k < D * 4 / kBwdThreads; ++k) {
+        for (int k = 0; k < D * 4 / kBwdLoaders; ++k) {
             bwd_cp16(st + S::QT_OFF + img_off(ch, c0, 64) + k * step * 64, p.q_t + src + k * step * p.t_stride, ok);
             bwd_cp16(st + S::DOT_OFF + img_off(ch, c0, 64) + k * step * 64, p.do_t + src + k * step * p.t_stride, ok);
         }
@@ -293,6 +345,70 @@ __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* 
     if (tid < 64)  // stats in natural query order
         bwd_cp16(st + S::ST_OFF + 16 * tid, p.stats + 4 * (bh * sq + min(m0 + tid, sq - 1)), m0 + tid < sq);
     cp_async_commit();
+}
+
+// The CTA's query tiles: (query head gi of the group, query tile) pairs, gi outer (the Triton kernel's summation
+// order); causal: from the first tile that sees the CTA's first key (a warpgroup's tiles before its own first
+// visible one are wholly masked: they add exact zeros). The producer and the consumers walk the same list.
+struct BwdTiles {
+    int lo, ntq, ntiles, b, h0;
+    __device__ __forceinline__ BwdTiles(const SageBwdParams& p, int ncta, int b_, int hkv) {
+        const int group = p.Hq / p.Hkv, sq = p.Sq;
+        lo = p.causal ? max(ncta - (p.Skv - sq), 0) / kBwdQueries * kBwdQueries : 0;
+        ntq = lo < sq ? (sq - lo + kBwdQueries - 1) / kBwdQueries : 0;
+        ntiles = group * ntq;
+        b = b_;
+        h0 = hkv * group;
+    }
+    // the tile of head gi and query tile qt: its first query (returned), (batch, query head) row index bh and dO
+    // rows dop
+    template <typename T>
+    __device__ __forceinline__ int at(const SageBwdParams& p, int gi, int qt, int64_t& bh, const T*& dop) const {
+        const int h = h0 + gi;
+        bh = (int64_t)b * p.Hq + h;
+        dop = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh;
+        return lo + qt * kBwdQueries;
+    }
+};
+// a walk over BwdTiles and the stage ring, by increments (no division per tile): head gi, query tile qt, stage stg
+// and its phase ph
+struct BwdCursor {
+    int gi = 0, qt = 0, stg = 0;
+    uint32_t ph = 0;
+    __device__ __forceinline__ void next(const BwdTiles& tl) {
+        if (++qt == tl.ntq) qt = 0, ++gi;
+        if (++stg == kBwdStages) stg = 0, ph ^= 1u;
+    }
+};
+
+// warpgroup 0: streams the tiles into the stage ring; tile t's full barrier is signalled after tile t + 1's copies
+// are issued (cp.async completes per thread: wait_group, then the proxy fence that makes the bytes visible to
+// wgmma, then the arrival), so each tile's copies overlap the previous tile's wait
+template <int D, typename T>
+__device__ __forceinline__ void bwd_producer(const SageBwdParams& p, const BwdTiles& tl, uint8_t* sm, uint32_t full,
+                                             uint32_t empty, int tid) {
+    using S = BwdSmem<D>;
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    BwdCursor cu;
+    int sprev = 0;
+    for (int t = 0; t < tl.ntiles; ++t, cu.next(tl)) {
+        mbar_wait(empty + 8 * cu.stg, cu.ph ^ 1u);
+        int64_t bh;
+        const T* dop;
+        const int m0 = tl.at(p, cu.gi, cu.qt, bh, dop);
+        bwd_issue_tile<D, T>(p, sm + S::STAGE0 + cu.stg * S::STAGE, bh, dop, m0, tid);
+        if (t > 0) {
+            cp_async_wait<1>();
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            mbar_arrive(full + 8 * sprev);
+        }
+        sprev = cu.stg;
+    }
+    if (tl.ntiles > 0) {
+        cp_async_wait<0>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        mbar_arrive(full + 8 * sprev);
+    }
 }
 
 template <int D, typename T>
@@ -304,11 +420,29 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     // through __shfl_sync ptxas knows the shared base is warp-uniform and keeps the wgmma descriptors in uniform
     // registers (as the forward's consumer does)
     const uint32_t sb = __shfl_sync(0xffffffffu, smem_u32(sm), 0);
-    const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), ltid = tid & 127;
-    const int warp = ltid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const int ncta = blockIdx.x * kBwdKeys * kBwdNwg, n0 = ncta + wg * kBwdKeys;  // the CTA's / warpgroup's keys
+    const uint32_t full = sb + S::BAR_OFF, empty = full + 8 * kBwdStages;
+    const int tid = threadIdx.x;
+    const int ncta = blockIdx.x * kBwdKeys * kBwdNwg;  // the CTA's keys
     const int bkv = blockIdx.y, b = bkv / p.Hkv, hkv = bkv % p.Hkv;
-    const int group = p.Hq / p.Hkv;
+    const BwdTiles tl(p, ncta, b, hkv);
+    if (tid == 0) {
+        for (int s = 0; s < kBwdStages; ++s) {
+            mbar_init(full + 8 * s, kBwdLoaders);
+            mbar_init(empty + 8 * s, 4 * kBwdNwg);  // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (tid < kBwdLoaders) {
+        bwd_producer<D, T>(p, tl, sm, full, empty, tid);
+        return;
+    }
+    // ---------------- consumers: 240 registers (the producer's .dec released 144 of its launch 168 per thread)
+    static_assert(kBwdThreads == 384, "setmaxnreg: 168 * 384 = 24 * 128 + 240 * 256 registers");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    const int wg = __shfl_sync(0xffffffffu, (tid - kBwdLoaders) >> 7, 0), ltid = tid & 127;
+    const int warp = ltid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int n0 = ncta + wg * kBwdKeys;  // the warpgroup's keys
     const int sq = p.Sq, skv = p.Skv, diag = skv - sq;
     const float tau_log2e = p.sm_scale * kLog2e;
 
@@ -335,6 +469,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
         if (n0 + r < skv) x = *reinterpret_cast<const uint4*>(vp + (int64_t)(n0 + r) * p.v_ss + 8 * c);
         *reinterpret_cast<uint4*>(skv_img + S::V_IN_KV + bwd_h16_off(r, c)) = x;
     }
+    // visible to this warpgroup's wgmma (the other's reads of K^T come after the first tile's dS barrier)
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    named_sync(1 + wg, 128);
     // this lane's keys (rows of the transposed tiles): g and g + 8 of its warp's 16
     const int key0 = n0 + 16 * warp + g, key1 = key0 + 8;
     const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
@@ -346,40 +483,30 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-    // causal: from the first tile that sees the CTA's first key (a warpgroup's tiles before its own first visible
-    // one are wholly masked: they add exact zeros)
-    const int lo = p.causal ? max(ncta - diag, 0) / kBwdQueries * kBwdQueries : 0;
-    // the tiles: (query head gi of the group, query tile) pairs, gi outer (the Triton kernel's summation order)
-    const int ntq = lo < sq ? (sq - lo + kBwdQueries - 1) / kBwdQueries : 0, ntiles = group * ntq;
-    auto tile_of = [&](int t, int64_t& bh, const T*& dop) {
-        const int h = hkv * group + t / ntq;
-        bh = (int64_t)b * p.Hq + h;
-        dop = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh;
-        return lo + (t % ntq) * kBwdQueries;
+    // dQ of tile tq (query rows m0q.. of bhq) over both warpgroups' dS images: once the other's is written (every
+    // thread of both meets at the ready barrier: this warpgroup's own image is complete too), then this one's read of
+    // the other's image announced (unless nothing will wait for it)
+    static_assert(kBwdNwg == 2, "dQ pairs the two consumer warpgroups");
+    auto dq_tile = [&](int tq, int64_t bhq, int m0q) {
+        const int pq = tq & 1;
+        named_sync(kBarDsReady + 2 * (1 - wg) + pq, 128 * kBwdNwg);
+        const float* sc = reinterpret_cast<const float*>(sm + S::KV_OFF + S::SC_IN_KV) + 64 * pq;
+        bwd_dq_update<D>(sb + S::KV_OFF, S::DS_IN_KV + pq * S::DS_BYTES, sc, sc + S::KV_STRIDE / 4,
+                         p.dq_acc + (bhq * sq + m0q) * D, wg * (D / 2), sq - m0q, warp, lane);
+        if (tq + 2 < tl.ntiles) named_arrive(kBarDsFree + 2 * (1 - wg) + pq, 128 * kBwdNwg);
     };
-    if (ntiles > 0) {
+    int mprev = 0;
+    int64_t bhprev = 0;
+    int gi = 0, qt = 0;
+    for (int t = 0; t < tl.ntiles; ++t) {
         int64_t bh;
         const T* dop;
-        const int m0 = tile_of(0, bh, dop);
-        bwd_issue_tile<D, T>(p, sm + S::STAGE0, bh, dop, m0, tid);
-    }
-    for (int t = 0; t < ntiles; ++t) {
-        int64_t bh;
-        const T* dop;
-        const int m0 = tile_of(t, bh, dop);
-        cp_async_wait<0>();  // this tile's copies (the only group in flight)
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma (async proxy)
-        // one barrier per tile for the stages: this tile's copies have landed everywhere, and every thread is done
-        // with the previous tile (its stage, the dS images and their scales are free to be written again)
-        __syncthreads();
-        if (t + 1 < ntiles) {  // the next tile's copies, in flight during this one
-            int64_t bh1;
-            const T* dop1;
-            const int m1 = tile_of(t + 1, bh1, dop1);
-            bwd_issue_tile<D, T>(p, sm + S::STAGE0 + ((t + 1) & 1) * S::STAGE, bh1, dop1, m1, tid);
-        }
-        const uint32_t sst = __shfl_sync(0xffffffffu, sb + S::STAGE0 + (t & 1) * S::STAGE, 0);
-        const float4* st = reinterpret_cast<const float4*>(sm + S::STAGE0 + (t & 1) * S::STAGE + S::ST_OFF);
+        const int m0 = tl.at(p, gi, qt, bh, dop);
+        if (++qt == tl.ntq) qt = 0, ++gi;
+        const int stg = t % kBwdStages, par = t & 1;
+        mbar_wait(full + 8 * stg, (uint32_t)(t / kBwdStages) & 1u);  // this tile's operands landed
+        const uint32_t sst = __shfl_sync(0xffffffffu, sb + S::STAGE0 + stg * S::STAGE, 0);
+        const float4* st = reinterpret_cast<const float4*>(sm + S::STAGE0 + stg * S::STAGE + S::ST_OFF);
         {
             // S^T = K^ Q^^T and dP^T = V dO^T, in flight together
             int sacc[32];
@@ -393,6 +520,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                     wgmma_s8_n64_ss<true>(sacc, desc_make(ka + desc_step(32 * k), desc_hi(D)),
                                     desc_make(qa + desc_step(32 * k), desc_hi(D)));
                 wg_commit();
+                // D = 128: the previous tile's dQ products with S^T in flight (room for S^T's 32 accumulators only)
+                if (!kBwdOverlap<D> && t > 0) {
+                    dq_tile(t - 1, bhprev, mprev);
+                    wg_fence();
+                }
 #pragma unroll
                 for (int cc = 0; cc < D / 64; ++cc) {
                     const uint32_t va = desc_lo(vimg + cc * 8192),
@@ -407,6 +539,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                 }
                 wg_commit();
             }
+            // FA3's order where registers allow: the previous tile's dQ products run with S^T and dP^T in flight (its
+            // wait_group waits for them too)
+            if (kBwdOverlap<D> && t > 0) dq_tile(t - 1, bhprev, mprev);
             wg_wait<1>();
             reg_fence(sacc);
             // P^T (masked pairs 0: keys past skv or padded, past the causal diagonal, queries past sq); a lane whose
@@ -454,17 +589,28 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                         pt[j] = pt[j] * s4.w;
                     }
                 }
-            {
-                uint32_t adv[2][4];
-                float pv0, pv1;
-                bwd_quantize_rows(pt, adv, pv0, pv1);
-                bwd_int8_update<D>(dv, adv, sst + S::DOT_OFF, pv0, pv1);
-            }
-            // dQ's operand dS s_K, quantized per query over this warpgroup's 64 keys into its dS image
+            uint32_t adv[2][4];
+            float pv0, pv1;
+            int tv[32];
+            bwd_quantize_rows(pt, adv, pv0, pv1);
+            if constexpr (kBwdOverlap<D>) bwd_int8_issue(tv, adv, sst + S::DOT_OFF, 0);
+            else bwd_int8_update<D>(dv, adv, sst + S::DOT_OFF, pv0, pv1);
+            // dQ's operand dS s_K, quantized per query over this warpgroup's 64 keys into its dS image (free once the
+            // other warpgroup's dQ of tile t - 2 read it), announced to the other warpgroup (generic stores read by
+            // wgmma: the async proxy)
 #pragma unroll
             for (int j = 0; j < 32; ++j) pt[j] = dpt[j] * ((j & 2) ? ksr1 : ksr0);
-            bwd_quantize_cols(pt, skv_img + S::DS_IN_KV, reinterpret_cast<float*>(skv_img + S::RED_IN_KV),
-                              reinterpret_cast<float*>(skv_img + S::SC_IN_KV), 1 + wg, warp, lane);
+            if (t >= 2) named_sync(kBarDsFree + 2 * wg + par, 128 * kBwdNwg);
+            bwd_quantize_cols(pt, skv_img + S::DS_IN_KV + par * S::DS_BYTES,
+                              reinterpret_cast<float*>(skv_img + S::RED_IN_KV),
+                              reinterpret_cast<float*>(skv_img + S::SC_IN_KV) + 64 * par, 1 + wg, warp, lane);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            named_arrive(kBarDsReady + 2 * wg + par, 128 * kBwdNwg);
+            if constexpr (kBwdOverlap<D>) {
+                wg_wait<0>();
+                reg_fence(tv);
+                bwd_int8_fold(dv, tv, pv0, pv1);
+            }
             // dK += q8(dS^T s_Q) Q^
 #pragma unroll
             for (int i = 0; i < 8; ++i)
@@ -481,15 +627,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                 bwd_int8_update<D>(dk, adk, sst + S::QT_OFF, pk0, pk1);
             }
         }
-        // dQ: both warpgroups' dS images written (generic stores, read by wgmma: the async proxy)
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        {
-            const float* sc = reinterpret_cast<const float*>(sm + S::KV_OFF + S::SC_IN_KV);
-            bwd_dq_update<D>(sb + S::KV_OFF, sc, sc + S::KV_STRIDE / 4, p.dq_acc + (bh * sq + m0) * D, wg * (D / 2),
-                             sq - m0, warp, lane);
-        }
+        // this warp's last read of the stage (the dK product is complete): the producer may refill it
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + 8 * stg);
+        mprev = m0;
+        bhprev = bh;
     }
+    if (tl.ntiles > 0) dq_tile(tl.ntiles - 1, bhprev, mprev);
     // epilogue: rows key0 / key1, channels 64 nh + 8 i + 2 t4 (+1); dK times tau
     T* dkp = static_cast<T*>(p.dk) + ((int64_t)bkv * skv) * D;
     T* dvp = static_cast<T*>(p.dv) + ((int64_t)bkv * skv) * D;

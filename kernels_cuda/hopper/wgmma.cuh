@@ -62,6 +62,8 @@ template <int N> __device__ __forceinline__ void reg_fence(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+// arrive at named barrier id (n threads in all) without waiting: the other side of a named_sync
+__device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 template <int N, int M> __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][M]) {
 #pragma unroll
     for (int i = 0; i < N; ++i)
