@@ -91,6 +91,7 @@ int launch(const SageAttnParams& p, cudaStream_t st) {
     w.nkb = nkb;
     const Plan P = plan(p);  // the same plan as the workspace layout's
     w.nqb = P.nqb;
+    w.secq = P.secq; w.secb = P.secb; w.hbig = P.hbig; w.tbig = P.hbig * P.nqb;
     w.splitctr = w.tilectr + 1;
     w.part = L.part;
     w.nitems = P.nitems;
