@@ -353,6 +353,7 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
     __shared__ float xch[6];
     __shared__ int any_sat_all;
     __shared__ __align__(16) uint8_t vt[DC * kBN];  // this slice's V^T rows of the block image, copied out at the end
+    pdl_wait();
     pdl_launch_dependents();
     // grid (block x slice, kv-head, batch): no division for the head index; a cluster's CTAs are a block's slices
     const int kb = blockIdx.x / SPLIT, half = blockIdx.x % SPLIT, h = blockIdx.y, b = blockIdx.z;
@@ -380,10 +381,6 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
             vraw[i] = make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    // The loads above read only the caller's K, V (and varlen offsets), complete before the statistics kernel (a
-    // plain launch) began, so they are in flight while it ends; the workspace (its statistics, this pass's outputs)
-    // is touched only after it.
-    pdl_wait();
     if (threadIdx.x < DC) {  // (after the loads are issued: these are small L2 reads)
         const int d = threadIdx.x, dg = ch0 + d;
         float* kc = reinterpret_cast<float*>(skc) + ((d >> 2) & 1) * LPK * 4 + (d >> 3) * 4 + (d & 3);
