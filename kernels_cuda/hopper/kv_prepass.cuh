@@ -429,6 +429,8 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
         if (h == 0 && half == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
     }
     int any_sat = __syncthreads_or(sat != 0u);
+    int sat_all = any_sat;  // (thread 4, SPLIT > 1: the cluster's flag, kept in its register: an early read of the
+                            // shared copy by every thread would race with its write, compute-sanitizer racecheck)
     const int64_t blk = (int64_t)bh * nkb + kb;
     float m = 0.f;  // group g = threadIdx.x < 4: owners g, g + 4, ..., g + 28
     if (threadIdx.x < 4) {
@@ -441,7 +443,10 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
         cluster_arrive();
         cluster_wait();
         if (threadIdx.x < 4) m = fmax_nan(m, ld_cluster_f32(&xch[threadIdx.x], (uint32_t)(half ^ 1)));
-        if (threadIdx.x == 4) any_sat_all = any_sat | (ld_cluster_f32(&xch[4], (uint32_t)(half ^ 1)) != 0.f);
+        if (threadIdx.x == 4) {
+            sat_all = any_sat | (ld_cluster_f32(&xch[4], (uint32_t)(half ^ 1)) != 0.f);
+            any_sat_all = sat_all;  // for the other threads, after the barrier below
+        }
     }
     if (threadIdx.x < 4) {  // scales and inverses once
         const int g = threadIdx.x;
@@ -450,11 +455,7 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
         gscale[4 + g] = sc > 0.f ? 1.f / sc : 0.f;
         if (half == 0) kscale[blk * 4 + g] = sc;
     }
-    if constexpr (SPLIT == 1) {
-        if (threadIdx.x == 4 && !any_sat) vfac[blk] = 1.f;  // else set below
-    } else {
-        if (threadIdx.x == 4 && half == 0 && !any_sat_all) vfac[blk] = 1.f;
-    }
+    if (threadIdx.x == 4 && half == 0 && !sat_all) vfac[blk] = 1.f;  // else set below
     __syncthreads();
     if constexpr (SPLIT > 1) {
         any_sat = any_sat_all;
