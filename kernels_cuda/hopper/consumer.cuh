@@ -36,7 +36,7 @@ struct Prefetch {
     __device__ __forceinline__ void operator()(int t, QPre<D>& pf) const {
         constexpr int BM = bm(NWG), QC = D / 4;
         constexpr bool kQShift = LSE;
-        const Tile x = tile(item(t, w).tile, p.B, p.Hq, w.nqb);
+        const Tile x = tile(item(t, w).tile, w, p.Hq);
         const int sqx = len_q(p, x.b), r0 = x.qb * BM + cw * 64 + lrow0;
         const int64_t hk = (int64_t)x.b * p.Hkv + x.h / group;
         const T* qb = static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + tok0_q(p, x.b) * p.q_ss + 8 * t4;

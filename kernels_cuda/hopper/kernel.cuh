@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
     if (tt < w.nitems) prefetch(tt, pf);
     while (tt < w.nitems) {
         const Item itm = item(tt, w);
-        const Tile tl = tile(itm.tile, p.B, p.Hq, w.nqb);
+        const Tile tl = tile(itm.tile, w, p.Hq);
         const int b = tl.b, h = tl.h;
         const int sq = len_q(p, b), skv = len_k(p, b), q0 = tl.qb * BM;
         const int nkb = num_kv_blocks(p, q0, BM, sq, skv);

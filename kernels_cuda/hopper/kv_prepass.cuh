@@ -2,19 +2,26 @@
 // writes K - mean -> INT8 and V - mean -> FP8 in the exact shared-memory image of one 128-key block.
 #pragma once
 #include "traits.cuh"
+#include "wgmma.cuh"
 #include "../common/quant.cuh"
 #include "../common/ptx.cuh"
 
 namespace sage::hopper {
 
 // ------------------------------------------------------------------------------------------------------------------
-// Pre-pass: one CTA per (128-key block, kv-head, batch). Each thread owns 4 keys and 8 channels: owner o = tid / (D/8)
+// Pre-pass: one CTA per (128-key block, kv-head, batch) and channel slice: at D = 256 a cluster of two CTAs, each
+// with 128 of the channels (kv_split), which exchange their K group maxima and V saturation flags through
+// distributed shared memory (one CTA of 1024 threads per SM ran its load, math and store phases in lockstep on
+// every SM, the memory idle between them: B=4 H=16 N=4K, 150 us for 400 MB; D = 128's two CTAs per SM overlap them).
+// Each thread owns 4 keys and 8 channels of its CTA's DC = D / kv_split channels: owner o = tid / (DC/8)
 // (0..31) holds the keys of V^T slots 4o..4o+3 (kv_key), so per channel its 4 e4m3 bytes are one 32-bit word of the
 // V^T image (one shared store per channel instead of 4 byte stores and their shifts), and its 4 keys are in one K
-// scale group (Grouping(128, 8, 2): group (key % 8) / 2 = o % 4, one running max). A key row is read by D/8 adjacent
-// lanes, 16 bytes each, so every warp load covers whole rows (256 or 128 contiguous bytes per row).
-__host__ __device__ constexpr int kv_threads(int D) { return 4 * D; }  // 32 owners x D / 8 lanes
-// 64 registers per thread: 2 CTAs per SM at D = 128, 4 at D = 64
+// scale group (Grouping(128, 8, 2): group (key % 8) / 2 = o % 4, one running max). A key row's slice is read by
+// DC/8 adjacent lanes, 16 bytes each, so every warp load covers whole slices (256 or 128 contiguous bytes per row).
+__host__ __device__ constexpr int kv_split(int D) { return D > 128 ? 2 : 1; }  // CTAs (a cluster) per block
+__host__ __device__ constexpr int kv_dc(int D) { return D / kv_split(D); }     // channels per CTA
+__host__ __device__ constexpr int kv_threads(int D) { return 4 * kv_dc(D); }  // 32 owners x DC / 8 lanes
+// 64 registers per thread: 2 CTAs per SM at D = 128 and 256, 4 at D = 64
 __host__ __device__ constexpr int kv_ctas(int D) { return 1024 / kv_threads(D); }
 // block-local key of owner o's load i: V^T slot 4o + i (slot_of_key: slot bits 0, 1, 2-3, 4 = key bits 0, 3, 1-2, 4)
 __host__ __device__ constexpr int kv_key(int o, int i) {
@@ -173,8 +180,8 @@ struct KvVaddr {
 // of key i; ok(i): key i inside the sequence); returns nonzero if a byte is +-448 or NaN (possibly saturated)
 template <int D, typename T>
 struct KvQuantV {
-    const KvChan<D / 8>& chan;
-    uint8_t (&vt)[D * kBN];
+    const KvChan<kv_dc(D) / 8>& chan;
+    uint8_t (&vt)[kv_dc(D) * kBN];
     const KvVaddr& vaddr_of;
     const int& rot;
     template <typename Raw, typename Ok>
@@ -232,7 +239,7 @@ struct KvReload {
 // its running |max|
 template <int D, typename T>
 struct KvKdiff {
-    const KvChan<D / 8>& chan;
+    const KvChan<kv_dc(D) / 8>& chan;
     const uint4 (&kraw)[4];
     float (&kd)[4][8];
     float& am;
@@ -259,9 +266,12 @@ struct KvKdiff {
 // saturated to 448: both flag the block) makes the maximum NaN: the block is requantized with a NaN factor, so its V^T
 // image is NaN and so are P~V and O of every row that runs the block (vfac itself stays a power of two: the attention
 // kernel divides by it with integer arithmetic on the exponent). reload(i): the owner's raw V of key i, from L2.
-template <int NT, typename T, typename Chan>
+// SPLIT > 1 (a cluster of channel slices, kv_split): the maximum over the slices through xr (this CTA's slot),
+// half: this CTA's slice; the caller has arrived at the cluster barrier after the exchange of the group maxima.
+template <int NT, int SPLIT, typename T, typename Chan>
 __device__ __forceinline__ void kv_block_vfac(const KvReload<T>& reload, const KvValid& valid,
-                                                  const Chan& chan, float* omax, float* gscale, float* vfac) {
+                                                  const Chan& chan, float* omax, float* gscale, float* vfac,
+                                                  float* xr, int half) {
     float r = 0.f;
     {
         float vi[8], vs[8];
@@ -287,13 +297,23 @@ __device__ __forceinline__ void kv_block_vfac(const KvReload<T>& reload, const K
         r = 0.f;
 #pragma unroll
         for (int w = 0; w < NT / 32; ++w) r = fmax_nan(r, omax[w]);
+        if constexpr (SPLIT > 1) *xr = r;
+    }
+    if constexpr (SPLIT > 1) {  // (the saturation flag that brought this CTA here is the cluster's: all CTAs are here)
+        cluster_wait();
+        cluster_arrive();
+        cluster_wait();  // every slice's maximum written
+        if (threadIdx.x == 0) r = fmax_nan(r, ld_cluster_f32(xr, (uint32_t)(half ^ 1)));
+        cluster_arrive_relaxed();  // (waited for before the CTA exits: its xr is read until then)
+    }
+    if (threadIdx.x == 0) {
         r = finite_or_nan(r);
         int e = 0;
         if (r > kFp8Max) {  // (false for NaN)
             const uint32_t u = __float_as_uint(r / kFp8Max);  // >= 1
             e = min((int)(u >> 23) - 127 + ((u & 0x7fffffu) != 0u), kVMaxExp);
         }
-        *vfac = __uint_as_float((uint32_t)(127 + e) << 23);
+        if (half == 0) *vfac = __uint_as_float((uint32_t)(127 + e) << 23);
         gscale[8] = r == r ? __uint_as_float((uint32_t)(127 - e) << 23) : r;  // NaN: the block's V^T image NaN
     }
     __syncthreads();
@@ -322,27 +342,33 @@ template <int D, typename T>
 __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_kernel(SageAttnParams p,
         const float* kmean, const float* vscale, const float* vmean, int8_t* kimg, float* kscale, uint8_t* vimg,
         float* vfac, int* kmflag, int nkb) {
-    constexpr int NT = kv_threads(D), LPK = D / 8;  // threads, lanes per key row
+    constexpr int NT = kv_threads(D), SPLIT = kv_split(D), DC = kv_dc(D), LPK = DC / 8;  // lanes per key row slice
     static_assert(kBN == 128 && NT / LPK == 32, "32 owners of 4 keys");
     // per-channel K mean, 1 / V scale and V's shift (-mean / scale, or the mean) as float4 [quantity][half][lane
     // chunk]: a lane's 8 channels are two LDS.128 without bank conflicts
     __shared__ float4 skc[3][2][LPK];
     __shared__ float omax[32], gscale[9];
-    __shared__ __align__(16) uint8_t vt[D * kBN];  // the V^T block image, copied out linearly at the end
+    // the cluster's exchange (SPLIT > 1): this slice's K group maxima, its saturation flag, its V maximum; the flag
+    // of the whole block
+    __shared__ float xch[6];
+    __shared__ int any_sat_all;
+    __shared__ __align__(16) uint8_t vt[DC * kBN];  // this slice's V^T rows of the block image, copied out at the end
     pdl_wait();
     pdl_launch_dependents();
-    // grid (block, kv-head, batch): no division for the head index
-    const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z, bh = b * p.Hkv + h;
+    // grid (block x slice, kv-head, batch): no division for the head index; a cluster's CTAs are a block's slices
+    const int kb = blockIdx.x / SPLIT, half = blockIdx.x % SPLIT, h = blockIdx.y, b = blockIdx.z;
+    const int bh = b * p.Hkv + h;
     const int skv = len_k(p, b);
     if (kb > 0 && kb * kBN >= skv) return;  // varlen: past this sequence's end (never read)
-    const int o = threadIdx.x / LPK, cc = threadIdx.x % LPK, d0 = 8 * cc;  // owner, its lane's 8 channels
+    const int o = threadIdx.x / LPK, cc = threadIdx.x % LPK, d0 = 8 * cc;  // owner, its lane's 8 channels (slice)
+    const int ch0 = half * DC;  // the slice's first channel
     const int kbase = kb * kBN;
     const bool full = kbase + kBN <= skv;  // CTA-uniform: no per-value validity selects
     // the owner's keys c0 + {0, 1, 8, 9}: one 64-bit address product, the others by adds
     const int c0 = kv_key(o, 0);
     const int64_t tok = tok0_k(p, b) + kbase + c0;
-    const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + d0;
-    const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + d0;
+    const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + ch0 + d0;
+    const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + ch0 + d0;
     KvKeyOff key_off{};
     uint4 kraw[4], vraw[4];  // all loads in flight before any use (raw: half the registers of floats)
 #pragma unroll
@@ -355,12 +381,12 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
             vraw[i] = make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    if (threadIdx.x < D) {  // (after the loads are issued: these are small L2 reads)
-        const int d = threadIdx.x;
+    if (threadIdx.x < DC) {  // (after the loads are issued: these are small L2 reads)
+        const int d = threadIdx.x, dg = ch0 + d;
         float* kc = reinterpret_cast<float*>(skc) + ((d >> 2) & 1) * LPK * 4 + (d >> 3) * 4 + (d & 3);
-        const float vi = 1.f / vscale[(int64_t)bh * D + d];  // the sampled base scale (> 0: floored)
-        const float vm = vmean[(int64_t)bh * D + d];         // 0 without smooth V
-        kc[0] = kmean[(int64_t)bh * D + d];
+        const float vi = 1.f / vscale[(int64_t)bh * D + dg];  // the sampled base scale (> 0: floored)
+        const float vm = vmean[(int64_t)bh * D + dg];         // 0 without smooth V
+        kc[0] = kmean[(int64_t)bh * D + dg];
         kc[2 * LPK * 4] = vi;
         kc[4 * LPK * 4] = -vm * vi;
     }
@@ -373,6 +399,7 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
     // keys) goes to row vcol(d), bytes 4o..4o+3. Rows vcol(8 cc + e) of a store fall on 4 of the 8 16-byte
     // bank groups; lanes with (cc / 4) odd store the odd channel of each pair first, which spreads them over 8.
     const int rot = (cc >> 2) & 1;
+    // (rows of the slice: vcol only permutes channel bits 1-4, so the slice's rows are ch0.. ch0 + DC - 1)
     // img_off(row, 4o, 128) = (row * 128 | (row % 8) * 16) ^ 4o; row = vcol(d0 + c) for c = 2 pp + s is
     // (s ^ rot) | ((cc % 4) << 1) | (pp << 3) | ((cc / 4) << 5): pp only adds pp * 1024
     int vaddr[2];
@@ -399,34 +426,54 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
         const int masked = threadIdx.x < kBN && kbase + (int)threadIdx.x < skv &&
                            p.kmask[(int64_t)b * p.kmask_sb + kbase + threadIdx.x] == 0;
         const int any_masked = __syncthreads_or(masked);
-        if (h == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
+        if (h == 0 && half == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
     }
-    const int any_sat = __syncthreads_or(sat != 0u);
+    int any_sat = __syncthreads_or(sat != 0u);
+    int sat_all = any_sat;  // (thread 4, SPLIT > 1: the cluster's flag, kept in its register: an early read of the
+                            // shared copy by every thread would race with its write, compute-sanitizer racecheck)
     const int64_t blk = (int64_t)bh * nkb + kb;
-    if (threadIdx.x < 4) {  // group g: owners g, g + 4, ..., g + 28; scales and inverses once
-        const int g = threadIdx.x;
-        float m = 0.f;
+    float m = 0.f;  // group g = threadIdx.x < 4: owners g, g + 4, ..., g + 28
+    if (threadIdx.x < 4) {
 #pragma unroll
-        for (int r = 0; r < 8; ++r) m = fmax_nan(m, omax[g + 4 * r]);
+        for (int r = 0; r < 8; ++r) m = fmax_nan(m, omax[threadIdx.x + 4 * r]);
+    }
+    if constexpr (SPLIT > 1) {  // the other slice's group maxima and flag (the same maxima as over all channels)
+        if (threadIdx.x < 4) xch[threadIdx.x] = m;
+        if (threadIdx.x == 4) xch[4] = any_sat ? 1.f : 0.f;
+        cluster_arrive();
+        cluster_wait();
+        if (threadIdx.x < 4) m = fmax_nan(m, ld_cluster_f32(&xch[threadIdx.x], (uint32_t)(half ^ 1)));
+        if (threadIdx.x == 4) {
+            sat_all = any_sat | (ld_cluster_f32(&xch[4], (uint32_t)(half ^ 1)) != 0.f);
+            any_sat_all = sat_all;  // for the other threads, after the barrier below
+        }
+    }
+    if (threadIdx.x < 4) {  // scales and inverses once
+        const int g = threadIdx.x;
         const float sc = finite_or_nan(m) / 127.f;  // non-finite group: NaN scale, the scores using it are NaN
         gscale[g] = sc;
         gscale[4 + g] = sc > 0.f ? 1.f / sc : 0.f;
-        kscale[blk * 4 + g] = sc;
+        if (half == 0) kscale[blk * 4 + g] = sc;
     }
-    if (threadIdx.x == 4 && !any_sat) vfac[blk] = 1.f;  // else set below
+    if (threadIdx.x == 4 && half == 0 && !sat_all) vfac[blk] = 1.f;  // else set below
     __syncthreads();
-    kv_store_k<D>(kimg + blk * kBN * D, kd, gscale[o & 3], gscale[4 + (o & 3)], o, d0);
+    if constexpr (SPLIT > 1) {
+        any_sat = any_sat_all;
+        cluster_arrive_relaxed();  // this CTA's reads of the other's shared memory done (waited for before exiting)
+    }
+    kv_store_k<D>(kimg + blk * kBN * D, kd, gscale[o & 3], gscale[4 + (o & 3)], o, ch0 + d0);
     if (any_sat) {  // rare (a value beyond the sampled range): V reloaded (from L2) here, where K's registers are free
         KvReload<T> reload{valid, vsrc, key_off, p};
-        kv_block_vfac<NT, T>(reload, valid, chan, omax, gscale, vfac + blk);
+        kv_block_vfac<NT, SPLIT, T>(reload, valid, chan, omax, gscale, vfac + blk, &xch[5], half);
         quant_v(reload, gscale[8], valid);  // rewrites this thread's own image words
     }
     __syncthreads();  // the V^T image complete
     // V^T image out: 16-byte chunks, linear (the staging is already in the image layout)
-    uint8_t* vdst = vimg + blk * kBN * D;
+    uint8_t* vdst = vimg + blk * kBN * D + ch0 * kBN;
 #pragma unroll
-    for (int i = threadIdx.x; i < D * kBN / 16; i += NT)
+    for (int i = threadIdx.x; i < DC * kBN / 16; i += NT)
         reinterpret_cast<uint4*>(vdst)[i] = reinterpret_cast<const uint4*>(vt)[i];
+    if constexpr (SPLIT > 1) cluster_wait();  // the other CTA's reads of this one's exchange slots done
 }
 
 }  // namespace sage::hopper

@@ -43,19 +43,24 @@ inline Bufs carve_ws(const SageAttnParams& p, void* ws) {
 }
 
 // a launch that may overlap the end of the previous kernel in the stream (programmatic dependent launch: the
-// kernel's pdl_wait() holds it before any global memory access)
+// kernel's pdl_wait() holds it before any global memory access); cluster > 1: clusters of that many CTAs along x
 template <typename... Params, typename... Args>
-cudaError_t launch_pdl(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args... args) {
+cudaError_t launch_pdl(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, int cluster,
+                       Args... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = st;
-    cudaLaunchAttribute attr[1];
+    cudaLaunchAttribute attr[2];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = (unsigned)cluster;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = cluster > 1 ? 2 : 1;
     return cudaLaunchKernelEx(&cfg, kern, args...);
 }
 
@@ -68,7 +73,8 @@ int launch(const SageAttnParams& p, cudaStream_t st) {
                                                                    L.nzero);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
-    e = launch_pdl(hopper_quant_kv_kernel<D, T>, dim3(nkb, p.Hkv, p.B), dim3(kv_threads(D)), 0, st, p,
+    e = launch_pdl(hopper_quant_kv_kernel<D, T>, dim3(nkb * kv_split(D), p.Hkv, p.B), dim3(kv_threads(D)), 0, st,
+                   kv_split(D), p,
                    (const float*)L.kmean, (const float*)L.vscale, (const float*)L.vmean, L.kimg, L.kscale, L.vimg,
                    L.vfac, L.kmflag, nkb);
     if (e != cudaSuccess) return (int)e;
@@ -91,6 +97,7 @@ int launch(const SageAttnParams& p, cudaStream_t st) {
     w.nkb = nkb;
     const Plan P = plan(p);  // the same plan as the workspace layout's
     w.nqb = P.nqb;
+    w.secq = P.secq; w.secb = P.secb; w.hbig = P.hbig; w.tbig = P.hbig * P.nqb;
     w.splitctr = w.tilectr + 1;
     w.part = L.part;
     w.nitems = P.nitems;
@@ -99,7 +106,7 @@ int launch(const SageAttnParams& p, cudaStream_t st) {
     w.pmul = P.parts > 1 ? (uint32_t)((0x100000000ull + P.parts - 1) / P.parts) : 0u;  // exact for u < 2^30
     for (int j = 0; j <= kMaxParts; ++j) w.pkb[j] = j <= P.parts ? (int)((int64_t)j * nkb / P.parts) : nkb;
     const int nsm = num_sms(dev), grid = w.nitems < nsm ? w.nitems : nsm;
-    return (int)launch_pdl(kern, dim3(grid), dim3(threads(NWG)), S::TOTAL, st, p, w);
+    return (int)launch_pdl(kern, dim3(grid), dim3(threads(NWG)), S::TOTAL, st, 1, p, w);
 }
 
 }  // namespace sage::hopper

@@ -19,7 +19,7 @@ __device__ __forceinline__ void producer(const SageAttnParams& p, const Ws& w, c
     for (int t = blockIdx.x; t < w.nitems;) {
         const int tn = (int)gridDim.x + atomicAdd(w.tilectr, 1);  // in flight while this tile's loads issue
         const Item itm = item(t, w);
-        const Tile tl = tile(itm.tile, p.B, p.Hq, w.nqb);
+        const Tile tl = tile(itm.tile, w, p.Hq);
         const int sq = len_q(p, tl.b), skv = len_k(p, tl.b), q0 = tl.qb * BM;
         if (q0 >= sq) { t = tn; continue; }  // varlen: past this sequence's end
         publish(c, ti, t);

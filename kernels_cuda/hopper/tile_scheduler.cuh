@@ -14,6 +14,20 @@ inline int num_sms(int dev) {
     return n;
 }
 
+// Persistent tile order: sections of (batch, head) pairs outer, within a section q-blocks from the last (longest
+// causal rows) to the first, the section's heads inner. Dynamic: after its first tile (blockIdx.x) a CTA takes the
+// next unclaimed tile from a global counter (the producer thread, one atomic per tile, ahead of the consumers).
+// - Non-causal: sections of one head (heads outer, q-blocks inner): the CTAs running at the same time work on the
+//   same few heads, so each K/V block comes from HBM once and then from L2 (with (batch, head) inner, 132 CTAs
+//   stream 132 different heads' K/V: at B=4 H=32 N>=4K that working set is larger than L2 and the kernel re-reads
+//   K/V from HBM per q-block).
+// - Causal: sections of as many heads as their K/V images fit in kL2SectionBytes (FlashAttention-3's L2 swizzle),
+//   longest tiles first across the section's heads, so the last tiles taken are the shortest (with sections of one
+//   head the last head's longest tiles were taken last: B=4 H=16 D=256 2K, 1024 tiles of 1..16 blocks, the last
+//   wave left SMs idle for ~12% of the kernel in a simulation of the dynamic order, ~6% at 4K).
+// Heads sharing K/V (GQA) are adjacent and in one section.
+constexpr int64_t kL2SectionBytes = 32ll << 20;  // of the H100/H200's 50 MB L2 (FlashAttention-3's figure)
+
 // Split tail. The persistent grid (one CTA per SM) runs equal non-causal tiles in waves; the ntiles mod nsm tiles of
 // the last wave leave the other SMs idle for a whole tile (Flux, B=1 H=24 N=4608: 576 tiles on 132 SMs, the 5th wave
 // 36% full). Those tiles are split along the keys into `parts` items of consecutive 128-key blocks, each on its own
@@ -23,7 +37,7 @@ inline int num_sms(int dev) {
 // whole, then the parts of tiles nfull .. ntiles - 1 (a tile's parts consecutive).
 constexpr int kMinPartBlocks = 4;      // a part's fixed costs (Q prologue, epilogue, combine) ~ 2 blocks
 constexpr int kMaxParts = 4;           // (Ws::pkb); also the default of SageAttnParams.hop_split_max
-struct Plan { int nqb, ntiles, nsplit, parts, nitems; };
+struct Plan { int nqb, ntiles, nsplit, parts, nitems, secq, secb, hbig; };
 inline Plan plan(const SageAttnParams& p) {
     const int nw = nwg(p.D), rows = bm(nw), nsm = num_sms(p.device);
     const int nkb = (p.Skv + kBN - 1) / kBN;
@@ -41,18 +55,24 @@ inline Plan plan(const SageAttnParams& p) {
         if (parts >= 2) { P.nsplit = rem; P.parts = parts; }
     }
     P.nitems = P.ntiles + P.nsplit * (P.parts - 1);
+    // tile order (tile): sections of one q-head (heads outer), causal sections of as many kv-heads as fit in
+    // kL2SectionBytes, split into equal sections (sizes differ by one kv-head: a small last section would leave its
+    // long tiles to the end again)
+    const int group = p.Hq / p.Hkv, units = p.B * p.Hkv;
+    int base = 1, extra = 0, unit_q = 1;
+    if (p.causal) {
+        const int64_t unit_bytes = (int64_t)nkb * kBN * p.D * 2;  // one kv-head's K and V^T block images
+        const int64_t fit = kL2SectionBytes / (unit_bytes > 0 ? unit_bytes : 1);
+        const int gu = fit < 1 ? 1 : fit > units ? units : (int)fit;
+        const int nsec = (units + gu - 1) / gu;
+        base = units / nsec;
+        extra = units % nsec;
+        unit_q = group;
+    }
+    P.secq = base * unit_q;
+    P.secb = (base + 1) * unit_q;
+    P.hbig = extra * P.secb;
     return P;
-}
-// Persistent tile order: (batch, head) outer, q-blocks inner from the last (longest causal rows) to the first: the
-// CTAs running at the same time work on the same few heads, so each K/V block comes from HBM once and then from L2
-// (with (batch, head) inner, 132 CTAs stream 132 different heads' K/V: at B=4 H=32 N>=4K that working set is larger
-// than L2 and the kernel re-reads K/V from HBM per q-block). Heads sharing K/V (GQA) are adjacent.
-// Dynamic: after its first tile (blockIdx.x) a CTA takes the next unclaimed tile from a global counter (the producer
-// thread, one atomic per tile, ahead of the consumers), so CTAs that drew short causal tiles take more of them.
-struct Tile { int b, h, qb; };
-__device__ __forceinline__ Tile tile(int t, int /*B*/, int Hq, int nqb) {
-    const int bh = t / nqb;
-    return Tile{bh / Hq, bh % Hq, nqb - 1 - t % nqb};
 }
 __device__ __forceinline__ int num_kv_blocks(const SageAttnParams& p, int q0, int bm, int sq, int skv) {
     int kv_end = skv;
@@ -64,9 +84,25 @@ struct Ws {
     const float* kmean; const float* vmean; const int* kmflag; int* tilectr; int nkb; int nqb;
     float4* part; int* splitctr;  // split tail (plan): partials, arrival counters
     int nitems, nfull, parts;     // work items; items < nfull are whole tiles
+    int secq, secb, hbig, tbig;   // tile order (Plan): q-heads per section (secb: the first sections', hbig heads
+                                  // and tbig tiles in all)
     uint32_t pmul;                // ceil(2^32 / parts): u / parts as one multiply-high (no division per tile)
     int pkb[kMaxParts + 1];    // part j of a split tile: blocks pkb[j] .. pkb[j + 1] - 1 (their nkb is w.nkb)
 };
+// tile index -> (batch, head, q-block) in the order above: sections of secb heads (tiles t < tbig), then of secq
+struct Tile { int b, h, qb; };
+__device__ __forceinline__ Tile tile(int t, const Ws& w, int Hq) {
+    int g = w.secb, h0 = 0;
+    if (t >= w.tbig) {
+        g = w.secq;
+        t -= w.tbig;
+        h0 = w.hbig;
+    }
+    const int s = t / (g * w.nqb);
+    t -= s * g * w.nqb;
+    const int q = t / g, bh = h0 + s * g + (t - q * g);
+    return Tile{bh / Hq, bh % Hq, w.nqb - 1 - q};
+}
 // work item -> tile, and for a part of a split tile its index among the split tiles (else -1) and part number
 struct Item { int tile, split, part; };
 __device__ __forceinline__ Item item(int t, const Ws& w) {

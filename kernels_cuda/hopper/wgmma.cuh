@@ -3,6 +3,7 @@
 // producer's), wgmma fences and the wgmma instructions (S = Q K^T in s8, P~V in e4m3).
 #pragma once
 #include "traits.cuh"
+#include "../common/ptx.cuh"
 
 #if defined(__CUDA_ARCH__) && !(__CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL))
 #error "kernels_cuda/hopper/ is compiled for sm_90a only (build_kernels.py)"
@@ -43,6 +44,28 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
             "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
             : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
     } while (!ok);
+}
+// thread block clusters (the D = 256 K/V pre-pass: the two channel halves of a block exchange their maxima): the
+// cluster barrier in two halves (arrive: this thread's shared-memory writes released; wait: the other CTAs' writes
+// before their arrive visible), and a float of CTA rank r's shared memory at this CTA's address a
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+// (relaxed: no release of this thread's memory operations, no membar; for "this CTA's reads of the others' shared
+// memory are done", whose values the thread has already used)
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ float ld_cluster_f32(const void* a, uint32_t rank) {
+    uint32_t ra;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(smem_u32(a)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(ra) : "memory");
+    return v;
 }
 __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
