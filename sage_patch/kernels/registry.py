@@ -364,15 +364,16 @@ _INT4 = (_needs_int4_mma,)
 VARIANTS: tuple[KernelVariant, ...] = (
     # sm_90a Hopper kernel ("8b"): INT8 + FP8 wgmma, warp-specialized, 128-key blocks (kernels_cuda/hopper). Speed
     # routing measured on the H200 (B=4 H=32 fp16: D=128 non-causal 0.97x at 1.75K, 1.15x at 2K; causal 0.98x at 2K,
-    # 1.06x at 2.5K; D=64 non-causal 0.98x at 1.75K, 1.02x at 2K; causal 0.98x at 3.5K, 1.02x at 4K; D=256, B=4
-    # H=16/18: non-causal 0.78-0.80x at 1K, 1.02-1.03x at 2K, causal 0.91-0.92x at 2K, 1.14-1.22x at 4K). Padded
+    # 1.06x at 2.5K; D=64 non-causal 0.98x at 1.75K, 1.02x at 2K; D=256, B=4 H=16/18: non-causal 0.79x at 1K,
+    # 1.09-1.13x at 2K. Causal, with the L2-section tile order (2026-11-29): D=128 0.92x at 1.5K, 1.03x at 2K, 1.13x
+    # at 2.5K; D=64 0.93x at 2.5K, 1.06x at 3K; D=256 0.90-0.98x at 2K, 1.09-1.11x at 2.5K). Padded
     # head dims, B=4 H=32, the kernel zero-padded against SDPA at the real head dim (padded_measurement): 80, 96, 112
     # (to 128) 0.93-0.94x at 4K, 1.16-1.20x at 8K, causal 0.97-1.00x at 8K, 1.21-1.23x at 16K; 160, 192 (to 256)
     # 0.94-0.97x at 8K, 1.09-1.13x at 16K, causal 0.97x at 16K (not measured beyond: SDPA).
     KernelVariant("wgmma-fp8", IMPL_WGMMA, KERNEL_WGMMA_FP8, "wgmma", "int8", "wgmma", ("8b",),
                   _COMMON + (_needs_hopper,),
                   sdpa_faster_below={"sm_90": {(128, False): 2048, (128, True): 2560, (64, False): 2048,
-                                               (64, True): 4096, (256, False): 2048, (256, True): 4096,
+                                               (64, True): 3072, (256, False): 2048, (256, True): 2560,
                                                **{(d, False): 8192 for d in (80, 96, 112)},
                                                **{(d, True): 16384 for d in (80, 96, 112)},
                                                **{(d, False): 16384 for d in (160, 192)},
