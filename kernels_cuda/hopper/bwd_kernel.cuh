@@ -13,8 +13,10 @@
 //                                 block_k: column maxima across the 4 warps through shared memory) into a dS image
 //                                 (queries x keys), B = a K^T image made once per CTA; each warpgroup computes half
 //                                 the channels over both warpgroups' key blocks (their int32 products scaled and
-//                                 summed in registers), added with red.global.add.v2.f32 into an fp32 buffer that
-//                                 the caller scales by tau and casts (5 products per tile, as FA3's backward)
+//                                 summed in registers), stored per warp into a shared-memory block and added by one
+//                                 bulk reduction (cp.reduce.async.bulk .add.f32) into an fp32 buffer in blocks
+//                                 (bwd_dq_tile) that the caller scales by tau, casts and reorders (5 products per
+//                                 tile, as FA3's backward)
 // Query order: row c of the Q^ and dO images (the N dimension of S^T and dP^T) holds query slot_of_key(c) of
 // its 32-query group, so the accumulator fragment of a lane is directly its A fragment for the transposed INT8
 // images in natural query order (the forward's V^T trick, applied to the other operand): every tile is copied
@@ -38,8 +40,10 @@
 // slower at D=128 before the producer split). Before the split (all threads loading, two CTA barriers per tile),
 // H200, B=4 H=32 bf16 N=16K, backward alone: D=128 0.93x (full) / 0.94x (causal) of the Triton backward, D=64
 // 0.87x / 0.86x, issue- and latency-bound (ncu: 46% of issue slots used with 2 warps per scheduler, ~2500
-// instructions per warp and 64 x 64 tile, tensor pipes ~15% busy); the split cut the hot path's SASS per tile by
-// 9% (D=128) / 5.5% (D=64), not yet measured on the GPU. Next: a bulk reduce-add of dQ from shared memory.
+// instructions per warp and 64 x 64 tile, tensor pipes ~15% busy). With the split and the bulk dQ reductions (same
+// run, ms): D=128 141.2 (Triton 151.4, the vector reductions 157.0), causal 72.9 (78.6, 80.9); D=64 105.1 (100.1,
+// 110.8), causal 53.8 (50.9, 56.7). Bulk reductions per row (64 per warpgroup and tile, each lane its own
+// address) were slower than the vector reductions: ptxas serializes per-lane bulk operations (uniform operands).
 #pragma once
 #include "wgmma.cuh"
 #include "../common/ptx.cuh"
@@ -73,8 +77,12 @@ struct BwdSmem {
     // operand; two, by tile parity), the column maxima of its 4 warps (64 floats each) and the per-query scales of
     // its dS (64 floats per parity)
     static constexpr int V_IN_KV = I8, KT_IN_KV = V_IN_KV + H16, DS_IN_KV = KT_IN_KV + I8, DS_BYTES = 4096,
-                         RED_IN_KV = DS_IN_KV + 2 * DS_BYTES, SC_IN_KV = RED_IN_KV + 1024;
-    static constexpr int KV_OFF = 0, KV_STRIDE = SC_IN_KV + 1024;
+                         RED_IN_KV = DS_IN_KV + 2 * DS_BYTES, SC_IN_KV = RED_IN_KV + 1024, DQ_IN_KV = SC_IN_KV + 1024;
+    // and its dQ staging blocks: per warp, its 16 query rows of one 32-channel chunk (fp32, 2 KB) in the dQ buffer's
+    // block order (bwd_dq_tile), added to that buffer by one bulk reduction (one block per warp: with two, for both
+    // chunks of D = 128, the 3 stages would not fit)
+    static constexpr int DQ_WARP = 16 * 32 * 4, DQ_BYTES = 4 * DQ_WARP;
+    static constexpr int KV_OFF = 0, KV_STRIDE = DQ_IN_KV + DQ_BYTES;
     static constexpr int STAGE0 = KV_OFF + kBwdNwg * KV_STRIDE;
     // per stage (query tile): Q^, Q^T, dO, dO^T images and the 64 x 4 floats of bwd.row_stats
     static constexpr int Q_OFF = 0, QT_OFF = Q_OFF + I8, DO_OFF = QT_OFF + I8, DOT_OFF = DO_OFF + H16,
@@ -84,6 +92,7 @@ struct BwdSmem {
     static constexpr int BAR_OFF = STAGE0 + kBwdStages * STAGE;
     static constexpr int TOTAL = BAR_OFF + 16 * kBwdStages + 1024;  // + slack to align the base to 1024 bytes
     static_assert(TOTAL <= 232448, "more than the 227 KB of shared memory per block");
+    static_assert(DQ_BYTES % 1024 == 0, "bulk reductions: 16-byte aligned blocks");
 };
 // 16 bytes global -> shared, zero-filled where !ok (src is then not read)
 __device__ __forceinline__ void bwd_cp16(uint8_t* dst, const void* src, bool ok) {
@@ -99,10 +108,30 @@ __host__ __device__ constexpr int bwd_kpos(int k) { return (k & 48) | ((k & 7) <
 // byte offset of the 16-byte chunk c8 (8 16-bit channels 8 c8..) of row r in a 16-bit image
 __device__ __forceinline__ int bwd_h16_off(int r, int c8) { return (c8 >> 3) * 8192 + img_off(r, 16 * (c8 & 7), 128); }
 
-// *p += (a, b), one vector reduction in L2 (8-byte aligned p): the fused dQ's accumulation
-__device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+// dst[0 .. bytes / 4) += src[...] (fp32, elementwise atomic), one bulk reduction from shared memory (16-byte aligned,
+// bytes a multiple of 16) in this thread's bulk group: the fused dQ's accumulation
+__device__ __forceinline__ void bulk_red_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
+// this thread's bulk reductions have read their sources (Read) or completed
+template <bool Read> __device__ __forceinline__ void bulk_wait() {
+    if constexpr (Read) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void sts_v2(uint32_t a, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a), "f"(x), "f"(y) : "memory");
+}
+// The fp32 dQ buffer (dq_acc) in blocks: per (batch, query head) row bh and 64-query tile qt (ceil(Sq / 64) of
+// them, the last padded), per 32-channel chunk c and warp w (queries 16 w..16 w + 15 of the tile), one 2 KB block
+// of 512 floats in accumulator-fragment order: element (k, hh, lane, e) at ((2 k + hh) 32 + lane) 2 + e holds query
+// 16 w + 8 hh + lane / 4, channel 32 c + 8 k + 2 (lane % 4) + e, so that each float2 store of a warp's fragment is
+// 256 contiguous bytes (no bank conflict) and a warp's block is one bulk reduction. sagebwd._backward undoes the
+// order (one strided pass, with the scale and the cast). The tile's first float, then a block's within the tile:
+template <int D>
+__device__ __forceinline__ int64_t bwd_dq_tile(int64_t bh, int ntq, int qt) { return (bh * ntq + qt) * 64 * D; }
+__device__ __forceinline__ int bwd_dq_block(int c, int w) { return c * 2048 + w * 512; }
 
 // x rounded half to even as the low byte of the result (x * inv, |x * inv| <= 127): quant.to_int8's rounding add,
 // the product rounded first as Triton and the reference compute it
@@ -235,14 +264,18 @@ __device__ __forceinline__ void bwd_quantize_cols(const float (&x)[32], uint8_t*
 }
 
 // dQ (fp32, without tau) += sum over the CTA's key blocks kb of (q8(dS s_K)_kb K^_kb) scale_kb for the 64 queries of
-// a tile from m0, this warpgroup's half of the channels (h0..h0 + D/2), added to dq (the tile's first row) with
-// vector reductions: the two warpgroups' products summed in registers first (one reduction per key pair of blocks).
-// kv0: the first warpgroup's region, ds: the dS images' offset in it (the tile's parity)
+// a tile from m0, this warpgroup's half of the channels (h0..h0 + D/2): the two warpgroups' products summed in
+// registers (one reduction per key pair of blocks), 32 channels at a time, into the warp's staging block (free: its
+// previous bulk reduction has read it), then added to the warp's block of the tile in the dQ buffer by one bulk
+// reduction from lane 0 (FA3's dQ path, per warp: no barrier beyond the warp's; 1 bulk operation per warp and
+// chunk instead of 8 vector reductions per thread). dq: the tile in the dQ buffer (bwd_dq_tile), kv0: the first
+// warpgroup's region, ds: the dS images' offset in it (the tile's parity)
 template <int D>
-__device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float* sc0, const float* sc1, float* dq,
-                                              int h0, int rows, int warp, int lane) {
+__device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float* sc0, const float* sc1, uint32_t stg,
+                                              float* dq, int h0, int ltid) {
     using S = BwdSmem<D>;
-    const int g = lane >> 2, t4 = lane & 3;
+    const int warp = ltid >> 5, lane = ltid & 31, g = lane >> 2;
+    const uint32_t wst = stg + warp * S::DQ_WARP;
     const int r0 = 16 * warp + g, r1 = r0 + 8;
     const float s00 = sc0[r0], s01 = sc0[r1], s10 = sc1[r0], s11 = sc1[r1];
 #pragma unroll
@@ -266,16 +299,22 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float*
         wg_wait<0>();
         reg_fence(t0);
         reg_fence(t1);
+        if (ch > 0) {  // the previous chunk's block read
+            if (lane == 0) bulk_wait<true>();
+            __syncwarp();
+        }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int c = h0 + 32 * ch + 8 * i + 2 * t4;
-            if (r0 < rows)
-                red_add_v2(dq + (int64_t)r0 * D + c, (float)t0[4 * i] * s00 + (float)t1[4 * i] * s10,
-                           (float)t0[4 * i + 1] * s00 + (float)t1[4 * i + 1] * s10);
-            if (r1 < rows)
-                red_add_v2(dq + (int64_t)r1 * D + c, (float)t0[4 * i + 2] * s01 + (float)t1[4 * i + 2] * s11,
-                           (float)t0[4 * i + 3] * s01 + (float)t1[4 * i + 3] * s11);
+            const uint32_t a = wst + 8 * (64 * i + lane);
+            sts_v2(a, (float)t0[4 * i] * s00 + (float)t1[4 * i] * s10,
+                   (float)t0[4 * i + 1] * s00 + (float)t1[4 * i + 1] * s10);
+            sts_v2(a + 8 * 32, (float)t0[4 * i + 2] * s01 + (float)t1[4 * i + 2] * s11,
+                   (float)t0[4 * i + 3] * s01 + (float)t1[4 * i + 3] * s11);
         }
+        // generic stores read by the bulk copy (the async proxy): every writer's fence, then the warp's barrier
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncwarp();
+        if (lane == 0) bulk_red_add_f32(dq + bwd_dq_block(h0 / 32 + ch, warp), wst, S::DQ_WARP);
     }
 }
 
@@ -487,12 +526,17 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     // thread of both meets at the ready barrier: this warpgroup's own image is complete too), then this one's read of
     // the other's image announced (unless nothing will wait for it)
     static_assert(kBwdNwg == 2, "dQ pairs the two consumer warpgroups");
+    // (the staging block: a warp's previous tile's bulk reduction read it before its issuer (lane 0) reaches the
+    // ready barrier, which the whole warp passes before writing it again)
+    const uint32_t dq_stg = kimg + S::DQ_IN_KV;
+    const int ntq_all = (sq + kBwdQueries - 1) / kBwdQueries;  // the dQ buffer's tiles per head
     auto dq_tile = [&](int tq, int64_t bhq, int m0q) {
         const int pq = tq & 1;
+        if ((ltid & 31) == 0) bulk_wait<true>();
         named_sync(kBarDsReady + 2 * (1 - wg) + pq, 128 * kBwdNwg);
         const float* sc = reinterpret_cast<const float*>(sm + S::KV_OFF + S::SC_IN_KV) + 64 * pq;
-        bwd_dq_update<D>(sb + S::KV_OFF, S::DS_IN_KV + pq * S::DS_BYTES, sc, sc + S::KV_STRIDE / 4,
-                         p.dq_acc + (bhq * sq + m0q) * D, wg * (D / 2), sq - m0q, warp, lane);
+        bwd_dq_update<D>(sb + S::KV_OFF, S::DS_IN_KV + pq * S::DS_BYTES, sc, sc + S::KV_STRIDE / 4, dq_stg,
+                         p.dq_acc + bwd_dq_tile<D>(bhq, ntq_all, m0q / kBwdQueries), wg * (D / 2), ltid);
         if (tq + 2 < tl.ntiles) named_arrive(kBarDsFree + 2 * (1 - wg) + pq, 128 * kBwdNwg);
     };
     int mprev = 0;
@@ -634,6 +678,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
         bhprev = bh;
     }
     if (tl.ntiles > 0) dq_tile(tl.ntiles - 1, bhprev, mprev);
+    if ((ltid & 31) == 0) bulk_wait<false>();  // (the staging block stays allocated until the last reduction read it)
     // epilogue: rows key0 / key1, channels 64 nh + 8 i + 2 t4 (+1); dK times tau
     T* dkp = static_cast<T*>(p.dk) + ((int64_t)bkv * skv) * D;
     T* dvp = static_cast<T*>(p.dv) + ((int64_t)bkv * skv) * D;

@@ -195,12 +195,12 @@ def _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal,
     dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
     dv = torch.empty_like(dk)
     if cuda:
-        from .hopper import launch
+        from .hopper import dq_blocks_shape, dq_from_blocks, launch
 
-        dq_acc = torch.zeros(b, hq, sq, d, dtype=f32, device=v.device)
+        dq_acc = torch.zeros(dq_blocks_shape(b, hq, sq, d), dtype=f32, device=v.device)
         launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key_padding_mask,
                is_causal=is_causal, scale=scale)
-        return dq_acc.mul_(float(scale)).to(v.dtype), dk, dv
+        return dq_from_blocks(dq_acc, sq, float(scale), v.dtype), dk, dv
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, v)
     flags = dict(D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
                  num_warps=t["dkdv_warps"], BLOCK_M=bm, BLOCK_N=t["dkdv_n"])

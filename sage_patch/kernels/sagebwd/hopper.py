@@ -7,6 +7,7 @@ is the Triton kernels' (deterministic: each output tile written by one program),
 
     supported(v, head_dim)  -> (ok, reason)   whether this path serves a call (device, build, head dim, dtype)
     backward(...)           -> dq, dk, dv     sagebwd.backward's signature and results
+    dq_blocks_shape, dq_from_blocks           the kernel's fp32 dQ buffer (in blocks) and its reading into dQ
 """
 from __future__ import annotations
 
@@ -64,16 +65,38 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
                      key_padding_mask=key_padding_mask, cuda=cuda)
 
 
+def dq_blocks_shape(b: int, hq: int, sq: int, d: int) -> tuple[int, ...]:
+    """Shape of the sm_90a kernel's fp32 dQ buffer (bwd_kernel.cuh, bwd_dq_tile): per (batch, query head), per
+    64-query tile (the last padded), per 32-channel chunk c and warp w (queries 16 w..), a 2 KB block in the
+    accumulator-fragment order (k, hh, g, t4, e): query 16 w + 8 hh + g, channel 32 c + 8 k + 2 t4 + e. The kernel's
+    float2 stores of a fragment are then 256 contiguous bytes and a warp's block is one bulk reduction."""
+    return b, hq, -(-sq // 64), d // 32, 4, 4, 2, 8, 4, 2
+
+
+def dq_from_blocks(dq_acc: torch.Tensor, sq: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """dQ (B, Hq, Sq, D) in dtype = dq_acc (dq_blocks_shape) * scale, in (query, channel) order: one strided pass
+    (the product rounded in fp32, then cast, as dq_acc.mul_(scale).to(dtype))."""
+    b, hq, ntq, nc = dq_acc.shape[:4]
+    dq = torch.empty(b, hq, ntq * 64, nc * 32, dtype=dtype, device=dq_acc.device)
+    # (tile, c, w, k, hh, g, t4, e) -> (tile, w, hh, g | c, k, t4, e): query row, then channel
+    torch.mul(dq_acc.permute(0, 1, 2, 4, 6, 7, 3, 5, 8, 9), scale, out=dq.view(b, hq, ntq, 4, 2, 8, nc, 4, 4, 2))
+    return dq if ntq * 64 == sq else dq[:, :, :sq].contiguous()
+
+
 def launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key_padding_mask, *, is_causal,
            scale) -> None:
     """Launch the kernel on the current stream: dK, dV into dk, dv (B, Hkv, Skv, D), dQ / scale added to dq_acc
-    (fp32 (B, Hq, Sq, D), contiguous, zeroed). q_t / do_t: the transposed INT8 operands of sagebwd._int8_transposed
-    (views of (B * Hq, D, padded) buffers), stats: (B * Hq, Sq, 4); v and dout with 16-byte aligned rows
-    (sagebwd._descriptor_ready)."""
+    (fp32, contiguous, zeroed, of shape dq_blocks_shape: the kernel's block order, which dq_from_blocks reads).
+    q_t / do_t: the transposed INT8 operands of sagebwd._int8_transposed (views of (B * Hq, D, padded) buffers),
+    stats: (B * Hq, Sq, 4); v and dout with 16-byte aligned rows (sagebwd._descriptor_ready)."""
+    b, hq, sq, d = q_int.shape
+    want = dq_blocks_shape(b, hq, sq, d)
+    if tuple(dq_acc.shape) != want or dq_acc.dtype != torch.float32 or not dq_acc.is_contiguous():
+        raise ValueError(f"dq_acc: {tuple(dq_acc.shape)} {dq_acc.dtype} (contiguous: {dq_acc.is_contiguous()}); "
+                         f"the kernel needs a contiguous float32 buffer of shape dq_blocks_shape = {want}")
     lib = _lib.get()
     if lib.handle is None:
         raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
-    b, hq, sq, d = q_int.shape
     hkv, skv = k_int.shape[1], k_int.shape[2]
     kmask, kmask_sb = None, 0
     if key_padding_mask is not None:
