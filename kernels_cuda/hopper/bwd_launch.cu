@@ -24,7 +24,7 @@ int bwd_launch(const SageBwdParams& p, cudaStream_t st) {
 namespace sage {
 
 int hopper_bwd(const SageBwdParams& p, cudaStream_t st) {
-    // 16-byte row loads of V and dO; 8-byte vector reductions into dQ
+    // 16-byte row loads of V and dO; bulk reductions of 16-byte aligned 2 KB blocks into dQ
     if (reinterpret_cast<uintptr_t>(p.dq_acc) % 16 != 0) return SAGE_E_BADARG;
     const bool v16 = reinterpret_cast<uintptr_t>(p.v) % 16 == 0 && p.v_sb % 8 == 0 && p.v_sh % 8 == 0 && p.v_ss % 8 == 0;
     const bool d16 = reinterpret_cast<uintptr_t>(p.dout) % 16 == 0 && p.do_sb % 8 == 0 && p.do_sh % 8 == 0 &&
