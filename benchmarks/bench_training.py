@@ -8,9 +8,10 @@ forward + backward and backward alone, and whole training steps of two architect
 
 Cases (--cases, default all three):
 - attention: B=4 H=32 (--batch, --heads), --dtype (bf16), D in --dims, causal and not, N in --seqs. Implementations
-  (--impls): sage8b = `sage_patch.trainable.sagebwd_attention` (the SageBwd kernel, no routing), sage_api =
-  `sage_patch.attention(..., precision="8b")` (the resolver: may run SDPA below a measured crossover; what it ran is
-  recorded per case), and torch SDPA with one backend forced (cudnn, flash; on CPU math and flash, the backends
+  (--impls): sage8b = `sage_patch.trainable.sagebwd_attention` (the SageBwd kernel, no routing), sage8b_hopper =
+  the same with its backward (dQ, dK, dV) from the sm_90a CUDA kernel (sage_patch.kernels.sagebwd.hopper;
+  H100/H200), sage_api = `sage_patch.attention(..., precision="8b")` (the resolver: may run SDPA below a measured
+  crossover; what it ran is recorded per case), and torch SDPA with one backend forced (cudnn, flash; on CPU math and flash, the backends
   torch has there). Every implementation gets the same inputs (randn; K and V with a per-channel bias of 4 sigma,
   as bench_kernel's accuracy inputs). "fwdbwd" times out = f(q, k, v) then torch.autograd.grad(out, (q, k, v), dO);
   "bwd" times torch.autograd.grad(..., retain_graph=True) of one forward done outside the timed region. Whole
@@ -73,7 +74,7 @@ from sage_patch.resolve import TRAINABLE_IMPL  # noqa: E402
 from sage_patch.trainable import sagebwd_attention  # noqa: E402
 
 CASES = ("attention", "llama", "flux")
-OURS = ("sage8b", "sage_api")
+OURS = ("sage8b", "sage8b_hopper", "sage_api")
 PEERS = ("cudnn", "flash", "math", "efficient")   # torch SDPA with that one backend forced (timing.forced_sdpa)
 MODEL_OURS = ("sage",)
 FLOP_FACTOR = {"fwdbwd": 3.5, "bwd": 2.5}        # x the forward's 4*B*H*N*N*D (halved when causal)
@@ -148,7 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.step_warmup = pick(a.step_warmup, SMOKE["warmup"], 2)
     a.step_reps = pick(a.step_reps, SMOKE["reps"], 5)
     peers = ("cudnn", "flash") if cuda else ("math", "flash")
-    a.impls = a.impls.split(",") if a.impls else list(OURS + peers)
+    hopper = ("sage8b_hopper",) if cuda and torch.cuda.get_device_capability() == (9, 0) else ()
+    a.impls = a.impls.split(",") if a.impls else [x for x in OURS if x != "sage8b_hopper" or hopper] + list(peers)
     a.model_impls = a.model_impls.split(",") if a.model_impls else list(MODEL_OURS + peers)
     a.baseline = a.baseline or peers[0]
     for name in a.impls:
@@ -192,6 +194,14 @@ def guarded(fn, cleanup=None):
     return None, err
 
 
+def _version(module: str):
+    """The module's version, None where it is not installed (the attention case needs neither library)."""
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
 def median(xs) -> float:
     return float(statistics.median(xs))
 
@@ -230,9 +240,31 @@ def write_json(path: str, data: dict) -> None:
 
 # ---- attention ----------------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def backward_of(name: str):
+    """sage8b_hopper: the SageBwd autograd backward through the sm_90a kernel (sagebwd.hopper.backward) while the
+    block runs (the backward runs at autograd.grad time, after the call returned); other implementations as they
+    are."""
+    if name != "sage8b_hopper":
+        yield
+        return
+    from sage_patch.kernels import sagebwd
+    from sage_patch.kernels.sagebwd import hopper
+
+    ok, why = hopper.supported(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128)
+    if not ok:
+        raise RuntimeError(f"sage8b_hopper: {why}")
+    keep = sagebwd.backward
+    sagebwd.backward = hopper.backward
+    try:
+        yield
+    finally:
+        sagebwd.backward = keep
+
+
 def attention_call(name: str, causal: bool, routing: str = "on"):
     """f(q, k, v) -> out for one implementation, (B, H, N, D); routing: --training-routing (sage_api's policy)."""
-    if name == "sage8b":
+    if name in ("sage8b", "sage8b_hopper"):
         return lambda q, k, v: sagebwd_attention(q, k, v, is_causal=causal, scale=None, attn_mask=None)
     if name == "sage_api":
         policy = routed(None, routing)
@@ -298,7 +330,11 @@ def attention_accuracy(q, k, v, do, causal, impls, routing: str = "on") -> dict:
             got = (out.detach(),) + torch.autograd.grad(out, (q, k, v), do)
             return {key: cosine(part(t), r) for key, t, r in zip(("out", "dq", "dk", "dv"), got, ref)}
 
-        m, err = guarded(one)
+        def one_of(name=name, one=one):
+            with backward_of(name):
+                return one()
+
+        m, err = guarded(one_of)
         res[name] = m if err is None else {"error": err}
     return res
 
@@ -314,8 +350,12 @@ def attention_case(args, n, d, causal, accuracy: bool) -> dict:
     for name in args.impls:
         if name == "sage_api":
             GLOBAL_STATS.reset()
-        m, err = guarded(lambda: measure_attention(attention_call(name, causal, args.training_routing), q, k, v, do,
-                                                   device, args.warmup, args.reps))
+        def measure(name=name):
+            with backward_of(name):
+                return measure_attention(attention_call(name, causal, args.training_routing), q, k, v, do, device,
+                                         args.warmup, args.reps)
+
+        m, err = guarded(measure)
         if err:
             row["impls"][name] = {"error": err}
             continue
@@ -585,7 +625,7 @@ def main(argv=None) -> dict:
                  "(--impls cudnn,flash --model-impls cudnn,flash)")
     meta = run_meta(
         device=torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
-        transformers=__import__("transformers").__version__, diffusers=__import__("diffusers").__version__,
+        transformers=_version("transformers"), diffusers=_version("diffusers"),
         sage_patch=sage_patch.__version__, dtype=str(args.dtype)[6:], smoke=args.smoke, baseline=args.baseline,
         trainable=trainable, cases=args.cases, training_routing=args.training_routing)
     if argv is not None:   # called, not run: the command line is the arguments given, not the caller's sys.argv

@@ -18,6 +18,7 @@ namespace sage {  // no sm_90a in this build: sage_attn_fwd refuses the Hopper k
 bool hopper_supported(const SageAttnParams&) { return false; }
 int64_t hopper_workspace_bytes(const SageAttnParams&) { return -1; }
 int hopper_fwd(const SageAttnParams&, cudaStream_t) { return SAGE_E_ARCH; }
+int hopper_bwd(const SageBwdParams&, cudaStream_t) { return SAGE_E_ARCH; }
 }  // namespace sage
 #endif
 
@@ -72,6 +73,24 @@ int sage_attn_fwd(const SageAttnParams* p, void* stream) {
         return sage::hopper_fwd(q, st);
     }
     return sage::portable_fwd(q, st);
+}
+
+int sage_bwd(const SageBwdParams* p, void* stream) {
+    if (!p || !p->q_int || !p->q_t || !p->do_t || !p->stats || !p->k_int || !p->k_scale || !p->v || !p->dout ||
+        !p->dk || !p->dv || !p->dq_acc)
+        return SAGE_E_BADARG;
+    if (p->B <= 0 || p->Hq <= 0 || p->Hkv <= 0 || p->Sq <= 0 || p->Skv <= 0 || p->Hq % p->Hkv != 0) return SAGE_E_BADARG;
+    if ((int64_t)p->B * p->Hkv > 65535) return SAGE_E_BADARG;  // grid.y
+    if (p->dtype != 0 && p->dtype != 1) return SAGE_E_BADARG;
+    if (p->t_stride < p->Sq || p->t_stride % 16 != 0) return SAGE_E_BADARG;
+    if (p->D != 64 && p->D != 128) return SAGE_E_HEADDIM;
+    if (!SAGE_WITH_HOPPER || p->device_cc != 90) return SAGE_E_ARCH;
+    int cur = -1;
+    if (cudaGetDevice(&cur) != cudaSuccess || cur != p->device) {
+        cudaError_t e = cudaSetDevice(p->device);
+        if (e != cudaSuccess) return (int)e;
+    }
+    return sage::hopper_bwd(*p, static_cast<cudaStream_t>(stream));
 }
 
 const char* sage_error_string(int code) {

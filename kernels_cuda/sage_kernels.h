@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SAGE_ABI_VERSION 7
+#define SAGE_ABI_VERSION 8
 
 /* The compiled kernel variants (SageAttnParams.kernel): one id per attention kernel family, chosen by the caller
  * (sage_patch.kernels.registry); nothing here re-derives it. QK4 = "4b" with packed INT4 mma.sync m16n8k64 s4
@@ -78,6 +78,31 @@ typedef struct {
                                   blocks wholly outside the window are neither loaded nor computed */
 } SageAttnParams;
 
+/* ABI 8: the SageBwd training backward (dQ, dK, dV) on sm_90a (kernels_cuda/hopper/bwd_kernel.cuh), from the
+ * operands sage_patch.kernels.sagebwd prepares (its numerics: SageBwdConfig(**KERNEL_LAYOUT)). dQ is accumulated
+ * with floating-point reductions (red.global.add) into dq_acc: its summation order varies from run to run. */
+typedef struct {
+    const int8_t* q_int;       /* Q^ (B, Hq, Sq, D) contiguous */
+    const int8_t* q_t;         /* Q^ transposed, (B * Hq, D, t_stride) */
+    const int8_t* do_t;        /* dO^ (INT8 per token) transposed, (B * Hq, D, t_stride) */
+    const float* stats;        /* (B * Hq, Sq, 4): Q scale, LSE of the smoothed scores in log2 (0 on empty rows),
+                                  Delta = rowsum(dO o O), dO scale */
+    const int8_t* k_int;       /* K^ (smoothed) (B, Hkv, Skv, D) contiguous */
+    const float* k_scale;      /* (B, Hkv, Skv) contiguous */
+    const void* v; int64_t v_sb, v_sh, v_ss;        /* (B, Hkv, Skv, D), input dtype; rows 16-byte aligned */
+    const void* dout; int64_t do_sb, do_sh, do_ss;  /* (B, Hq, Sq, D), input dtype; rows 16-byte aligned */
+    void* dk; void* dv;        /* outputs (B, Hkv, Skv, D) contiguous, input dtype */
+    float* dq_acc;             /* (B, Hq, Sq, D) fp32 contiguous, zeroed by the caller: receives dQ / sm_scale */
+    const uint8_t* kmask;      /* (B, Skv) bool (1 = attend) with batch stride kmask_sb, or NULL */
+    int64_t kmask_sb;
+    int64_t t_stride;          /* row length of q_t / do_t in bytes: >= Sq, a multiple of 16 */
+    int32_t B, Hq, Hkv, Sq, Skv, D;
+    int32_t causal;            /* bottom-right aligned */
+    int32_t dtype;             /* 0 = fp16, 1 = bf16 */
+    int32_t device, device_cc;
+    float sm_scale;
+} SageBwdParams;
+
 int64_t sage_attn_workspace_bytes(const SageAttnParams* p);
 int sage_attn_fwd(const SageAttnParams* p, void* stream);
 const char* sage_error_string(int code);
@@ -86,6 +111,9 @@ int sage_abi_version(void);
 const char* sage_compiled_archs(void);
 /* 1 when the sm_90a Hopper kernel (SAGE_KERNEL_WGMMA_FP8) is compiled in */
 int sage_hopper_compiled(void);
+/* ABI 8: the SageBwd backward (SageBwdParams) on `stream`; 0 or an error code as sage_attn_fwd.
+ * Needs an sm_90a build and a 9.0 device, D 64 or 128. */
+int sage_bwd(const SageBwdParams* p, void* stream);
 
 #ifdef __cplusplus
 }

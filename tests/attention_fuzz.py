@@ -306,7 +306,8 @@ def nonfinite_training_inputs(b, hq, hkv, sq, skv, d, dtype, device, key_padding
 
 
 def check_nonfinite_training(run, where: str, bad: float, *, b=2, hq=4, hkv=2, sq=80, skv=72, d=64,
-                             dtype=torch.float16, causal=True, key_padding=False, device="cpu", seed=0):
+                             dtype=torch.float16, causal=True, key_padding=False, device="cpu", seed=0,
+                             dq_order: float = 0.0):
     """The non-finite rule in training (docs/semantics.md), for one NaN or Inf placed in q, k, v or dout of batch
     entry 0, last query head (and its KV head). run(q, k, v, dout, mask, causal) -> (out, dq, dk, dv). Returns the
     list of failures (empty: the rule held):
@@ -316,7 +317,9 @@ def check_nonfinite_training(run, where: str, bad: float, *, b=2, hq=4, hkv=2, s
     - untouched: other batch entries and (KV-)heads are bitwise those of the run without the value (dout: O
       everywhere);
     - empty rows (no visible key) give O = 0, and dQ = 0 unless K or V of their group is non-finite (an empty row's
-      dS is 0, times the NaN key scale folded into it, or times dP = dO V^T)."""
+      dS is 0, times the NaN key scale folded into it, or times dP = dO V^T).
+    dq_order > 0: the kernel sums dQ with floating-point atomics (two runs may differ in the last bit of an element
+    near a rounding boundary), so "untouched" holds dQ to finite values within rel L1 dq_order, not bitwise."""
     (q, k, v, dout), mask = nonfinite_training_inputs(b, hq, hkv, sq, skv, d, dtype, device, key_padding, seed)
     h0 = hq - 1
     kv0 = h0 // (hq // hkv)
@@ -371,6 +374,10 @@ def check_nonfinite_training(run, where: str, bad: float, *, b=2, hq=4, hkv=2, s
         scope_q[0, group] = True
     for name, x, ref, scope in (("O", out, clean[0], scope_q & (where != "dout")), ("dQ", dq, clean[1], scope_q),
                                 ("dK", dk, clean[2], scope_kv), ("dV", dv, clean[3], scope_kv)):
+        if name == "dQ" and dq_order > 0:
+            a, r = x[~scope].float(), ref[~scope].float()
+            if torch.isfinite(a).all() and (a - r).abs().sum() <= dq_order * r.abs().sum():
+                continue
         if not torch.equal(x[~scope], ref[~scope]):
             fails.append(("untouched", f"{name} changed outside the (batch, head) the {where} value belongs to"))
     if (out[empty] != 0).any():

@@ -14,5 +14,7 @@ int portable_fwd(const SageAttnParams& p, cudaStream_t st);
 bool hopper_supported(const SageAttnParams& p);
 int64_t hopper_workspace_bytes(const SageAttnParams& p);
 int hopper_fwd(const SageAttnParams& p, cudaStream_t st);
+// the Hopper SageBwd backward kernel (dQ, dK, dV) (hopper/bwd_launch.cu, sm_90a builds only)
+int hopper_bwd(const SageBwdParams& p, cudaStream_t st);
 
 }  // namespace sage

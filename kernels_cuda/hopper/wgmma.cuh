@@ -85,6 +85,8 @@ template <int N> __device__ __forceinline__ void reg_fence(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+// arrive at named barrier id (n threads in all) without waiting: the other side of a named_sync
+__device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 template <int N, int M> __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][M]) {
 #pragma unroll
     for (int i = 0; i < N; ++i)
@@ -150,4 +152,49 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[pv_n(D) / 2], const uint32_t
         else SAGE_WGMMA_E4_N72("0", "=f");
     }
 }
+
+// The training backward's products (bwd_kernel.cuh), m64n64 and m64n32: INT8 with A from shared memory or
+// registers, and 16-bit (fp16 / bf16, fp32 accumulation) with both operands K-major in shared memory.
+// C (64 x 64 int32) (+)= A (64 x 32 int8, smem) B (64 x 32 int8, smem)^T
+#define SAGE_WGMMA_S8_N64_SS(SCALE_D, C) \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {" SAGE_LIST32 "}, %32, %33, " SCALE_D ";\n" \
+                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) : "l"(da), "l"(db))
+template <bool ACC> __device__ __forceinline__ void wgmma_s8_n64_ss(int (&d)[32], uint64_t da, uint64_t db) {
+    if constexpr (ACC) SAGE_WGMMA_S8_N64_SS("1", "+r");
+    else SAGE_WGMMA_S8_N64_SS("0", "=r");
+}
+// C (64 x 32 int32) (+)= A (64 x 32 int8, smem) B (32 x 32 int8, smem)^T (the fused dQ's products, 32 channels each)
+#define SAGE_WGMMA_S8_N32_SS(SCALE_D, C) \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, " \
+                 "%11, %12, %13, %14, %15}, %16, %17, " SCALE_D ";\n" \
+                 : SAGE_D8(C, 0), SAGE_D8(C, 8) : "l"(da), "l"(db))
+template <bool ACC> __device__ __forceinline__ void wgmma_s8_n32_ss(int (&d)[16], uint64_t da, uint64_t db) {
+    if constexpr (ACC) SAGE_WGMMA_S8_N32_SS("1", "+r");
+    else SAGE_WGMMA_S8_N32_SS("0", "=r");
+}
+// C (64 x 64 int32) (+)= A (64 x 32 int8, registers) B (64 x 32 int8, smem)^T
+#define SAGE_WGMMA_S8_N64_RS(SCALE_D, C) \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {" SAGE_LIST32 "}, {%32, %33, %34, %35}, %36, " \
+                 SCALE_D ";\n" \
+                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+template <bool ACC> __device__ __forceinline__ void wgmma_s8_n64_rs(int (&d)[32], const uint32_t* a, uint64_t db) {
+    if constexpr (ACC) SAGE_WGMMA_S8_N64_RS("1", "+r");
+    else SAGE_WGMMA_S8_N64_RS("0", "=r");
+}
+// C (64 x 64 fp32) (+)= A (64 x 16 fp16/bf16, smem) B (64 x 16, smem)^T, both K-major
+#define SAGE_WGMMA_H16_N64(TY, SCALE_D, C) \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" SAGE_LIST32 "}, %32, %33, " SCALE_D \
+                 ", 1, 1, 0, 0;\n" \
+                 : SAGE_D8(C, 0), SAGE_D8(C, 8), SAGE_D8(C, 16), SAGE_D8(C, 24) : "l"(da), "l"(db))
+template <typename T, bool ACC> __device__ __forceinline__ void wgmma_h16_n64(float (&d)[32], uint64_t da, uint64_t db) {
+    if constexpr (std::is_same<T, __half>::value) {
+        if constexpr (ACC) SAGE_WGMMA_H16_N64("f16", "1", "+f");
+        else SAGE_WGMMA_H16_N64("f16", "0", "=f");
+    } else {
+        if constexpr (ACC) SAGE_WGMMA_H16_N64("bf16", "1", "+f");
+        else SAGE_WGMMA_H16_N64("bf16", "0", "=f");
+    }
+}
+
 }  // namespace sage::hopper

@@ -7,7 +7,7 @@ import struct
 import threading
 
 LIB_NAME = "libsage_kernels.so"
-ABI_VERSION = 7
+ABI_VERSION = 8
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -33,6 +33,24 @@ class SageAttnParams(ctypes.Structure):
         ("lse_sh", ctypes.c_int64),
         # ABI 7: sliding window as a key count, 0 = none (window_left + 1)
         ("window_keys", ctypes.c_int32),
+    ]
+
+
+class SageBwdParams(ctypes.Structure):
+    """ABI 8: the Hopper SageBwd backward's launch (sage_bwd; sage_patch.kernels.sagebwd.hopper)."""
+
+    _fields_ = [
+        ("q_int", ctypes.c_void_p), ("q_t", ctypes.c_void_p), ("do_t", ctypes.c_void_p), ("stats", ctypes.c_void_p),
+        ("k_int", ctypes.c_void_p), ("k_scale", ctypes.c_void_p),
+        ("v", ctypes.c_void_p), ("v_sb", ctypes.c_int64), ("v_sh", ctypes.c_int64), ("v_ss", ctypes.c_int64),
+        ("dout", ctypes.c_void_p), ("do_sb", ctypes.c_int64), ("do_sh", ctypes.c_int64), ("do_ss", ctypes.c_int64),
+        ("dk", ctypes.c_void_p), ("dv", ctypes.c_void_p), ("dq_acc", ctypes.c_void_p),
+        ("kmask", ctypes.c_void_p), ("kmask_sb", ctypes.c_int64),
+        ("t_stride", ctypes.c_int64),
+        ("B", ctypes.c_int32), ("Hq", ctypes.c_int32), ("Hkv", ctypes.c_int32),
+        ("Sq", ctypes.c_int32), ("Skv", ctypes.c_int32), ("D", ctypes.c_int32),
+        ("causal", ctypes.c_int32), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32), ("device_cc", ctypes.c_int32),
+        ("sm_scale", ctypes.c_float),
     ]
 
 
@@ -110,6 +128,8 @@ class Lib:
             h.sage_attn_fwd.restype = ctypes.c_int
             h.sage_attn_fwd.argtypes = [ctypes.POINTER(SageAttnParams), ctypes.c_void_p]
             h.sage_hopper_compiled.restype = ctypes.c_int
+            h.sage_bwd.restype = ctypes.c_int
+            h.sage_bwd.argtypes = [ctypes.POINTER(SageBwdParams), ctypes.c_void_p]
             abi = h.sage_abi_version()
         except AttributeError as e:
             self.reason = f"{path} is not a sage_patch kernel library ({e})"

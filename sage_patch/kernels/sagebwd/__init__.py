@@ -172,8 +172,14 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
              key_padding_mask=None):
     """Backward from what `forward` returned. dout (B, Hq, Sq, D) (cast to v's dtype, as autograd may hand it in
     another). Returns (dq, dk, dv) in v's dtype, contiguous."""
-    from .bwd import dkdv_kernel, dq_kernel
+    return _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, is_causal=is_causal, scale=scale,
+                     key_padding_mask=key_padding_mask, cuda=False)
 
+
+def _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal, scale, key_padding_mask,
+              cuda: bool):
+    """`backward`, from the Triton dkdv_kernel and dq_kernel or (cuda) the compiled sm_90a kernel (hopper.launch:
+    the same numerics from the same prepared operands, dQ accumulated in fp32 and scaled and cast here)."""
     dout = _descriptor_ready(dout.to(v.dtype))
     v, out = _descriptor_ready(v), _channels_contiguous(out)
     b, hq, sq, d = q_int.shape
@@ -186,15 +192,24 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
     stats = torch.empty(b * hq, sq, 4, dtype=f32, device=v.device)
     _quantize_tokens(dout, do_t, do_t_strides, stats=(out, q_scale, lse_s, stats))
     q_t = _transpose(q_int)   # the K-major operand of dS^T Q^
+    dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
+    dv = torch.empty_like(dk)
+    if cuda:
+        from .hopper import dq_blocks_shape, dq_from_blocks, launch
+
+        dq_acc = torch.zeros(dq_blocks_shape(b, hq, sq, d), dtype=f32, device=v.device)
+        launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key_padding_mask,
+               is_causal=is_causal, scale=scale)
+        return dq_from_blocks(dq_acc, sq, float(scale), v.dtype), dk, dv
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, v)
     flags = dict(D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
                  num_warps=t["dkdv_warps"], BLOCK_M=bm, BLOCK_N=t["dkdv_n"])
     sizes = (hq, hkv, sq, skv, float(scale))
-    dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
-    dv = torch.empty_like(dk)
     args = (_descriptor(q_int.view(b * hq, sq, d), (1, bm, d)), _descriptor(q_t, (1, half, bm)), k_int, k_scale, v,
             v.stride(0), v.stride(1), v.stride(2), _descriptor(dout, (1, 1, bm, d)), _descriptor(do_t, (1, half, bm)),
             _descriptor(stats, (1, bm, 4)), dk, dv, kpm, skpm, *sizes)
+    from .bwd import dkdv_kernel, dq_kernel
+
     grid = (_cdiv(skv, t["dkdv_n"]), b * hkv)
     for parts in ((True, True),) if t["dkdv_fused"] else ((False, True), (True, False)):
         dkdv_kernel[grid](*args, DK=parts[0], DV=parts[1], **flags)

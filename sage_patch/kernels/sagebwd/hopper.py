@@ -1,0 +1,125 @@
+"""SageBwd's backward from the compiled sm_90a kernel (kernels_cuda/hopper/bwd_kernel.cuh, C ABI sage_bwd) instead of
+the Triton dkdv_kernel and dq_kernel: dQ, dK and dV in one pass over the (key block, query tile) pairs. Same numerics
+(KERNEL_LAYOUT), the same operands prepared by the same passes (sagebwd._backward), the caller's stream, no host
+synchronization. dQ is summed across key blocks with floating-point reductions in an fp32 buffer, so its summation
+order (not its numerics' groups) varies from run to run: with torch.use_deterministic_algorithms(True) the backward
+is the Triton kernels' (deterministic: each output tile written by one program), with the reason logged once.
+
+    supported(v, head_dim)  -> (ok, reason)   whether this path serves a call (device, build, head dim, dtype)
+    backward(...)           -> dq, dk, dv     sagebwd.backward's signature and results
+    dq_blocks_shape, dq_from_blocks           the kernel's fp32 dQ buffer (in blocks) and its reading into dQ
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from .. import _lib
+from .._ops import _DTYPE_CODE, _stream_ptr, device_cc
+from . import _backward
+
+logger = logging.getLogger("sage_patch")
+
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def supported(v: torch.Tensor, head_dim: int) -> tuple[bool, str]:
+    """(True, "") when the compiled kernel serves a backward whose V is v (device, dtype) at this head dim, else
+    (False, the reason)."""
+    if not v.is_cuda:
+        return False, "not a CUDA tensor"
+    if v.dtype not in DTYPES:
+        return False, f"dtype {v.dtype} (fp16 and bf16 only)"
+    if head_dim not in HEAD_DIMS:
+        return False, f"head dim {head_dim} (64 and 128 only)"
+    lib = _lib.get()
+    if lib.handle is None:
+        return False, f"kernel library not loaded: {lib.reason}"
+    if not lib.handle.sage_hopper_compiled():
+        return False, "the kernel library was built without sm_90a"
+    dev = v.device.index if v.device.index is not None else torch.cuda.current_device()
+    if device_cc(dev) != (9, 0):
+        return False, f"compute capability {device_cc(dev)} (the kernel is sm_90a: 9.0 only)"
+    return True, ""
+
+
+_deterministic_logged = False
+
+
+def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: bool, scale: float,
+             key_padding_mask=None):
+    """sagebwd.backward from the sm_90a kernel (check `supported` first); the Triton kernels' under
+    torch.are_deterministic_algorithms_enabled() (dQ's reductions have no fixed order)."""
+    cuda = not torch.are_deterministic_algorithms_enabled()
+    if not cuda:
+        global _deterministic_logged
+        if not _deterministic_logged:
+            logger.info("sage_patch: SageBwd backward through the Triton kernels: deterministic algorithms are "
+                        "enabled and the sm_90a kernel sums dQ with floating-point atomics")
+            _deterministic_logged = True
+    # (sagebwd._backward itself, not sagebwd.backward: that name may be this function, patched in)
+    return _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, is_causal=is_causal, scale=scale,
+                     key_padding_mask=key_padding_mask, cuda=cuda)
+
+
+def dq_blocks_shape(b: int, hq: int, sq: int, d: int) -> tuple[int, ...]:
+    """Shape of the sm_90a kernel's fp32 dQ buffer (bwd_kernel.cuh, bwd_dq_tile): per (batch, query head), per
+    64-query tile (the last padded), per 32-channel chunk c and warp w (queries 16 w..), a 2 KB block in the
+    accumulator-fragment order (k, hh, g, t4, e): query 16 w + 8 hh + g, channel 32 c + 8 k + 2 t4 + e. The kernel's
+    float2 stores of a fragment are then 256 contiguous bytes and a warp's block is one bulk reduction."""
+    return b, hq, -(-sq // 64), d // 32, 4, 4, 2, 8, 4, 2
+
+
+def dq_from_blocks(dq_acc: torch.Tensor, sq: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """dQ (B, Hq, Sq, D) in dtype = dq_acc (dq_blocks_shape) * scale, in (query, channel) order: one strided pass
+    (the product rounded in fp32, then cast, as dq_acc.mul_(scale).to(dtype))."""
+    b, hq, ntq, nc = dq_acc.shape[:4]
+    dq = torch.empty(b, hq, ntq * 64, nc * 32, dtype=dtype, device=dq_acc.device)
+    # (tile, c, w, k, hh, g, t4, e) -> (tile, w, hh, g | c, k, t4, e): query row, then channel
+    torch.mul(dq_acc.permute(0, 1, 2, 4, 6, 7, 3, 5, 8, 9), scale, out=dq.view(b, hq, ntq, 4, 2, 8, nc, 4, 4, 2))
+    return dq if ntq * 64 == sq else dq[:, :, :sq].contiguous()
+
+
+def launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key_padding_mask, *, is_causal,
+           scale) -> None:
+    """Launch the kernel on the current stream: dK, dV into dk, dv (B, Hkv, Skv, D), dQ / scale added to dq_acc
+    (fp32, contiguous, zeroed, of shape dq_blocks_shape: the kernel's block order, which dq_from_blocks reads).
+    q_t / do_t: the transposed INT8 operands of sagebwd._int8_transposed (views of (B * Hq, D, padded) buffers),
+    stats: (B * Hq, Sq, 4); v and dout with 16-byte aligned rows (sagebwd._descriptor_ready)."""
+    b, hq, sq, d = q_int.shape
+    want = dq_blocks_shape(b, hq, sq, d)
+    if tuple(dq_acc.shape) != want or dq_acc.dtype != torch.float32 or not dq_acc.is_contiguous():
+        raise ValueError(f"dq_acc: {tuple(dq_acc.shape)} {dq_acc.dtype} (contiguous: {dq_acc.is_contiguous()}); "
+                         f"the kernel needs a contiguous float32 buffer of shape dq_blocks_shape = {want}")
+    lib = _lib.get()
+    if lib.handle is None:
+        raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
+    hkv, skv = k_int.shape[1], k_int.shape[2]
+    kmask, kmask_sb = None, 0
+    if key_padding_mask is not None:
+        kmask = key_padding_mask.to(torch.uint8)
+        if kmask.stride(-1) != 1:
+            kmask = kmask.contiguous()   # this local keeps the copy alive until the launch is enqueued
+        kmask_sb = kmask.stride(0) if kmask.shape[0] > 1 else 0
+    dev = v.device.index if v.device.index is not None else torch.cuda.current_device()
+    major, minor = device_cc(dev)
+    p = _lib.SageBwdParams()
+    p.q_int, p.q_t, p.do_t, p.stats = q_int.data_ptr(), q_t.data_ptr(), do_t.data_ptr(), stats.data_ptr()
+    p.k_int, p.k_scale = k_int.data_ptr(), k_scale.data_ptr()
+    p.v, (p.v_sb, p.v_sh, p.v_ss) = v.data_ptr(), v.stride()[:3]
+    p.dout, (p.do_sb, p.do_sh, p.do_ss) = dout.data_ptr(), dout.stride()[:3]
+    p.dk, p.dv, p.dq_acc = dk.data_ptr(), dv.data_ptr(), dq_acc.data_ptr()
+    p.kmask, p.kmask_sb = (kmask.data_ptr() if kmask is not None else 0), kmask_sb
+    p.t_stride = q_t.stride(1)
+    if do_t.stride(1) != p.t_stride:
+        raise ValueError(f"q_t and do_t row strides differ ({p.t_stride}, {do_t.stride(1)})")
+    p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = b, hq, hkv, sq, skv, d
+    p.causal, p.dtype = int(bool(is_causal)), _DTYPE_CODE[v.dtype]
+    p.device, p.device_cc, p.sm_scale = dev, major * 10 + minor, float(scale)
+    h = lib.handle
+    rc = h.sage_bwd(ctypes.byref(p), ctypes.c_void_p(_stream_ptr(v.device, dev)))
+    if rc != 0:
+        raise RuntimeError(f"sage_patch SageBwd sm_90a kernel failed ({rc}): {h.sage_error_string(rc).decode()}")

@@ -1,0 +1,208 @@
+"""The sm_90a SageBwd backward (dQ, dK, dV from kernels_cuda/hopper/bwd_kernel.cuh; sage_patch.kernels.sagebwd.hopper)
+on the GPU: the same comparisons as the Triton kernels' (test_sagebwd_gpu.py) against the reference simulation of
+their numerics, against float64, and the training contract (poisoned memory, odd lengths, GQA, key padding, NaN
+rule, CUDA graphs). Runs on an H100/H200 with an sm_90a build only.
+
+dQ is summed across key blocks with fp32 reductions in whatever order they land, so two runs of the same call may
+differ in the last bit of a dQ element that sits near a rounding boundary of the output dtype: where the Triton tests
+ask for bitwise equality, dQ is held to DQ_ORDER (rel L1) instead, dK and dV stay bitwise. Against the simulation
+dQ keeps the Triton kernels' tolerance (rel L1 <= 1e-3: the simulation's accumulation order is not a kernel's either;
+reordering fp32 sums of <= Skv / 64 terms moves them by ~1e-6 relative, far below it)."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from sage_patch.accuracy import cosine
+from sage_patch.reference.sagebwd import sagebwd_backward, sagebwd_forward
+from sage_patch.trainable import KERNEL_CONFIG, sagebwd_attention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+sagebwd = pytest.importorskip("sage_patch.kernels.sagebwd")
+pytest.importorskip("triton")
+from sage_patch.kernels.sagebwd import hopper  # noqa: E402
+from tests.gpu.test_sagebwd_gpu import (NONFINITE_VARIANTS, _float64_grads, _inputs, _key_padding,  # noqa: E402
+                                        rel_l1)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from attention_fuzz import NONFINITE_WHERE, check_nonfinite_training  # noqa: E402
+
+
+DQ_ORDER = 1e-4   # rel L1 between two runs' dQ (the reductions' order); garbage or a missed zeroing is >> this
+
+
+def _same_grads(a, b):
+    """(dq, dk, dv) of two runs of one call: dK, dV bitwise, dQ up to the order of its fp32 reductions."""
+    assert rel_l1(a[0].float(), b[0].float()) <= DQ_ORDER, rel_l1(a[0].float(), b[0].float())
+    for x, y in zip(a[1:], b[1:]):
+        assert torch.equal(x, y)
+
+
+@pytest.fixture(autouse=True)
+def _needs_the_kernel():
+    ok, why = hopper.supported(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128)
+    if not ok:
+        pytest.skip(f"the sm_90a SageBwd kernel does not serve this machine: {why}")
+
+
+@pytest.fixture
+def through_hopper(monkeypatch):
+    """The trainable 8b's autograd backward through the compiled kernel (what a routed training step runs)."""
+    monkeypatch.setattr(sagebwd, "backward", hopper.backward)
+
+
+def _run(q, k, v, dout, causal, mask, bwd):
+    scale = 1 / math.sqrt(q.shape[-1])
+    fwd = sagebwd.forward(q, k, v, is_causal=causal, scale=scale, key_padding_mask=mask)
+    out, lse, lse_s, qi, qs, ki, ks = fwd
+    return fwd, bwd(dout, qi, qs, ki, ks, v, out, lse_s, is_causal=causal, scale=scale, key_padding_mask=mask)
+
+
+CASES = [  # b, hq, hkv, sq, skv, d, causal, key padding
+    (1, 2, 2, 256, 256, 64, False, False),
+    (2, 4, 2, 300, 300, 128, True, False),
+    (2, 6, 2, 129, 200, 64, True, True),      # GQA 3:1, bottom-right causal, padding, odd lengths
+    (1, 2, 1, 333, 77, 128, True, False),     # Sq > Skv: the first rows see no key
+    (2, 2, 2, 1, 190, 64, False, True),       # one query (decode-like)
+    (1, 4, 4, 1000, 1000, 128, False, True),
+    (1, 4, 2, 1000, 1537, 128, True, True),   # odd lengths, Skv > Sq, GQA
+    (2, 2, 1, 1000, 1537, 64, False, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_the_simulation_and_the_triton_kernels(case, dtype):
+    b, hq, hkv, sq, skv, d, causal, kp = case
+    q, k, v, dout = _inputs(b, hq, hkv, sq, skv, d, dtype)
+    mask = _key_padding(b, skv) if kp else None
+    (out, lse, lse_s, qi, qs, ki, ks), (dq, dk, dv) = _run(q, k, v, dout, causal, mask, hopper.backward)
+    _, (tq, tk, tv) = _run(q, k, v, dout, causal, mask, sagebwd.backward)
+    vs_triton = {n: rel_l1(o, t) for n, o, t in (("dq", dq, tq), ("dk", dk, tk), ("dv", dv, tv))}
+    print("rel L1 vs Triton", case, dtype, vs_triton)
+    for name, ours, theirs in (("dq", dq, tq), ("dk", dk, tk), ("dv", dv, tv)):
+        assert ours.dtype == dtype and ours.shape == theirs.shape and torch.isfinite(ours).all(), name
+        assert vs_triton[name] <= 2e-4, (name, vs_triton[name])
+    # against the simulation from the same saved operands, as the Triton kernels are checked
+    q, k, v, dout, out, lse_s, qi, qs, ki, ks, dq, dk, dv = (
+        x.cpu() for x in (q, k, v, dout, out, lse_s, qi, qs, ki, ks, dq, dk, dv))
+    mask = None if mask is None else mask.cpu()
+    _, _, saved = sagebwd_forward(q, k, v, is_causal=causal, attn_mask=mask, config=KERNEL_CONFIG)
+    same = saved._replace(q_int=qi, q_scale=qs, k_int=ki, k_scale=ks, out=out, lse=lse_s)
+    rq, rk, rv = sagebwd_backward(dout, same)
+    for name, ours, ref in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        assert rel_l1(ours, ref.to(dtype)) <= 1e-3, (name, rel_l1(ours, ref.to(dtype)))
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, True), (128, False)])
+def test_gradients_against_float64_at_4k(d, causal):
+    """dQ, dK, dV cosine >= 0.999 against float64 autograd of exact attention on structured inputs at N=4K."""
+    q, k, v, dout = _inputs(1, 2, 2, 4096, 4096, d, torch.bfloat16, seed=3)
+    _, (dq, dk, dv) = _run(q, k, v, dout, causal, None, hopper.backward)
+    _, rq, rk, rv = _float64_grads(q, k, v, dout, causal)
+    cos = {n: cosine(a.float(), r.float()) for n, a, r in zip(("dQ", "dK", "dV"), (dq, dk, dv), (rq, rk, rv))}
+    print("cosine vs float64", d, causal, cos)
+    assert all(c >= 0.999 for c in cos.values()), cos
+
+
+def test_poisoned_memory_and_inputs_untouched():
+    q, k, v, dout = _inputs(2, 4, 2, 333, 333, 128, torch.bfloat16)
+    before = [x.clone() for x in (q, k, v, dout)]
+    clean = _run(q, k, v, dout, True, None, hopper.backward)[1]
+    torch.cuda.synchronize()
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")
+    del junk
+    poisoned = _run(q, k, v, dout, True, None, hopper.backward)[1]
+    _same_grads(clean, poisoned)
+    for a, b in zip(before, (q, k, v, dout)):
+        assert torch.equal(a, b)
+
+
+def test_gqa_sums_over_the_group_and_repeats():
+    q, k, v, dout = _inputs(1, 6, 2, 257, 257, 64, torch.float16)
+    _, (dq, dk, dv) = _run(q, k, v, dout, True, None, hopper.backward)
+    _, again = _run(q, k, v, dout, True, None, hopper.backward)
+    _same_grads((dq, dk, dv), again)
+    _, (dq_r, dk_r, dv_r) = _run(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), dout, True, None,
+                                 hopper.backward)
+    assert rel_l1(dq.float(), dq_r.float()) <= DQ_ORDER
+    torch.testing.assert_close(dk, dk_r.view(1, 2, 3, 257, 64).float().sum(2).half(), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(dv, dv_r.view(1, 2, 3, 257, 64).float().sum(2).half(), rtol=2e-3, atol=2e-3)
+
+
+def test_non_contiguous_views_and_caller_stream():
+    """BSHD views (strided V and dO) on a side stream give the results of contiguous BHSD inputs."""
+    q, k, v, dout = _inputs(2, 4, 2, 300, 300, 128, torch.bfloat16)
+    ref = _run(q, k, v, dout, True, None, hopper.backward)[1]
+    views = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, dout)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        got = _run(*views, True, None, hopper.backward)[1]
+    torch.cuda.current_stream().wait_stream(s)
+    _same_grads(ref, got)
+
+
+def test_cuda_graph_capture(through_hopper):
+    q, k, v, dout = _inputs(1, 4, 4, 512, 512, 64, torch.bfloat16)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+    def step():
+        for x in (qg, kg, vg):
+            x.grad = None
+        out = sagebwd_attention(qg, kg, vg, is_causal=True, scale=None, attn_mask=None, kernel=True)
+        out.backward(dout)
+        return out
+
+    step()
+    eager_grads = [x.grad.clone() for x in (qg, kg, vg)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    for x in (qg, kg, vg):
+        x.grad = None
+    with torch.cuda.graph(graph):
+        out = sagebwd_attention(qg, kg, vg, is_causal=True, scale=None, attn_mask=None, kernel=True)
+        out.backward(dout)
+    graph.replay()
+    torch.cuda.synchronize()
+    _same_grads((qg.grad, kg.grad, vg.grad), eager_grads)
+
+
+def test_deterministic_mode_runs_the_triton_kernels():
+    """Under torch.use_deterministic_algorithms(True) the backward is the Triton kernels' (no floating atomics):
+    bitwise their results, dQ included."""
+    q, k, v, dout = _inputs(1, 4, 2, 300, 300, 64, torch.bfloat16)
+    want = _run(q, k, v, dout, True, None, sagebwd.backward)[1]
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = _run(q, k, v, dout, True, None, hopper.backward)[1]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
+def _autograd(q, k, v, dout, mask, causal):
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = sagebwd_attention(qg, kg, vg, is_causal=causal, scale=None, attn_mask=mask, kernel=True)
+    out.backward(dout)
+    return out, qg.grad, kg.grad, vg.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("variant", list(NONFINITE_VARIANTS))
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("where", NONFINITE_WHERE)
+def test_nonfinite_poisons_what_it_reaches(through_hopper, where, bad, variant, d, dtype):
+    b, hq, hkv, sq, skv, causal, kp = NONFINITE_VARIANTS[variant]
+    fails = check_nonfinite_training(_autograd, where, bad, b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, dtype=dtype,
+                                     causal=causal, key_padding=kp, device="cuda", dq_order=DQ_ORDER)
+    assert not fails, fails
