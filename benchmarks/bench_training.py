@@ -8,9 +8,9 @@ forward + backward and backward alone, and whole training steps of two architect
 
 Cases (--cases, default all three):
 - attention: B=4 H=32 (--batch, --heads), --dtype (bf16), D in --dims, causal and not, N in --seqs. Implementations
-  (--impls): sage8b = `sage_patch.trainable.sagebwd_attention` (the SageBwd kernel, no routing), sage8b_hopper =
-  the same with its backward (dQ, dK, dV) from the sm_90a CUDA kernel (sage_patch.kernels.sagebwd.hopper;
-  H100/H200), sage_api = `sage_patch.attention(..., precision="8b")` (the resolver: may run SDPA below a measured
+  (--impls): sage8b = `sage_patch.trainable.sagebwd_attention` with the Triton pair (kernel="sagebwd-triton", no
+  routing), sage8b_hopper = the same with the backward (dQ, dK, dV) from the sm_90a CUDA kernel
+  (kernel="sagebwd-hopper"; H100/H200), sage_api = `sage_patch.attention(..., precision="8b")` (the resolver: may run SDPA below a measured
   crossover; what it ran is recorded per case), and torch SDPA with one backend forced (cudnn, flash; on CPU math and flash, the backends
   torch has there). Every implementation gets the same inputs (randn; K and V with a per-channel bias of 4 sigma,
   as bench_kernel's accuracy inputs). "fwdbwd" times out = f(q, k, v) then torch.autograd.grad(out, (q, k, v), dO);
@@ -75,6 +75,7 @@ from sage_patch.trainable import sagebwd_attention  # noqa: E402
 
 CASES = ("attention", "llama", "flux")
 OURS = ("sage8b", "sage8b_hopper", "sage_api")
+TRAINING_VARIANTS = {"sage8b": "sagebwd-triton", "sage8b_hopper": "sagebwd-hopper"}  # the registry keys they force
 PEERS = ("cudnn", "flash", "math", "efficient")   # torch SDPA with that one backend forced (timing.forced_sdpa)
 MODEL_OURS = ("sage",)
 FLOP_FACTOR = {"fwdbwd": 3.5, "bwd": 2.5}        # x the forward's 4*B*H*N*N*D (halved when causal)
@@ -240,32 +241,12 @@ def write_json(path: str, data: dict) -> None:
 
 # ---- attention ----------------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def backward_of(name: str):
-    """sage8b_hopper: the SageBwd autograd backward through the sm_90a kernel (sagebwd.hopper.backward) while the
-    block runs (the backward runs at autograd.grad time, after the call returned); other implementations as they
-    are."""
-    if name != "sage8b_hopper":
-        yield
-        return
-    from sage_patch.kernels import sagebwd
-    from sage_patch.kernels.sagebwd import hopper
-
-    ok, why = hopper.supported(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128)
-    if not ok:
-        raise RuntimeError(f"sage8b_hopper: {why}")
-    keep = sagebwd.backward
-    sagebwd.backward = hopper.backward
-    try:
-        yield
-    finally:
-        sagebwd.backward = keep
-
-
 def attention_call(name: str, causal: bool, routing: str = "on"):
     """f(q, k, v) -> out for one implementation, (B, H, N, D); routing: --training-routing (sage_api's policy)."""
     if name in ("sage8b", "sage8b_hopper"):
-        return lambda q, k, v: sagebwd_attention(q, k, v, is_causal=causal, scale=None, attn_mask=None)
+        key = TRAINING_VARIANTS[name]
+        return lambda q, k, v: sagebwd_attention(q, k, v, is_causal=causal, scale=None, attn_mask=None,
+                                                 kernel=key if q.is_cuda else False)
     if name == "sage_api":
         policy = routed(None, routing)
         return lambda q, k, v: sage_run_attention(q, k, v, layout="bhsd", is_causal=causal, precision="8b",
@@ -330,11 +311,7 @@ def attention_accuracy(q, k, v, do, causal, impls, routing: str = "on") -> dict:
             got = (out.detach(),) + torch.autograd.grad(out, (q, k, v), do)
             return {key: cosine(part(t), r) for key, t, r in zip(("out", "dq", "dk", "dv"), got, ref)}
 
-        def one_of(name=name, one=one):
-            with backward_of(name):
-                return one()
-
-        m, err = guarded(one_of)
+        m, err = guarded(one)
         res[name] = m if err is None else {"error": err}
     return res
 
@@ -351,9 +328,8 @@ def attention_case(args, n, d, causal, accuracy: bool) -> dict:
         if name == "sage_api":
             GLOBAL_STATS.reset()
         def measure(name=name):
-            with backward_of(name):
-                return measure_attention(attention_call(name, causal, args.training_routing), q, k, v, do, device,
-                                         args.warmup, args.reps)
+            return measure_attention(attention_call(name, causal, args.training_routing), q, k, v, do, device,
+                                     args.warmup, args.reps)
 
         m, err = guarded(measure)
         if err:

@@ -138,23 +138,24 @@ def test_info_on_hopper_training_rows(fake_gpu, capsys, monkeypatch):
     assert "cuda-wgmma-fp8pv" in rows["8b"]
     assert training["full"].split()[1:] == ["torch", "SDPA"]
     for p in ("8b", "4b", "fp4"):  # the SageBwd kernels are slower than cuDNN at every measured length
-        assert "as full: torch SDPA  -- SDPA is faster than triton-sagebwd at every measured length" in training[p]
+        assert "as full: torch SDPA  -- SDPA is faster than cuda-wgmma-sagebwd at every measured length" in training[p]
     monkeypatch.setattr(K, "SPEED_ROUTING", False)  # inference's switch: training keeps routing
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     rows, training = _sections(out)
     assert "speed routing: off (SAGE_PATCH_SPEED_ROUTING=0)" in out and "--" not in rows["8b"]
-    assert "as full: torch SDPA  -- SDPA is faster than triton-sagebwd" in training["8b"]
+    assert "as full: torch SDPA  -- SDPA is faster than cuda-wgmma-sagebwd" in training["8b"]
     assert "(policy options.training_speed_routing: false keeps the kernel)" in training["8b"]
     assert "speed routing: sagebwd-triton training calls on sm_90 run SDPA at every length (measured" in out
+    assert "speed routing: sagebwd-hopper training calls on sm_90 run SDPA at every length (measured" in out
     assert "speed routing of training calls: on unless the policy says options.training_speed_routing: false" in out
     # the variant's crossover decides: where it has none (as a measured-faster kernel would), the kernel trains
     monkeypatch.setattr(K.registry, "VARIANTS", tuple(
         dataclasses.replace(v, sdpa_faster_below={}) if v.trains else v for v in K.registry.VARIANTS))
     assert main(["info"]) == 0
     _, training = _sections(capsys.readouterr().out)
-    assert "8b    triton-sagebwd [sagebwd-triton]" in training["8b"] and "--" not in training["8b"]
-    assert "as 8b: triton-sagebwd [sagebwd-triton]  -- fp4 has no backward pass" in training["fp4"]
+    assert "8b    cuda-wgmma-sagebwd [sagebwd-hopper]" in training["8b"] and "--" not in training["8b"]
+    assert "as 8b: cuda-wgmma-sagebwd [sagebwd-hopper]  -- fp4 has no backward pass" in training["fp4"]
     monkeypatch.setattr(K, "_TRITON_REASON", ["Triton is not installed (pip install triton)"])
     assert main(["info"]) == 0
     _, training = _sections(capsys.readouterr().out)

@@ -74,10 +74,11 @@ def test_descriptors_are_unique_and_frozen():
     unique (the name reports show beside the implementation: Report's "variant")."""
     inference = [v for v in registry.VARIANTS if not v.trains]
     training = [v for v in registry.VARIANTS if v.trains]
-    assert len({v.key for v in registry.VARIANTS}) == len(registry.VARIANTS) == 8
+    assert len({v.key for v in registry.VARIANTS}) == len(registry.VARIANTS) == 9
     assert len({v.kernel_id for v in inference}) == len(inference) == 7
     assert {v.name for v in inference} == {K.IMPL_FP8PV, K.IMPL_FP16PV, K.IMPL_WGMMA}
     assert [(v.key, v.name, v.launch) for v in training] == [
+        ("sagebwd-hopper", registry.IMPL_SAGEBWD_HOPPER, "sage_patch.kernels.sagebwd.hopper"),
         ("sagebwd-triton", registry.IMPL_SAGEBWD, "sage_patch.kernels.sagebwd")]
     assert not {v.name for v in training} & {v.name for v in inference}
     assert all(type(v) is registry.KernelVariant for v in registry.VARIANTS)

@@ -104,18 +104,21 @@ def test_on_a_gpu_gradients_take_the_kernel_where_it_serves_and_is_faster(fake_c
     monkeypatch.setattr(K, "_TRITON_REASON", [None])
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     d = R.resolve("8b", q, q, q, **call)  # slower than cuDNN at every measured length: SDPA, with the reason
-    assert (d.precision, d.impl) == ("full", "sdpa") and "SDPA is faster than triton-sagebwd at every" in d.reason
+    assert (d.precision, d.impl) == ("full", "sdpa") and "SDPA is faster than cuda-wgmma-sagebwd at every" in d.reason
     assert "policy options.training_speed_routing: false keeps the kernel" in d.reason
     kp = MaskInfo("key_padding", torch.ones(1, 4096, dtype=torch.bool))
     assert R.resolve("8b", q, q, q, **{**call, "mask": kp}).impl == "sdpa"  # key padding is routed too
     no_routing = Policy(training_speed_routing=False)
     call = {**call, "policy": no_routing}
     d = R.resolve("8b", q, q, q, **call)
-    assert (d.precision, d.impl, d.reason) == ("8b", "triton-sagebwd", None) and d.variant.key == "sagebwd-triton"
+    # sm_90 at D=128: the sm_90a backward (faster than the Triton one there); D=64: the Triton pair
+    assert (d.precision, d.impl, d.reason) == ("8b", "cuda-wgmma-sagebwd", None) and d.variant.key == "sagebwd-hopper"
     assert d.path == "training-kernel"
+    q64 = torch.empty(1, 2, 4096, 64, dtype=torch.float16, requires_grad=True)
+    assert R.resolve("8b", q64, q64, q64, **call).variant.key == "sagebwd-triton"
     d = R.resolve("4b", q, q, q, **call)
-    assert (d.precision, d.impl) == ("8b", "triton-sagebwd") and "4b has no backward pass" in d.reason
-    assert R.resolve("8b", q, q, q, **{**call, "mask": kp}).impl == "triton-sagebwd"
+    assert (d.precision, d.impl) == ("8b", "cuda-wgmma-sagebwd") and "4b has no backward pass" in d.reason
+    assert R.resolve("8b", q, q, q, **{**call, "mask": kp}).impl == "cuda-wgmma-sagebwd"
     dense = MaskInfo("dense", torch.ones(1, 1, 4096, 4096, dtype=torch.bool))
     assert "key-padding masks only" in R.resolve("8b", q, q, q, **{**call, "mask": dense}).reason
     q96 = torch.empty(1, 2, 4096, 96, dtype=torch.float16, requires_grad=True)

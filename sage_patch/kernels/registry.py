@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple
 
 from . import sagebwd
+from .sagebwd import hopper as sagebwd_hopper
 from ._lib import arch_supported, target_cc
 
 # C kernel ids (kernels_cuda/sage_kernels.h, SAGE_KERNEL_*)
@@ -37,6 +38,7 @@ IMPL_FP8PV = "cuda-mma-fp8pv"
 IMPL_FP16PV = "cuda-mma-fp16pv"
 IMPL_WGMMA = "cuda-wgmma-fp8pv"
 IMPL_SAGEBWD = "triton-sagebwd"
+IMPL_SAGEBWD_HOPPER = "cuda-wgmma-sagebwd"
 
 NATIVE_HEAD_DIMS = (64, 128, 256)  # ascending
 # the portable kernels' per-thread quantization groups: Q rows with equal r % 8 inside each warp tile of
@@ -395,6 +397,14 @@ VARIANTS: tuple[KernelVariant, ...] = (
     KernelVariant("mma-fp16", IMPL_FP16PV, KERNEL_MMA_FP16, "mma", "int8", "fp16", ("8b", "4b"),
                   _COMMON + (_needs_cc((8, 0), "the kernels"), _fp16_pv_smem), (), _PORTABLE_CROSSOVER),
     # Training (forward + backward, trains=True; select() offers them to calls needing a gradient only).
+    # SageBwd with its backward (dQ, dK, dV in one pass) from the sm_90a wgmma kernel (kernels_cuda/hopper/
+    # bwd_kernel.cuh), the forward and numerics the Triton pair's; where it beats the Triton backward (sm_90, D=128:
+    # 1.07-1.08x; its capability check is sagebwd.hopper.unsupported_reason). Forward + backward it still loses to
+    # cuDNN at every measured length (D=128 16K: 0.55x), so by default SDPA trains there too.
+    KernelVariant("sagebwd-hopper", IMPL_SAGEBWD_HOPPER, None, "wgmma", "int8", "input", ("8b",),
+                  (sagebwd_hopper.unsupported_reason,),
+                  sdpa_faster_below={"sm_90": every_length(sagebwd_hopper.FASTER_HEAD_DIMS)},
+                  trains=True, launch="sage_patch.kernels.sagebwd.hopper"),
     # SageBwd in Triton (sm_80+: Triton emits wgmma on sm_90, mma.sync below): INT8 Q K^T, P~ V, P^T dO, dS^T Q,
     # dS K; dO V^T in the input dtype. Its capability check is its package's (sagebwd.unsupported_reason: sm_80+,
     # Triton, sagebwd.HEAD_DIMS, sagebwd.DTYPES).
@@ -430,13 +440,15 @@ def select(t: Target, *, pv: str | None = None, qk: str | None = None) -> tuple[
         if pv is not None or qk is not None:
             raise ValueError(f"pv / qk pick inference kernels; a training target takes neither (got pv={pv!r}, "
                              f"qk={qk!r})")
-        whys = []
+        whys = {}
         for v in family:
             why = v.why_not(t)
             if why is None:
                 return v, "ok"
-            whys.append(f"{v.key}: {why}" if len(family) > 1 else why)  # each family's own reason
-        return None, "; ".join(whys) or "no trainable kernel"
+            whys[v.key] = why
+        if len(set(whys.values())) == 1:  # one reason for all (Triton missing): said once
+            return None, next(iter(whys.values()))
+        return None, "; ".join(f"{k}: {why}" for k, why in whys.items()) or "no trainable kernel"  # each its own
     pv = pv or FORCE_PV
     qk = (qk or FORCE_QK) if t.precision == "4b" else None
     if pv is not None and pv not in PV_MODES:

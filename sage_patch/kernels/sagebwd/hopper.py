@@ -5,7 +5,13 @@ synchronization. dQ is summed across key blocks with floating-point reductions i
 order (not its numerics' groups) varies from run to run: with torch.use_deterministic_algorithms(True) the backward
 is the Triton kernels' (deterministic: each output tile written by one program), with the reason logged once.
 
+It is the launch module of the training variant "sagebwd-hopper" (registry): the Triton family's forward and
+KERNEL_LAYOUT, this backward. The registry offers it where it measures faster than the Triton backward
+(FASTER_HEAD_DIMS, `unsupported_reason`); the Triton pair serves every other training call.
+
+    unsupported_reason(t)   -> str | None     the registry's capability check of a training Target
     supported(v, head_dim)  -> (ok, reason)   whether this path serves a call (device, build, head dim, dtype)
+    forward(...)                              sagebwd.forward (the Triton forward; it saves what backward reads)
     backward(...)           -> dq, dk, dv     sagebwd.backward's signature and results
     dq_blocks_shape, dq_from_blocks           the kernel's fp32 dQ buffer (in blocks) and its reading into dQ
 """
@@ -18,12 +24,33 @@ import torch
 
 from .. import _lib
 from .._ops import _DTYPE_CODE, _stream_ptr, device_cc
-from . import _backward
+from . import KERNEL_LAYOUT, _backward, forward  # noqa: F401 (KERNEL_LAYOUT, forward: this variant's, as launched)
+from . import unsupported_reason as _triton_unsupported_reason
 
 logger = logging.getLogger("sage_patch")
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
+# Where this backward is faster than the Triton one (H200, B=4 H=32 bf16 16K, backward alone, same run, 2026-11-29):
+# D=128 1.07x, causal 1.08x; D=64 0.95x, causal 0.95x (the Triton pair keeps D=64)
+FASTER_HEAD_DIMS = (128,)
+
+
+def unsupported_reason(t) -> str | None:
+    """Why the variant cannot train `t` (a registry.Target with training=True), None when it can: what the Triton
+    pair needs (its forward and operand passes run here too), then sm_90 with an sm_90a build, and a head dim where
+    this backward measures faster (FASTER_HEAD_DIMS)."""
+    why = _triton_unsupported_reason(t)
+    if why:
+        return why
+    if t.cc != (9, 0):
+        return f"the SageBwd sm_90a backward runs on sm_90 only (device is sm_{t.cc[0]}{t.cc[1]})"
+    if "90a" not in t.archs:
+        return "the build has no sm_90a SASS (the SageBwd wgmma backward cannot be JIT-compiled from portable PTX)"
+    if t.head_dim not in FASTER_HEAD_DIMS:
+        return (f"head_dim {t.head_dim}: the SageBwd Triton backward is faster there (the sm_90a one serves "
+                f"{FASTER_HEAD_DIMS})")
+    return None
 
 
 def supported(v: torch.Tensor, head_dim: int) -> tuple[bool, str]:
