@@ -27,7 +27,7 @@
 //
 // Warp-specialized (the forward's shape): warpgroup 0 is the producer, which streams each query tile's operands (Q^,
 // dO, Q^T, dO^T, stats) with cp.async into a ring of kBwdStages stages guarded by mbarriers (full: the producer,
-// one tile behind, after its copies landed and a proxy fence; empty: one arrival per consumer warp after its last
+// one tile behind, after its copies landed and a proxy fence; empty: one arrival per consumer thread after its last
 // read of the stage), and gives its registers to the two consumer warpgroups (setmaxnreg 24 / 240). The consumers
 // never meet at a CTA-wide barrier, nor wait for each other at one point of the tile: their dS images are double-
 // buffered by tile parity, a warpgroup announces its dS of tile t (bar.arrive) and computes tile t's dQ only at the
@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     if (tid == 0) {
         for (int s = 0; s < kBwdStages; ++s) {
             mbar_init(full + 8 * s, kBwdLoaders);
-            mbar_init(empty + 8 * s, 4 * kBwdNwg);  // one arrival per consumer warp
+            mbar_init(empty + 8 * s, 128 * kBwdNwg);  // one arrival per consumer thread (main loop's comment)
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -671,9 +671,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                 bwd_int8_update<D>(dk, adk, sst + S::QT_OFF, pk0, pk1);
             }
         }
-        // this warp's last read of the stage (the dK product is complete): the producer may refill it
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty + 8 * stg);
+        // this thread's last read of the stage (the dK product is complete): the producer may refill it. Every
+        // thread arrives: an arrival releases the arriving thread's own reads, and the stats rows read by all lanes
+        // are refilled by per-thread cp.async writes (one lane's arrival after __syncwarp left compute-sanitizer's
+        // racecheck reporting the refill against the other lanes' reads)
+        mbar_arrive(empty + 8 * stg);
         mprev = m0;
         bhprev = bh;
     }
