@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABELS = {"sage8b": "sage 8b", "sage_api": "sage 8b (public call)", "cudnn": "SDPA cuDNN", "flash": "SDPA flash (FA2)",
           "sa2_sm90": "public SageAttention2 sm90", "cudnn_fp8": "cuDNN FP8 (kernel only)",
           "sage8b_portable": "sage 8b portable", "sage8b_wgmma": "sage 8b wgmma", "math": "SDPA math",
-          "efficient": "SDPA mem-efficient"}
+          "efficient": "SDPA mem-efficient", "sage8b_hopper": "sage 8b sm_90a bwd"}
 SHAPE_KEYS = {"B", "H", "N", "D", "causal", "padded_to"}
 OURS = ("sage8b", "sage_api")
 RATIO_PEERS = ("flash", "cudnn", "sa2_sm90")
@@ -335,7 +335,9 @@ def render_training_attention(rows: list, meta: dict) -> list:
     b, h = rows[0]["B"], rows[0]["H"]
     out = [f"Attention, B={b} H={h} {meta.get('dtype', '')}, inputs that require grad; the whole call (every "
            f"quantization pass included). Cells: ms / TFLOPS, TFLOPS = {am.get('tflops', 'see the benchmark')}; "
-           f"speed-up = {_label(base)} time / time. sage 8b = `sagebwd_attention` (the SageBwd kernel, no routing); "
+           f"speed-up = {_label(base)} time / time. sage 8b = `sagebwd_attention` with the Triton pair (kernel="
+           f"\"sagebwd-triton\", no routing); sage 8b sm_90a bwd = the same with the sm_90a backward (kernel="
+           f"\"sagebwd-hopper\"); "
            f"public call = `sage_patch.attention(precision=\"8b\")`, which runs what the resolver chose (column "
            f"\"public call ran\"). Timing: {am.get('timing', 'see the benchmark')}."]
     ran = lambda r: ", ".join(f"{k} x{v}" for k, v in r["impls"].get("sage_api", {}).get("ran", {}).items())  # noqa

@@ -17,7 +17,7 @@
 #   --smoke              a few calls of the Hopper kernel against the portable kernel (exit on a mismatch)
 #   --tests [PATHS]      pytest -m gpu (default tests/gpu); env PYTEST_TIMEOUT (s, 420), PYTEST_ARGS
 #   --sanitize           compute-sanitizer memcheck, racecheck, initcheck, synccheck on kernels_cuda/sanitize_check.cu;
-#                        memcheck, racecheck on tools/sagebwd_sanitize.py (the SageBwd Triton kernels, with Triton)
+#                        memcheck, racecheck on tools/sagebwd_sanitize.py (the SageBwd kernels: Triton, sm_90a)
 #   --bench MODE         benchmarks/bench_kernel.py: quick | full | none; --bench-args "..." extra arguments,
 #                        --profile N[,N] per-kernel device times at B=4 H=32 D=128 N
 #   --integrations       benchmarks/bench_transformers.py (env TF_SEQS, "8192 32768"), bench_diffusers.py (env

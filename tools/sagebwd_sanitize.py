@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""A few SageBwd training calls (sage_patch/kernels/sagebwd, Triton) for compute-sanitizer: every kernel of the
-forward and the backward, with GQA, bottom-right causal, key padding, odd lengths, D 64 and 128.
+"""A few SageBwd training calls for compute-sanitizer, through each training variant this GPU has (the Triton pair;
+on sm_90 also sagebwd-hopper, the sm_90a backward): every kernel of the forward and the backward, with GQA,
+bottom-right causal, key padding, odd lengths, D 64 and 128.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python tools/sagebwd_sanitize.py     (tools/gpu_check.sh)
 """
+import itertools
+
 import torch
 
 from sage_patch.trainable import sagebwd_attention
@@ -11,19 +14,20 @@ from sage_patch.trainable import sagebwd_attention
 
 def main():
     g = torch.Generator(device="cuda").manual_seed(0)
-    for b, hq, hkv, sq, skv, d, causal, padding in [(1, 4, 2, 333, 333, 128, True, True),
-                                                    (2, 3, 3, 200, 150, 64, False, False),
-                                                    (1, 2, 1, 70, 129, 64, True, False)]:
+    kernels = ("sagebwd-triton",) + (("sagebwd-hopper",) if torch.cuda.get_device_capability() == (9, 0) else ())
+    for kernel, (b, hq, hkv, sq, skv, d, causal, padding) in itertools.product(
+            kernels, [(1, 4, 2, 333, 333, 128, True, True), (2, 3, 3, 200, 150, 64, False, False),
+                      (1, 2, 1, 70, 129, 64, True, False)]):
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                    for h, s in ((hq, sq), (hkv, skv), (hkv, skv)))
         mask = None
         if padding:
             mask = torch.ones(b, skv, dtype=torch.bool, device="cuda")
             mask[0, -50:] = False
-        out = sagebwd_attention(q, k, v, is_causal=causal, scale=None, attn_mask=mask)
+        out = sagebwd_attention(q, k, v, is_causal=causal, scale=None, attn_mask=mask, kernel=kernel)
         out.float().pow(2).mean().backward()
     torch.cuda.synchronize()
-    print("sagebwd_sanitize: done")
+    print(f"sagebwd_sanitize: done ({', '.join(kernels)})")
 
 
 if __name__ == "__main__":
