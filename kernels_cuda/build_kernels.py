@@ -6,7 +6,7 @@ One translation unit per kernel family, compiled in parallel and linked together
                          compute_120 (a GPU newer than every SASS target JIT-compiles it: CUDA_CACHE_PATH keeps it)
     hopper/launch.cu     the wgmma path, SASS for sm_90a only (left out when the targets have no sm_90a: wgmma is an
                          arch-specific feature, no portable PTX can carry it)
-    hopper/bwd_launch.cu the SageBwd training backward's wgmma kernel (dK, dV), sm_90a only, like hopper/launch.cu
+    hopper/bwd_launch.cu the SageBwd training backward's wgmma kernel (dQ, dK, dV), sm_90a only, like hopper/launch.cu
 
 Targets: "XY" (or sm_XY, X.Y) = SASS for compute capability X.Y, which runs on X.Y..X.9 ("90a": on 9.0 only);
 "compute_XY" = PTX, which the driver JIT-compiles on any GPU of capability >= X.Y. The Blackwell SASS is the plain

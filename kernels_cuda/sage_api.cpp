@@ -35,6 +35,12 @@ SageAttnParams with_derived(const SageAttnParams& p) {
     q.qk_packed = is_qk4(p.kernel) ? 1 : 0;
     return q;
 }
+// our (static) runtime keeps its own current device: follow the caller's (0, or the CUDA error of setting it)
+int follow_device(int device) {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur == device) return 0;
+    return (int)cudaSetDevice(device);
+}
 
 }  // namespace
 
@@ -60,12 +66,7 @@ int sage_attn_fwd(const SageAttnParams* p, void* stream) {
     if ((int64_t)p->B * p->Hq > 65535) return SAGE_E_BADARG;  // grid.y of the pre-passes
     if (p->device_cc < 80 || (needs_fp8(p->kernel) && p->device_cc < 89)) return SAGE_E_ARCH;
     cudaStream_t st = static_cast<cudaStream_t>(stream);
-    // our (static) runtime keeps its own current device: follow the caller's
-    int cur = -1;
-    if (cudaGetDevice(&cur) != cudaSuccess || cur != p->device) {
-        cudaError_t e = cudaSetDevice(p->device);
-        if (e != cudaSuccess) return (int)e;
-    }
+    if (const int e = follow_device(p->device)) return e;
     const SageAttnParams q = with_derived(*p);
     if (q.kernel == SAGE_KERNEL_WGMMA_FP8) {
         if (!SAGE_WITH_HOPPER || q.device_cc != 90) return SAGE_E_ARCH;
@@ -85,11 +86,7 @@ int sage_bwd(const SageBwdParams* p, void* stream) {
     if (p->t_stride < p->Sq || p->t_stride % 16 != 0) return SAGE_E_BADARG;
     if (p->D != 64 && p->D != 128) return SAGE_E_HEADDIM;
     if (!SAGE_WITH_HOPPER || p->device_cc != 90) return SAGE_E_ARCH;
-    int cur = -1;
-    if (cudaGetDevice(&cur) != cudaSuccess || cur != p->device) {
-        cudaError_t e = cudaSetDevice(p->device);
-        if (e != cudaSuccess) return (int)e;
-    }
+    if (const int e = follow_device(p->device)) return e;
     return sage::hopper_bwd(*p, static_cast<cudaStream_t>(stream));
 }
 

@@ -11,7 +11,7 @@ Checks:
 - sage_patch/kernels/libsage_kernels.so is in it and is the only binary (no CPython extension);
 - the library's NEEDED entries name no libtorch / c10 / libcudart / libpython (plain C ABI, static cudart), and its
   newest GLIBC symbol version is covered by the manylinux tag;
-- `cuobjdump --list-elf` shows SASS for every SASS target (and the Hopper unit's second sm_90a image), `--list-ptx`
+- `cuobjdump --list-elf` shows SASS for every SASS target (and one more sm_90a image per Hopper unit), `--list-ptx`
   PTX for every compute_* target, and the library's own sage_compiled_archs() names exactly the targets.
 cuobjdump is looked for on PATH, next to nvcc, and in the nvidia-cuda-cuobjdump wheel (pip install
 nvidia-cuda-cuobjdump).
@@ -146,7 +146,9 @@ def check_library(lib: str, targets: list[str], cuobjdump: str | None, plats: li
         if m and (int(m[1]), int(m[2])) < need:
             errors.append(f"tag {p} promises glibc {m[1]}.{m[2]} but the library needs GLIBC_{need[0]}.{need[1]}")
     sass = sorted("sm_" + t for t in targets if not build_kernels.is_ptx(t))
-    hopper = [f"sm_{build_kernels.HOPPER_TARGET}"] if build_kernels.HOPPER_TARGET in targets else []
+    # one more sm_90a image per Hopper-only unit (the forward's and the SageBwd backward's)
+    hopper = [f"sm_{u.archs}" for u in build_kernels.UNITS if u.archs == build_kernels.HOPPER_TARGET
+              and u.archs in targets]
     ptx = sorted(t for t in targets if build_kernels.is_ptx(t))
     if cuobjdump is None:
         errors.append("cuobjdump not found (PATH, next to nvcc, or pip install nvidia-cuda-cuobjdump): the "
@@ -155,7 +157,7 @@ def check_library(lib: str, targets: list[str], cuobjdump: str | None, plats: li
         elf, got_ptx = cuobjdump_images(cuobjdump, lib)
         if sorted(elf) != sorted(sass + hopper):
             errors.append(f"cuobjdump --list-elf: SASS {sorted(elf)}, want {sorted(sass + hopper)} (portable unit "
-                          f"for every SASS target, the Hopper unit for sm_90a)")
+                          f"for every SASS target, each Hopper unit for sm_90a)")
         if sorted(got_ptx) != ptx:
             errors.append(f"cuobjdump --list-ptx: PTX {sorted(got_ptx)}, want {ptx}")
     try:

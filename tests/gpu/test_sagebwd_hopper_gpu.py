@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 sagebwd = pytest.importorskip("sage_patch.kernels.sagebwd")
 pytest.importorskip("triton")
 from sage_patch.kernels.sagebwd import hopper  # noqa: E402
+from tests.gpu.test_sagebwd_gpu import CASES as TRITON_CASES  # noqa: E402
 from tests.gpu.test_sagebwd_gpu import (NONFINITE_VARIANTS, _float64_grads, _inputs, _key_padding,  # noqa: E402
                                         rel_l1)
 
@@ -61,13 +62,7 @@ def _run(q, k, v, dout, causal, mask, bwd):
     return fwd, bwd(dout, qi, qs, ki, ks, v, out, lse_s, is_causal=causal, scale=scale, key_padding_mask=mask)
 
 
-CASES = [  # b, hq, hkv, sq, skv, d, causal, key padding
-    (1, 2, 2, 256, 256, 64, False, False),
-    (2, 4, 2, 300, 300, 128, True, False),
-    (2, 6, 2, 129, 200, 64, True, True),      # GQA 3:1, bottom-right causal, padding, odd lengths
-    (1, 2, 1, 333, 77, 128, True, False),     # Sq > Skv: the first rows see no key
-    (2, 2, 2, 1, 190, 64, False, True),       # one query (decode-like)
-    (1, 4, 4, 1000, 1000, 128, False, True),
+CASES = TRITON_CASES + [  # b, hq, hkv, sq, skv, d, causal, key padding
     (1, 4, 2, 1000, 1537, 128, True, True),   # odd lengths, Skv > Sq, GQA
     (2, 2, 1, 1000, 1537, 64, False, False),
 ]
