@@ -318,7 +318,7 @@ def check_nonfinite_training(run, where: str, bad: float, *, b=2, hq=4, hkv=2, s
       everywhere);
     - empty rows (no visible key) give O = 0, and dQ = 0 unless K or V of their group is non-finite (an empty row's
       dS is 0, times the NaN key scale folded into it, or times dP = dO V^T).
-    dq_order > 0: the kernel sums dQ with floating-point atomics (two runs may differ in the last bit of an element
+    dq_order > 0: the kernel sums dQ with floating-point reductions (two runs may differ in the last bit of an element
     near a rounding boundary), so "untouched" holds dQ to finite values within rel L1 dq_order, not bitwise."""
     (q, k, v, dout), mask = nonfinite_training_inputs(b, hq, hkv, sq, skv, d, dtype, device, key_padding, seed)
     h0 = hq - 1

@@ -198,9 +198,11 @@ def test_speed_routing_rule(monkeypatch):
     q, k = shapes(4096, 4096, 128)
     assert reason(WGMMA, q, k, "bhsd", False) is None
     assert reason(WGMMA, q, k, "bhsd", True) is None
-    q, k = shapes(3584, 3584, 64)
-    assert reason(WGMMA, q, k, "bhsd", True)  # D=64 causal: from 4096
+    q, k = shapes(2560, 2560, 64)
+    assert reason(WGMMA, q, k, "bhsd", True)  # D=64 causal: from 3072
     assert reason(WGMMA, q, k, "bhsd", False) is None
+    q, k = shapes(3072, 3072, 64)
+    assert reason(WGMMA, q, k, "bhsd", True) is None
     q, k = shapes(8192, 1024, 128, layout="bshd")  # the shorter side decides; BSHD reads dim 1
     assert "1024" in reason(WGMMA, q, k, "bshd", False)
     q, k = shapes(1024, 1024, 128)

@@ -1,7 +1,7 @@
 """The sm_90a SageBwd backward's launcher (sage_patch.kernels.sagebwd.hopper) without a GPU: what it runs under
-torch's deterministic-algorithms switch (its dQ is summed with floating-point atomics, so deterministic mode takes
-the Triton kernels, whose dQ is deterministic, and says so once), and the reading of the kernel's fp32 dQ buffer (in
-blocks, bwd_kernel.cuh's bwd_dq_tile). The kernel itself: tests/gpu/test_sagebwd_hopper_gpu.py."""
+torch's deterministic-algorithms switch (its dQ is summed with floating-point reductions in no fixed order, so
+deterministic mode takes the Triton kernels, whose dQ is deterministic, and says so once), and the reading of the
+kernel's fp32 dQ buffer (in blocks, bwd_kernel.cuh's bwd_dq_tile). The kernel itself: tests/gpu/test_sagebwd_hopper_gpu.py."""
 import logging
 
 import pytest

@@ -400,7 +400,7 @@ VARIANTS: tuple[KernelVariant, ...] = (
     # SageBwd with its backward (dQ, dK, dV in one pass) from the sm_90a wgmma kernel (kernels_cuda/hopper/
     # bwd_kernel.cuh), the forward and numerics the Triton pair's; where it beats the Triton backward (sm_90, D=128:
     # 1.07-1.08x; its capability check is sagebwd.hopper.unsupported_reason). Forward + backward it still loses to
-    # cuDNN at every measured length (D=128 16K: 0.55x), so by default SDPA trains there too.
+    # cuDNN at every measured length (D=128: 0.53-0.62x), so by default SDPA trains there too.
     KernelVariant("sagebwd-hopper", IMPL_SAGEBWD_HOPPER, None, "wgmma", "int8", "input", ("8b",),
                   (sagebwd_hopper.unsupported_reason,),
                   sdpa_faster_below={"sm_90": every_length(sagebwd_hopper.FASTER_HEAD_DIMS)},

@@ -85,7 +85,7 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
         global _deterministic_logged
         if not _deterministic_logged:
             logger.info("sage_patch: SageBwd backward through the Triton kernels: deterministic algorithms are "
-                        "enabled and the sm_90a kernel sums dQ with floating-point atomics")
+                        "enabled and the sm_90a kernel sums dQ with floating-point reductions in no fixed order")
             _deterministic_logged = True
     # (sagebwd._backward itself, not sagebwd.backward: that name may be this function, patched in)
     return _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, is_causal=is_causal, scale=scale,
