@@ -1,7 +1,8 @@
 """The sm_90a SageBwd backward's launcher (sage_patch.kernels.sagebwd.hopper) without a GPU: what it runs under
 torch's deterministic-algorithms switch (its dQ is summed with floating-point reductions in no fixed order, so
 deterministic mode takes the Triton kernels, whose dQ is deterministic, and says so once), and the reading of the
-kernel's fp32 dQ buffer (in blocks, bwd_kernel.cuh's bwd_dq_tile). The kernel itself: tests/gpu/test_sagebwd_hopper_gpu.py."""
+kernel's fp32 dQ buffer (in blocks, bwd_traits.cuh's bwd_dq_tile). The kernel itself:
+tests/gpu/test_sagebwd_hopper_gpu.py."""
 import logging
 
 import pytest
@@ -31,7 +32,7 @@ def test_deterministic_algorithms_route_to_the_triton_kernels(monkeypatch, caplo
 
 def _kernel_blocks(dq: torch.Tensor) -> torch.Tensor:
     """dq (B, Hq, Sq, D) written into a buffer of hopper.dq_blocks_shape element by element as the kernel stores it
-    (bwd_kernel.cuh: tile, 32-channel chunk c, warp w; within the 512 floats of a block, element
+    (bwd_traits.cuh: tile, 32-channel chunk c, warp w; within the 512 floats of a block, element
     ((2 k + hh) 32 + lane) 2 + e holds query 16 w + 8 hh + lane / 4, channel 32 c + 8 k + 2 (lane % 4) + e)."""
     b, hq, sq, d = dq.shape
     shape = hopper.dq_blocks_shape(b, hq, sq, d)

@@ -93,7 +93,7 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
 
 
 def dq_blocks_shape(b: int, hq: int, sq: int, d: int) -> tuple[int, ...]:
-    """Shape of the sm_90a kernel's fp32 dQ buffer (bwd_kernel.cuh, bwd_dq_tile): per (batch, query head), per
+    """Shape of the sm_90a kernel's fp32 dQ buffer (bwd_traits.cuh, bwd_dq_tile): per (batch, query head), per
     64-query tile (the last padded), per 32-channel chunk c and warp w (queries 16 w..), a 2 KB block in the
     accumulator-fragment order (k, hh, g, t4, e): query 16 w + 8 hh + g, channel 32 c + 8 k + 2 t4 + e. The kernel's
     float2 stores of a fragment are then 256 contiguous bytes and a warp's block is one bulk reduction."""
