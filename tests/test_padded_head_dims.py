@@ -41,8 +41,8 @@ def test_padded_calls_take_the_measured_padded_crossover_at_or_below_their_work(
     """sm_90's table names measured padded head dims: a padded call takes the largest measured one <= (D + Dv) / 2
     padded to the same native dim (its work ratio is that one's or more), SDPA at every length where none is."""
     w = registry.get("wgmma-fp8")
-    assert w.crossover((9, 0), 128, False) == 2048 and w.crossover((9, 0), 64, True) == 4096  # native: as measured
-    assert w.crossover((9, 0), 256, False) == 2048 and w.crossover((9, 0), 256, True) == 4096
+    assert w.crossover((9, 0), 128, False) == 2048 and w.crossover((9, 0), 64, True) == 3072  # native: as measured
+    assert w.crossover((9, 0), 256, False) == 2048 and w.crossover((9, 0), 256, True) == 2560
     assert w.crossover((9, 0), 96, False) == 8192 and w.crossover((9, 0), 96, True) == 16384  # measured
     assert w.crossover((9, 0), 100, False) == 8192                              # 96's: more work than 96 has
     assert w.crossover((9, 0), 72, False) == math.inf                           # below every measured one: SDPA
@@ -69,7 +69,7 @@ def test_padded_crossover_is_the_native_one_times_the_work_ratio(monkeypatch):
 
     assert crossover(96, False) == math.ceil(2048 * 128 / 96)
     assert crossover(96, True) == math.ceil(2560 * 128 / 96)
-    assert crossover(48, True) == math.ceil(4096 * 64 / 48)
+    assert crossover(48, True) == math.ceil(3072 * 64 / 48)
     assert crossover(96, False, 64) == math.ceil(2048 * 256 / 160)   # Dv != D: (n + n) / (D + Dv)
     assert crossover(128, False, 80) == math.ceil(2048 * 256 / 208)
     assert crossover(192, False) == math.ceil(2048 * 256 / 192)
