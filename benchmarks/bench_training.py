@@ -10,10 +10,10 @@ Cases (--cases, default all three):
 - attention: B=4 H=32 (--batch, --heads), --dtype (bf16), D in --dims, causal and not, N in --seqs. Implementations
   (--impls): sage8b = `sage_patch.trainable.sagebwd_attention` with the Triton pair (kernel="sagebwd-triton", no
   routing), sage8b_hopper = the same with the backward (dQ, dK, dV) from the sm_90a CUDA kernel
-  (kernel="sagebwd-hopper"; H100/H200), sage_api = `sage_patch.attention(..., precision="8b")` (the resolver: may run SDPA below a measured
-  crossover; what it ran is recorded per case), and torch SDPA with one backend forced (cudnn, flash; on CPU math and flash, the backends
-  torch has there). Every implementation gets the same inputs (randn; K and V with a per-channel bias of 4 sigma,
-  as bench_kernel's accuracy inputs). "fwdbwd" times out = f(q, k, v) then torch.autograd.grad(out, (q, k, v), dO);
+  (kernel="sagebwd-hopper"; H100/H200), sage_api = `sage_patch.attention(..., precision="8b")` (the resolver: may
+  run SDPA below a measured crossover; what it ran is recorded per case), and torch SDPA with one backend forced
+  (cudnn, flash; on CPU math and flash, the backends torch has there). Every implementation gets the same inputs
+  (randn; K and V with a per-channel bias of 4 sigma, as bench_kernel's accuracy inputs). "fwdbwd" times out = f(q, k, v) then torch.autograd.grad(out, (q, k, v), dO);
   "bwd" times torch.autograd.grad(..., retain_graph=True) of one forward done outside the timed region. Whole
   calls, every quantization pass included; timing.counted_ms (CUDA events, L2 flushed before each call, --warmup
   untimed calls, median of --reps). TFLOPS: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that, forward
@@ -327,11 +327,8 @@ def attention_case(args, n, d, causal, accuracy: bool) -> dict:
     for name in args.impls:
         if name == "sage_api":
             GLOBAL_STATS.reset()
-        def measure(name=name):
-            return measure_attention(attention_call(name, causal, args.training_routing), q, k, v, do, device,
-                                     args.warmup, args.reps)
-
-        m, err = guarded(measure)
+        m, err = guarded(lambda: measure_attention(attention_call(name, causal, args.training_routing), q, k, v, do,
+                                                   device, args.warmup, args.reps))
         if err:
             row["impls"][name] = {"error": err}
             continue
