@@ -23,6 +23,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 sagebwd = pytest.importorskip("sage_patch.kernels.sagebwd")
 pytest.importorskip("triton")
+from sage_patch.kernels import _lib, triton_reason  # noqa: E402
+from sage_patch.kernels._ops import device_cc  # noqa: E402
+from sage_patch.kernels.registry import Target  # noqa: E402
 from sage_patch.kernels.sagebwd import hopper  # noqa: E402
 from tests.gpu.test_sagebwd_gpu import CASES as TRITON_CASES  # noqa: E402
 from tests.gpu.test_sagebwd_gpu import (NONFINITE_VARIANTS, _float64_grads, _inputs, _key_padding,  # noqa: E402
@@ -44,8 +47,9 @@ def _same_grads(a, b):
 
 @pytest.fixture(autouse=True)
 def _needs_the_kernel():
-    ok, why = hopper.supported(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128)
-    if not ok:
+    why = hopper.cannot_run(Target(device_cc(torch.cuda.current_device()), tuple(_lib.get().archs), head_dim=128,
+                                   training=True, dtype=torch.bfloat16, triton=triton_reason()))
+    if why:
         pytest.skip(f"the sm_90a SageBwd kernel does not serve this machine: {why}")
 
 

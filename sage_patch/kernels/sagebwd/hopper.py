@@ -9,8 +9,8 @@ It is the launch module of the training variant "sagebwd-hopper" (registry): the
 KERNEL_LAYOUT, this backward. The registry offers it where it measures faster than the Triton backward
 (FASTER_HEAD_DIMS, `unsupported_reason`); the Triton pair serves every other training call.
 
-    unsupported_reason(t)   -> str | None     the registry's capability check of a training Target
-    supported(v, head_dim)  -> (ok, reason)   whether this path serves a call (device, build, head dim, dtype)
+    unsupported_reason(t)   -> str | None     the registry's check of a training Target: cannot_run, then speed
+    cannot_run(t)           -> str | None     whether the kernel can run the Target at all (device, build, Triton)
     forward(...)                              sagebwd.forward (the Triton forward; it saves what backward reads)
     backward(...)           -> dq, dk, dv     sagebwd.backward's signature and results
     dq_blocks_shape, dq_from_blocks           the kernel's fp32 dQ buffer (in blocks) and its reading into dQ
@@ -29,7 +29,7 @@ from . import unsupported_reason as _triton_unsupported_reason
 
 logger = logging.getLogger("sage_patch")
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)                            # what bwd_launch.cu instantiates
 DTYPES = (torch.float16, torch.bfloat16)
 # Where this backward is faster than the Triton one (H200, B=4 H=32 bf16 16K, backward alone, same run, 2026-11-29):
 # D=128 1.07x, causal 1.08x; D=64 0.95x, causal 0.95x (the Triton pair keeps D=64)
@@ -37,40 +37,34 @@ FASTER_HEAD_DIMS = (128,)
 
 
 def unsupported_reason(t) -> str | None:
-    """Why the variant cannot train `t` (a registry.Target with training=True), None when it can: what the Triton
-    pair needs (its forward and operand passes run here too), then sm_90 with an sm_90a build, and a head dim where
-    this backward measures faster (FASTER_HEAD_DIMS)."""
-    why = _triton_unsupported_reason(t)
+    """Why the variant does not train `t` (a registry.Target with training=True), None when it does: the kernel
+    cannot run it (cannot_run), or the head dim is one where the Triton backward measures faster
+    (FASTER_HEAD_DIMS)."""
+    why = cannot_run(t)
     if why:
         return why
-    if t.cc != (9, 0):
-        return f"the SageBwd sm_90a backward runs on sm_90 only (device is sm_{t.cc[0]}{t.cc[1]})"
-    if "90a" not in t.archs:
-        return "the build has no sm_90a SASS (the SageBwd wgmma backward cannot be JIT-compiled from portable PTX)"
     if t.head_dim not in FASTER_HEAD_DIMS:
         return (f"head_dim {t.head_dim}: the SageBwd Triton backward is faster there (the sm_90a one serves "
                 f"{FASTER_HEAD_DIMS})")
     return None
 
 
-def supported(v: torch.Tensor, head_dim: int) -> tuple[bool, str]:
-    """(True, "") when the compiled kernel serves a backward whose V is v (device, dtype) at this head dim, else
-    (False, the reason)."""
-    if not v.is_cuda:
-        return False, "not a CUDA tensor"
-    if v.dtype not in DTYPES:
-        return False, f"dtype {v.dtype} (fp16 and bf16 only)"
-    if head_dim not in HEAD_DIMS:
-        return False, f"head dim {head_dim} (64 and 128 only)"
-    lib = _lib.get()
-    if lib.handle is None:
-        return False, f"kernel library not loaded: {lib.reason}"
-    if not lib.handle.sage_hopper_compiled():
-        return False, "the kernel library was built without sm_90a"
-    dev = v.device.index if v.device.index is not None else torch.cuda.current_device()
-    if device_cc(dev) != (9, 0):
-        return False, f"compute capability {device_cc(dev)} (the kernel is sm_90a: 9.0 only)"
-    return True, ""
+def cannot_run(t) -> str | None:
+    """Why the compiled kernel cannot run `t` at all, None when it can: what the Triton pair needs (its forward and
+    operand passes run here too), then this kernel's own head dims and dtypes, sm_90 and an sm_90a build. The GPU
+    tests use it to run the kernel at every head dim it has, not only where it is routed."""
+    why = _triton_unsupported_reason(t)
+    if why:
+        return why
+    if t.head_dim not in HEAD_DIMS:
+        return f"head_dim {t.head_dim}: the SageBwd sm_90a backward has head dims {HEAD_DIMS} only"
+    if t.dtype not in DTYPES:
+        return f"dtype {str(t.dtype).removeprefix('torch.')}: the SageBwd sm_90a backward takes float16 or bfloat16"
+    if t.cc != (9, 0):
+        return f"the SageBwd sm_90a backward runs on sm_90 only (device is sm_{t.cc[0]}{t.cc[1]})"
+    if "90a" not in t.archs:
+        return "the build has no sm_90a SASS (the SageBwd wgmma backward cannot be JIT-compiled from portable PTX)"
+    return None
 
 
 _deterministic_logged = False
@@ -78,7 +72,7 @@ _deterministic_logged = False
 
 def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: bool, scale: float,
              key_padding_mask=None):
-    """sagebwd.backward from the sm_90a kernel (check `supported` first); the Triton kernels' under
+    """sagebwd.backward from the sm_90a kernel (check `cannot_run` first); the Triton kernels' under
     torch.are_deterministic_algorithms_enabled() (dQ's reductions have no fixed order)."""
     cuda = not torch.are_deterministic_algorithms_enabled()
     if not cuda:
