@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int c = 8 * i + 2 * t4 + e, qi = m0 + bwd_query_of(c);
-                        const float4 s4 = st[bwd_stats_row<D>(c)];  // q scale, LSE (log2), Delta, dO scale of query qi
+                        const float4 s4 = st[c];  // q scale, LSE (log2), Delta, dO scale of query qi
                         const float x0 = fast_exp2((float)sacc[4 * i + e] * ks0 * s4.x - s4.y);
                         const float x1 = fast_exp2((float)sacc[4 * i + 2 + e] * ks1 * s4.x - s4.y);
                         if constexpr (decltype(masked)::value) {
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
             for (int i = 0; i < 8; ++i)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float4 s4 = st[bwd_stats_row<D>(8 * i + 2 * t4 + e)];
+                    const float4 s4 = st[8 * i + 2 * t4 + e];
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
                         const int j = 4 * i + 2 * hh + e;
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
             for (int i = 0; i < 8; ++i)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float qs = st[bwd_stats_row<D>(8 * i + 2 * t4 + e)].x;
+                    const float qs = st[8 * i + 2 * t4 + e].x;
                     dpt[4 * i + e] *= qs;
                     dpt[4 * i + 2 + e] *= qs;
                 }

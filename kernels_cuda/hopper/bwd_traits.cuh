@@ -38,7 +38,10 @@ struct BwdSmem {
     static constexpr int DQ_WARP = 16 * 32 * 4, DQ_BYTES = 4 * DQ_WARP;
     static constexpr int KV_OFF = 0, KV_STRIDE = DQ_IN_KV + DQ_BYTES;
     static constexpr int STAGE0 = KV_OFF + kBwdNwg * KV_STRIDE;
-    // per stage (query tile): Q^, Q^T, dO, dO^T images and the 64 x 4 floats of bwd.row_stats (rows: bwd_stats_row)
+    // per stage (query tile): Q^, Q^T, dO, dO^T images and the 64 x 4 floats of bwd.row_stats, row c
+    // holding query bwd_query_of(c)'s (the images' row order: column c of S^T and dP^T reads row c, so a lane's 16
+    // columns are one base address plus constants and its LDS.64 hit 4 distinct banks; in query order each needed
+    // an address computation and columns 2 t4 of lanes t4 and t4 + 2 shared banks)
     static constexpr int Q_OFF = 0, QT_OFF = Q_OFF + I8, DO_OFF = QT_OFF + I8, DOT_OFF = DO_OFF + H16,
                          ST_OFF = DOT_OFF + I8;
     static constexpr int STAGE = ST_OFF + 1024;  // a multiple of 1024: every stage's images stay aligned
@@ -50,13 +53,6 @@ struct BwdSmem {
 };
 // query of row / column c of a tile in the permuted order (slot_of_key within each 32)
 __host__ __device__ constexpr int bwd_query_of(int c) { return (c & ~31) | slot_of_key(c & 31); }
-// the stage's row of query stats that column c of S^T / dP^T (query bwd_query_of(c)) reads. D = 64: stored in the
-// images' row order (row c: that query's stats), so a lane's 16 columns are one base address plus constants and
-// its LDS.64 hit 4 distinct banks (in query order each needs an address computation, and columns 2 t4 of lanes t4
-// and t4 + 2 share banks: 2 wavefronts); D = 128 keeps query order: there ptxas batches the cheaper loads into a
-// register peak that spills 8 dK accumulators per tile
-template <int D> constexpr bool kBwdStatsBySlot = D == 64;
-template <int D> __host__ __device__ constexpr int bwd_stats_row(int c) { return kBwdStatsBySlot<D> ? c : bwd_query_of(c); }
 
 // position of key k (of a warpgroup's 64) along K in the dS and K^T images: the keys g and g + 8 of each warp's 16,
 // which a lane holds in one accumulator column, side by side (one 2-byte store per query)
