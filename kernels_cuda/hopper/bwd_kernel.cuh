@@ -44,8 +44,8 @@
 // run, ms): D=128 141.2 (Triton 151.4, the vector reductions 157.0), causal 72.9 (78.6, 80.9); D=64 105.1 (100.1,
 // 110.8), causal 53.8 (50.9, 56.7). Bulk reductions per row (64 per warpgroup and tile, each lane its own
 // address) were slower than the vector reductions: ptxas serializes per-lane bulk operations (uniform operands).
-// With the stats in image row order at D=64 and the quantizations' quotients without nvcc's division (bwd_quant),
-// same run, 16K: D=128 132.0 (Triton 151.8), causal 67.9 (78.7); D=64 86.0 (100.3), causal 44.3 (51.1).
+// With the stats in the images' row order and the quantizations' quotients without nvcc's division (bwd_quant),
+// 16K: D=128 125.7 (Triton 151.8), causal 64.7 (78.7); D=64 86.0 (100.3), causal 44.3 (51.1).
 //
 // The pieces, included side by side: bwd_traits.cuh (constants, shared memory, layouts), bwd_quant.cuh (the
 // INT8 quantizations and register-A products), bwd_dq.cuh (dQ), bwd_producer.cuh (the producer warpgroup).
