@@ -307,7 +307,7 @@ def test_info_names_the_training_speed_routing(capsys, monkeypatch):
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "speed routing: sagebwd-hopper, sagebwd-triton training calls on sm_90 run SDPA at every length (measured: " \
-           "slower than SDPA at every length, D=64/128, causal or not)" in out
+    assert "speed routing: sagebwd-hopper, sagebwd-triton training calls on sm_90 run SDPA at every length " \
+           "(measured: slower than SDPA at every length, D=64/128, causal or not)" in out
     assert "speed routing: sagebwd-triton training calls on every other GPU run SDPA at every length (assumed" in out
     assert "speed routing: wgmma-fp8 calls on sm_90 run SDPA below the measured crossover (D=64 < 2048" in out
