@@ -15,7 +15,8 @@ __device__ __forceinline__ uint32_t bwd_i8_bits(float x, float inv) { return __f
 // quotients (div.rn) of the reference and the Triton kernels, without nvcc's general division: it refines 1 / 127
 // at run time, checks the operands (FCHK) and branches around a slow path, ~11 and ~16 instructions per quotient
 // with 2-3 branches, 12 quotients per thread and tile. Here: the same fast-path arithmetic (the reciprocal, the exact
-// remainder, one correction) where it is exact, checked against div.rn for every fp32 bit pattern on an H200.
+// remainder, one correction) where it is exact, checked against div.rn on an H200 for every fp32 bit pattern an
+// amax can take (>= 0 or NaN; bwd_div127 of -0 and -Inf differs, of no concern here).
 // x / 127, x >= 0 or NaN: exact for every finite x (127 is a normal divisor and x / 127 neither overflows nor loses
 // the remainder's exactness in the subnormal range); +Inf gives a NaN remainder, hence the select
 __device__ __forceinline__ float bwd_div127(float x) {
