@@ -146,8 +146,9 @@ def test_info_on_hopper_training_rows(fake_gpu, capsys, monkeypatch):
     assert "speed routing: off (SAGE_PATCH_SPEED_ROUTING=0)" in out and "--" not in rows["8b"]
     assert "as full: torch SDPA  -- SDPA is faster than cuda-wgmma-sagebwd" in training["8b"]
     assert "(policy options.training_speed_routing: false keeps the kernel)" in training["8b"]
-    assert "speed routing: sagebwd-triton training calls on sm_90 run SDPA at every length (measured" in out
-    assert "speed routing: sagebwd-hopper training calls on sm_90 run SDPA at every length (measured" in out
+    # (one line: the two training variants share sm_90's table, D=64 and 128)
+    assert "speed routing: sagebwd-hopper, sagebwd-triton training calls on sm_90 run SDPA at every length (measured" \
+        in out
     assert "speed routing of training calls: on unless the policy says options.training_speed_routing: false" in out
     # the variant's crossover decides: where it has none (as a measured-faster kernel would), the kernel trains
     monkeypatch.setattr(K.registry, "VARIANTS", tuple(
@@ -306,7 +307,7 @@ def test_info_names_the_training_speed_routing(capsys, monkeypatch):
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "speed routing: sagebwd-triton training calls on sm_90 run SDPA at every length (measured: slower than " \
-           "SDPA at every length, D=64/128, causal or not)" in out
+    assert "speed routing: sagebwd-hopper, sagebwd-triton training calls on sm_90 run SDPA at every length " \
+           "(measured: slower than SDPA at every length, D=64/128, causal or not)" in out
     assert "speed routing: sagebwd-triton training calls on every other GPU run SDPA at every length (assumed" in out
     assert "speed routing: wgmma-fp8 calls on sm_90 run SDPA below the measured crossover (D=64 < 2048" in out

@@ -111,11 +111,11 @@ def test_on_a_gpu_gradients_take_the_kernel_where_it_serves_and_is_faster(fake_c
     no_routing = Policy(training_speed_routing=False)
     call = {**call, "policy": no_routing}
     d = R.resolve("8b", q, q, q, **call)
-    # sm_90 at D=128: the sm_90a backward (faster than the Triton one there); D=64: the Triton pair
+    # sm_90 at D=64 and 128: the sm_90a backward (faster than the Triton one there)
     assert (d.precision, d.impl, d.reason) == ("8b", "cuda-wgmma-sagebwd", None) and d.variant.key == "sagebwd-hopper"
     assert d.path == "training-kernel"
     q64 = torch.empty(1, 2, 4096, 64, dtype=torch.float16, requires_grad=True)
-    assert R.resolve("8b", q64, q64, q64, **call).variant.key == "sagebwd-triton"
+    assert R.resolve("8b", q64, q64, q64, **call).variant.key == "sagebwd-hopper"
     d = R.resolve("4b", q, q, q, **call)
     assert (d.precision, d.impl) == ("8b", "cuda-wgmma-sagebwd") and "4b has no backward pass" in d.reason
     assert R.resolve("8b", q, q, q, **{**call, "mask": kp}).impl == "cuda-wgmma-sagebwd"

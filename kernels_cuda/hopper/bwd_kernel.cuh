@@ -44,6 +44,8 @@
 // run, ms): D=128 141.2 (Triton 151.4, the vector reductions 157.0), causal 72.9 (78.6, 80.9); D=64 105.1 (100.1,
 // 110.8), causal 53.8 (50.9, 56.7). Bulk reductions per row (64 per warpgroup and tile, each lane its own
 // address) were slower than the vector reductions: ptxas serializes per-lane bulk operations (uniform operands).
+// With the stats in the images' row order and the quantizations' quotients without nvcc's division (bwd_quant),
+// 16K: D=128 125.7 (Triton 151.8), causal 64.7 (78.7); D=64 86.0 (100.3), causal 44.3 (51.1).
 //
 // The pieces, included side by side: bwd_traits.cuh (constants, shared memory, layouts), bwd_quant.cuh (the
 // INT8 quantizations and register-A products), bwd_dq.cuh (dQ), bwd_producer.cuh (the producer warpgroup).
@@ -204,8 +206,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                 for (int i = 0; i < 8; ++i) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int qc = bwd_query_of(8 * i + 2 * t4 + e), qi = m0 + qc;
-                        const float4 s4 = st[qc];  // q scale, LSE (log2), Delta, dO scale
+                        const int c = 8 * i + 2 * t4 + e, qi = m0 + bwd_query_of(c);
+                        const float4 s4 = st[c];  // q scale, LSE (log2), Delta, dO scale of query qi
                         const float x0 = fast_exp2((float)sacc[4 * i + e] * ks0 * s4.x - s4.y);
                         const float x1 = fast_exp2((float)sacc[4 * i + 2 + e] * ks1 * s4.x - s4.y);
                         if constexpr (decltype(masked)::value) {
@@ -233,7 +235,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
             for (int i = 0; i < 8; ++i)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float4 s4 = st[bwd_query_of(8 * i + 2 * t4 + e)];
+                    const float4 s4 = st[8 * i + 2 * t4 + e];
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
                         const int j = 4 * i + 2 * hh + e;
@@ -268,7 +270,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
             for (int i = 0; i < 8; ++i)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float qs = st[bwd_query_of(8 * i + 2 * t4 + e)].x;
+                    const float qs = st[8 * i + 2 * t4 + e].x;
                     dpt[4 * i + e] *= qs;
                     dpt[4 * i + 2 + e] *= qs;
                 }

@@ -75,8 +75,10 @@ __device__ __forceinline__ void bwd_issue_tile(const SageBwdParams& p, uint8_t* 
             bwd_cp16(st + S::DOT_OFF + img_off(ch, c0, 64) + k * step * 64, p.do_t + src + k * step * p.t_stride, ok);
         }
     }
-    if (tid < 64)  // stats in natural query order
-        bwd_cp16(st + S::ST_OFF + 16 * tid, p.stats + 4 * (bh * sq + min(m0 + tid, sq - 1)), m0 + tid < sq);
+    if (tid < 64) {  // stats in the images' row order: row r holds query bwd_query_of(r)'s
+        const int qi = m0 + bwd_query_of(tid);
+        bwd_cp16(st + S::ST_OFF + 16 * tid, p.stats + 4 * (bh * sq + min(qi, sq - 1)), qi < sq);
+    }
     cp_async_commit();
 }
 

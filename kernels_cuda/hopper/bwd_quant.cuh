@@ -11,6 +11,35 @@ namespace sage::hopper {
 // the product rounded first as Triton and the reference compute it
 __device__ __forceinline__ uint32_t bwd_i8_bits(float x, float inv) { return __float_as_uint(__fmul_rn(x, inv) + 12582912.f); }
 
+// The quantizations' quotients amax / 127 (the scale) and 127 / amax (0 unless amax > 0), bitwise the IEEE
+// quotients (div.rn) of the reference and the Triton kernels, without nvcc's general division: it refines 1 / 127
+// at run time, checks the operands (FCHK) and branches around a slow path, ~11 and ~16 instructions per quotient
+// with 2-3 branches, 12 quotients per thread and tile. Here: the same fast-path arithmetic (the reciprocal, the exact
+// remainder, one correction) where it is exact, checked against div.rn on an H200 for every fp32 bit pattern an
+// amax can take (>= 0 or NaN; bwd_div127 of -0 and -Inf differs, of no concern here).
+// x / 127, x >= 0 or NaN: exact for every finite x (127 is a normal divisor and x / 127 neither overflows nor loses
+// the remainder's exactness in the subnormal range); +Inf gives a NaN remainder, hence the select
+__device__ __forceinline__ float bwd_div127(float x) {
+    constexpr float r = 0x1.020408p-7f;  // RN(1 / 127)
+    const float q0 = __fmul_rn(x, r);
+    const float q = __fmaf_rn(__fmaf_rn(-q0, 127.f, x), r, q0);
+    return x == __int_as_float(0x7f800000) ? x : q;
+}
+// 127 / m for m > 0, 0 for m = 0, +Inf or NaN (the quantization's 1 / scale; 127 / Inf = 0): the reciprocal's Newton
+// step and the corrected quotient (nvcc's fast path) on m scaled by a power of two s into 2^-100..2^100, where that
+// path is exact, then the quotient scaled back by s: exact too (s keeps every rounding boundary, overflow included,
+// and 127 / m has no subnormal values), so no branch around a slow path
+__device__ __forceinline__ float bwd_inv127(float m) {
+    const float s = m < 0x1p-100f ? 0x1p64f : m > 0x1p100f ? 0x1p-64f : 1.f;
+    const float ms = __fmul_rn(m, s);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(ms));
+    r = __fmaf_rn(r, __fmaf_rn(-ms, r, 1.f), r);
+    const float q0 = __fmul_rn(127.f, r);
+    const float q = __fmul_rn(__fmaf_rn(r, __fmaf_rn(-ms, q0, 127.f), q0), s);
+    return m > 0.f && m < __int_as_float(0x7f800000) ? q : 0.f;
+}
+
 // One 64 x 64 fp32 tile x (accumulator layout: x[4 i + 2 hh + e] = row g + 8 hh, column 8 i + 2 t4 + e) quantized
 // per row to INT8 A fragments of two k32 steps (columns in slot_of_key order within each 32), and the rows'
 // scales amax / 127 (NaN where the row holds a NaN: it must reach the product, quant.row_amax)
@@ -26,9 +55,9 @@ __device__ __forceinline__ void bwd_quantize_rows(const float (&x)[32], uint32_t
         m0 = fmax_nan(m0, __shfl_xor_sync(0xffffffffu, m0, o));
         m1 = fmax_nan(m1, __shfl_xor_sync(0xffffffffu, m1, o));
     }
-    const float inv0 = m0 > 0.f ? 127.f / m0 : 0.f, inv1 = m1 > 0.f ? 127.f / m1 : 0.f;
-    sc0 = m0 / 127.f;
-    sc1 = m1 / 127.f;
+    const float inv0 = bwd_inv127(m0), inv1 = bwd_inv127(m1);
+    sc0 = bwd_div127(m0);
+    sc1 = bwd_div127(m1);
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
         const float* q = x + 16 * kk;
@@ -118,8 +147,8 @@ __device__ __forceinline__ void bwd_quantize_cols(const float (&x)[32], uint8_t*
         float m = red[8 * g + 2 * t4 + e];
 #pragma unroll
         for (int w = 1; w < 4; ++w) m = fmax_nan(m, red[64 * w + 8 * g + 2 * t4 + e]);
-        inv[e] = m > 0.f ? 127.f / m : 0.f;
-        if (warp == 0) sc[bwd_query_of(8 * g + 2 * t4 + e)] = m / 127.f;
+        inv[e] = bwd_inv127(m);
+        if (warp == 0) sc[bwd_query_of(8 * g + 2 * t4 + e)] = bwd_div127(m);
     }
     // keys 16 warp + g (low byte) and + 8 (high byte) at bytes 2 g of chunk warp of row bwd_query_of(8 i + 2 t4 + e)
     // = 4 t4 + e + (32 (i >> 2) + 16 ((i >> 1) & 1) + 2 (i & 1)), whose 64B-swizzle phase (bits 1-2) is

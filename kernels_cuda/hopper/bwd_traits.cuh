@@ -38,7 +38,10 @@ struct BwdSmem {
     static constexpr int DQ_WARP = 16 * 32 * 4, DQ_BYTES = 4 * DQ_WARP;
     static constexpr int KV_OFF = 0, KV_STRIDE = DQ_IN_KV + DQ_BYTES;
     static constexpr int STAGE0 = KV_OFF + kBwdNwg * KV_STRIDE;
-    // per stage (query tile): Q^, Q^T, dO, dO^T images and the 64 x 4 floats of bwd.row_stats
+    // per stage (query tile): Q^, Q^T, dO, dO^T images and the 64 x 4 floats of bwd.row_stats, row c
+    // holding query bwd_query_of(c)'s (the images' row order: column c of S^T and dP^T reads row c, so a lane's 16
+    // columns are one base address plus constants and its LDS.64 hit 4 distinct banks; in query order each needed
+    // an address computation and columns 2 t4 of lanes t4 and t4 + 2 shared banks)
     static constexpr int Q_OFF = 0, QT_OFF = Q_OFF + I8, DO_OFF = QT_OFF + I8, DOT_OFF = DO_OFF + H16,
                          ST_OFF = DOT_OFF + I8;
     static constexpr int STAGE = ST_OFF + 1024;  // a multiple of 1024: every stage's images stay aligned

@@ -25,9 +25,12 @@ pytest.importorskip("triton")
 
 
 def _trains_with(d: int) -> str:
-    """What a training call of head dim d runs here: on Hopper at D=128 the sm_90a backward (the registry's
-    sagebwd-hopper, faster than the Triton one there), else the Triton pair."""
-    return "cuda-wgmma-sagebwd" if d == 128 and torch.cuda.get_device_capability() == (9, 0) else "triton-sagebwd"
+    """What a training call of head dim d runs here: on Hopper at the head dims where the sm_90a backward is faster
+    than the Triton one (the registry's sagebwd-hopper, FASTER_HEAD_DIMS), else the Triton pair."""
+    from sage_patch.kernels.sagebwd.hopper import FASTER_HEAD_DIMS
+
+    hopper = d in FASTER_HEAD_DIMS and torch.cuda.get_device_capability() == (9, 0)
+    return "cuda-wgmma-sagebwd" if hopper else "triton-sagebwd"
 
 
 def rel_l1(a, b):
@@ -208,7 +211,11 @@ def test_cuda_graph_capture_of_forward_and_backward():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
-    for a, b in zip((qg.grad, kg.grad, vg.grad), eager_grads):
+    if _trains_with(64) == "cuda-wgmma-sagebwd":  # its dQ reductions have no fixed order: DQ_ORDER of its own tests
+        assert rel_l1(qg.grad.float(), eager_grads[0].float()) <= 1e-4
+    else:
+        assert torch.equal(qg.grad, eager_grads[0])
+    for a, b in zip((kg.grad, vg.grad), eager_grads[1:]):
         assert torch.equal(a, b)
 
 

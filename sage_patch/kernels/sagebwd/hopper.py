@@ -31,9 +31,10 @@ logger = logging.getLogger("sage_patch")
 
 HEAD_DIMS = (64, 128)                            # what bwd_launch.cu instantiates
 DTYPES = (torch.float16, torch.bfloat16)
-# Where this backward is faster than the Triton one (H200, B=4 H=32 bf16 16K, backward alone, same run, 2026-11-29):
-# D=128 1.07x, causal 1.08x; D=64 0.95x, causal 0.95x (the Triton pair keeps D=64)
-FASTER_HEAD_DIMS = (128,)
+# Where this backward is faster than the Triton one (H200, B=4 H=32 bf16, backward alone, same run, 2026-11-29,
+# 4K / 16K): D=128 1.11x / 1.15x, causal 1.07x / 1.16x; D=64 1.13x / 1.17x, causal 1.08x / 1.15x (D=128 4-5% faster
+# since: docs/design/kernels.md)
+FASTER_HEAD_DIMS = (64, 128)
 
 
 def unsupported_reason(t) -> str | None:
