@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
     pdl_wait();
     const int group = p.Hq / p.Hkv;
     if (wg == 0) {
-        producer<D, T, NWG>(p, w, c, group);
+        producer<D, NWG>(p, w, c, group);
         return;
     }
     // ---------------- consumers

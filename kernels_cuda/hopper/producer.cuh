@@ -6,49 +6,37 @@
 
 namespace sage::hopper {
 
-// warpgroup 0: one thread (lane 0 of warp 0) takes work items (the next from a global counter, in flight while this
-// one's loads issue), publishes them and streams their K and V^T block images into the stage ring with bulk copies.
-// Warp 0's lanes first prefetch the work item's Q rows into L2 (one 128-byte line per lane and step): the
-// producer starts an item up to a stage ring ahead of the consumers, whose register loads of those rows (Prefetch,
-// before the previous item's epilogue) then come from L2, not HBM.
-template <int D, typename T, int NWG>
+// warpgroup 0: one thread takes work items (the next from a global counter, in flight while this one's loads
+// issue), publishes them and streams their K and V^T block images into the stage ring with bulk copies
+template <int D, int NWG>
 __device__ __forceinline__ void producer(const SageAttnParams& p, const Ws& w, const Cta<D, NWG>& c,
                                              int group) {
     using S = Smem<D, NWG>;
     constexpr int BM = bm(NWG);
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    if (threadIdx.x >= 32) return;
-    const int lane = threadIdx.x;
+    if (threadIdx.x != 0) return;
     int it = 0, ti = 0;
     for (int t = blockIdx.x; t < w.nitems;) {
-        int tn = 0;
-        if (lane == 0) tn = (int)gridDim.x + atomicAdd(w.tilectr, 1);  // in flight while this tile's loads issue
+        const int tn = (int)gridDim.x + atomicAdd(w.tilectr, 1);  // in flight while this tile's loads issue
         const Item itm = item(t, w);
         const Tile tl = tile(itm.tile, w, p.Hq);
         const int sq = len_q(p, tl.b), skv = len_k(p, tl.b), q0 = tl.qb * BM;
-        if (q0 < sq) {  // (varlen: past this sequence's end, nothing)
-            const T* qb = static_cast<const T*>(p.q) + tl.b * p.q_sb + tl.h * p.q_sh + (tok0_q(p, tl.b) + q0) * p.q_ss;
-            constexpr int LPR = D * (int)sizeof(T) / 128;  // 128-byte lines per row
-            for (int i = lane; i < BM * LPR && q0 + i / LPR < sq; i += 32)
-                prefetch_l2(qb + (i / LPR) * p.q_ss + (i % LPR) * (128 / (int)sizeof(T)));
+        if (q0 >= sq) { t = tn; continue; }  // varlen: past this sequence's end
+        publish(c, ti, t);
+        const int nkb = num_kv_blocks(p, q0, BM, sq, skv);
+        const int64_t blk0 = ((int64_t)tl.b * p.Hkv + tl.h / group) * w.nkb;
+        const int kb1 = part_kb1(itm, nkb, w);
+        for (int kb = part_kb0(itm, w, p, q0, sq, skv); kb < kb1; ++kb, ++it) {
+            const int s = it % S::NST;
+            const uint32_t ph = (uint32_t)(it / S::NST) & 1u;
+            mbar_wait(c.bar_empty + 8 * s, ph ^ 1u);
+            mbar_expect_tx(c.bar_full + 8 * s, S::KBYTES + S::VBYTES);
+            bulk_g2s(c.sbase + S::K_OFF + s * S::KBYTES, w.kimg + (blk0 + kb) * S::KBYTES, S::KBYTES, c.bar_full + 8 * s);
+            bulk_g2s(c.sbase + S::V_OFF + s * S::VSTRIDE, w.vimg + (blk0 + kb) * S::VBYTES, S::VBYTES, c.bar_full + 8 * s);
         }
-        if (lane == 0 && q0 < sq) {
-            publish(c, ti, t);
-            const int nkb = num_kv_blocks(p, q0, BM, sq, skv);
-            const int64_t blk0 = ((int64_t)tl.b * p.Hkv + tl.h / group) * w.nkb;
-            const int kb1 = part_kb1(itm, nkb, w);
-            for (int kb = part_kb0(itm, w, p, q0, sq, skv); kb < kb1; ++kb, ++it) {
-                const int s = it % S::NST;
-                const uint32_t ph = (uint32_t)(it / S::NST) & 1u;
-                mbar_wait(c.bar_empty + 8 * s, ph ^ 1u);
-                mbar_expect_tx(c.bar_full + 8 * s, S::KBYTES + S::VBYTES);
-                bulk_g2s(c.sbase + S::K_OFF + s * S::KBYTES, w.kimg + (blk0 + kb) * S::KBYTES, S::KBYTES, c.bar_full + 8 * s);
-                bulk_g2s(c.sbase + S::V_OFF + s * S::VSTRIDE, w.vimg + (blk0 + kb) * S::VBYTES, S::VBYTES, c.bar_full + 8 * s);
-            }
-        }
-        t = __shfl_sync(0xffffffffu, tn, 0);
+        t = tn;
     }
-    if (lane == 0) publish(c, ti, w.nitems);
+    publish(c, ti, w.nitems);
 }
 
 }  // namespace sage::hopper
