@@ -338,33 +338,6 @@ __device__ __forceinline__ void kv_store_k(int8_t* kdst, const float (&kd)[4][8]
     }
 }
 
-// The K and V key rows (this CTA's channel slice) of the block one wave of CTAs later (the CTA kv_ctas x SMs further
-// in launch order, which takes the place of this one or a neighbour's) into L2, one 128-byte line per thread: they
-// stream from HBM while this wave computes and stores. Without it every wave's CTAs start together and their load,
-// math and store phases run in lockstep, the memory idle between loads (B=4 H=16 N=2K D=256: 201 MB in ~70 us,
-// 2.9 TB/s). The target is the launch order's (x fastest); %nsmid may exceed the SM count (gaps in the numbering):
-// then the prefetch runs a little further ahead.
-template <int D, typename T>
-__device__ __forceinline__ void kv_prefetch_next_wave(const SageAttnParams& p) {
-    constexpr int LPR = kv_dc(D) * (int)sizeof(T) / 128;  // lines per row slice
-    static_assert(kv_threads(D) == 2 * kBN * LPR, "one thread per line of the K and V row slices");
-    uint32_t nsm;
-    asm("mov.u32 %0, %%nsmid;\n" : "=r"(nsm));
-    // (32-bit: a grid of 2^31 CTAs is not launched)
-    const uint32_t per_z = gridDim.x * gridDim.y;
-    const uint32_t lin = blockIdx.x + gridDim.x * blockIdx.y + per_z * blockIdx.z + nsm * kv_ctas(D);
-    if (lin >= per_z * gridDim.z) return;  // the last wave
-    const int b = (int)(lin / per_z), yx = (int)(lin - b * per_z), h = yx / (int)gridDim.x,
-              x = yx - h * (int)gridDim.x;
-    const int key = (x / kv_split(D)) * kBN + (threadIdx.x / LPR) % kBN;
-    if (key >= len_k(p, b)) return;
-    const bool isv = threadIdx.x >= kBN * LPR;
-    const int64_t off = (isv ? b * p.v_sb + h * p.v_sh + (tok0_k(p, b) + key) * p.v_ss
-                             : b * p.k_sb + h * p.k_sh + (tok0_k(p, b) + key) * p.k_ss) +
-                        (x % kv_split(D)) * kv_dc(D) + (threadIdx.x % LPR) * (128 / (int)sizeof(T));
-    prefetch_l2(static_cast<const T*>(isv ? p.v : p.k) + off);
-}
-
 template <int D, typename T>
 __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_kernel(SageAttnParams p,
         const float* kmean, const float* vscale, const float* vmean, int8_t* kimg, float* kscale, uint8_t* vimg,
@@ -396,7 +369,6 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
     const int64_t tok = tok0_k(p, b) + kbase + c0;
     const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + ch0 + d0;
     const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + ch0 + d0;
-    kv_prefetch_next_wave<D, T>(p);  // (before this CTA's own loads: after them it cost registers, spills)
     KvKeyOff key_off{};
     uint4 kraw[4], vraw[4];  // all loads in flight before any use (raw: half the registers of floats)
 #pragma unroll

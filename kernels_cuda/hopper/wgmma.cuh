@@ -1,6 +1,6 @@
 // Hopper path: the sm_90a PTX wrappers (the PTX header of kernels_cuda/hopper/; the sm_80+ ones are
 // common/ptx.cuh). wgmma descriptors of the swizzled operand images, mbarriers, bulk global -> shared copies (the
-// producer's), L2 prefetches, wgmma fences and the wgmma instructions (S = Q K^T in s8, P~V in e4m3).
+// producer's), wgmma fences and the wgmma instructions (S = Q K^T in s8, P~V in e4m3).
 #pragma once
 #include "traits.cuh"
 #include "../common/ptx.cuh"
@@ -70,13 +70,6 @@ __device__ __forceinline__ float ld_cluster_f32(const void* a, uint32_t rank) {
 __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-// the 128-byte line of global memory holding src into L2 (a per-thread load-path prefetch, nothing to wait for; the
-// bulk form, cp.async.bulk.prefetch.L2, takes uniform operands: one row per lane was serialized over the lanes and
-// queued in the copy unit ahead of the producer's K/V copies, -7..-20% on the H200); no memory clobber: it changes no
-// value the compiler tracks
-__device__ __forceinline__ void prefetch_l2(const void* src) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src));
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
