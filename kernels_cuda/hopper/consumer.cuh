@@ -251,48 +251,41 @@ __device__ __forceinline__ void q_prologue(const SageAttnParams& p, const QPre<D
         }
     }
     named_sync(1 + cw, 128);  // (also: every warp's last wgmma on the previous Q image is complete)
-    // max |x| of the two rows from the raw 16-bit values: their magnitude bits order as the values do (inf above every
-    // finite value, NaN above inf), so one unsigned max per pair gives fmax_nan's maximum exactly; the values are
-    // converted once, chunk by chunk, in the quantization below (no 2 x QC floats live beside pf: at D = 256 they
-    // would not fit next to the epilogue's packed output, kernel.cuh)
-    constexpr uint32_t kInfBits = std::is_same<T, __half>::value ? 0x7c00u : 0x7f80u;
-    uint32_t mb = 0u;
+    float x0[QC], x1[QC];
 #pragma unroll
     for (int j = 0; j < QC / 8; ++j) {
-        mb = __vmaxu2(mb, __vmaxu2(pf.q0[j].x & 0x7fff7fffu, pf.q1[j].x & 0x7fff7fffu));
-        mb = __vmaxu2(mb, __vmaxu2(pf.q0[j].y & 0x7fff7fffu, pf.q1[j].y & 0x7fff7fffu));
-        mb = __vmaxu2(mb, __vmaxu2(pf.q0[j].z & 0x7fff7fffu, pf.q1[j].z & 0x7fff7fffu));
-        mb = __vmaxu2(mb, __vmaxu2(pf.q0[j].w & 0x7fff7fffu, pf.q1[j].w & 0x7fff7fffu));
+        Vec8<T>::load(reinterpret_cast<const T*>(&pf.q0[j]), x0 + 8 * j);
+        Vec8<T>::load(reinterpret_cast<const T*>(&pf.q1[j]), x1 + 8 * j);
     }
-    const uint32_t m16 = max(mb & 0xffffu, mb >> 16);
-    float am;
-    if constexpr (std::is_same<T, __half>::value) am = __half2float(__ushort_as_half((unsigned short)m16));
-    else am = __uint_as_float(m16 << 16);
-    am = m16 > kInfBits ? __int_as_float(0x7fffffff) : am;
+    float am = 0.f;
 #pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, o));
+    for (int j = 0; j < QC; ++j) {
+        if constexpr (kQShift) {
+            const float m = se[2 * D + 32 * (j >> 3) + 8 * t4 + (j & 7)];
+            qshift0 = fmaf(x0[j], m, qshift0);
+            qshift1 = fmaf(x1[j], m, qshift1);
+        }
+        am = fmax_nan(am, fmax_nan(fabsf(x0[j]), fabsf(x1[j])));
+    }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+        am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, o));
+        if constexpr (kQShift) {
+            qshift0 += __shfl_xor_sync(0xffffffffu, qshift0, o);
+            qshift1 += __shfl_xor_sync(0xffffffffu, qshift1, o);
+        }
+    }
     // a non-finite value in the two rows: NaN scale, so every score (and the output) of both rows is NaN
     const float sc = finite_or_nan(am) / 127.f, inv = sc > 0.f ? 1.f / sc : 0.f;
     qs = sc * p.sm_scale * kLog2e;
     // the previous tile's Q reads (wgmma) are complete: every consumer waited on its last wgmma group
 #pragma unroll
     for (int j = 0; j < QC; j += 8) {  // chunk 4 (j / 8) + t4: 8 channels, 8 bytes of the image
-        float x0[8], x1[8];
-        Vec8<T>::load(reinterpret_cast<const T*>(&pf.q0[j / 8]), x0);
-        Vec8<T>::load(reinterpret_cast<const T*>(&pf.q1[j / 8]), x1);
-        if constexpr (kQShift) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float m = se[2 * D + 32 * (j >> 3) + 8 * t4 + e];
-                qshift0 = fmaf(x0[e], m, qshift0);
-                qshift1 = fmaf(x1[e], m, qshift1);
-            }
-        }
         uint32_t w0[2], w1[2];
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
-            const float* y0 = x0 + 4 * q;
-            const float* y1 = x1 + 4 * q;
+            const float* y0 = x0 + j + 4 * q;
+            const float* y1 = x1 + j + 4 * q;
             w0[q] = pack_low_bytes(quant_i8_bits(y0[0], sc, inv), quant_i8_bits(y0[1], sc, inv),
                                    quant_i8_bits(y0[2], sc, inv), quant_i8_bits(y0[3], sc, inv));
             w1[q] = pack_low_bytes(quant_i8_bits(y1[0], sc, inv), quant_i8_bits(y1[1], sc, inv),
@@ -301,13 +294,6 @@ __device__ __forceinline__ void q_prologue(const SageAttnParams& p, const QPre<D
         const int col = 4 * j + 8 * t4;  // = 8 (4 (j / 8) + t4)
         *reinterpret_cast<uint2*>(sQp + img_off(lrow0, col, D)) = make_uint2(w0[0], w0[1]);
         *reinterpret_cast<uint2*>(sQp + img_off(lrow0 + 8, col, D)) = make_uint2(w1[0], w1[1]);
-    }
-    if constexpr (kQShift) {
-#pragma unroll
-        for (int o = 1; o <= 2; o <<= 1) {
-            qshift0 += __shfl_xor_sync(0xffffffffu, qshift0, o);
-            qshift1 += __shfl_xor_sync(0xffffffffu, qshift1, o);
-        }
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     named_sync(1 + cw, 128);
