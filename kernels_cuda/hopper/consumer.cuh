@@ -299,10 +299,6 @@ __device__ __forceinline__ void q_prologue(const SageAttnParams& p, const QPre<D
     named_sync(1 + cw, 128);
 }
 
-struct NoHook {
-    __device__ __forceinline__ void operator()() const {}
-};
-
 // One block of a consumer's loop, landed in stage s (serial: S(kb), softmax, P~V(kb), merge). While one warpgroup
 // runs its softmax the other two keep the tensor cores busy; no wgmma of its own is in flight during its ALU work
 // (which would slow it). kscale: this thread's K scale of the block, vfac: its V factor, kmask: some key of it is
@@ -320,10 +316,7 @@ struct BlockStep {
     const uint32_t& bar_empty;
     const int& lane;
     float4* const& stash;  // this thread's O stash (D = 256)
-    // hook: run between issuing S and waiting for it (the previous work item's output stores, D = 256: kernel.cuh)
-    template <typename Hook = NoHook>
-    __device__ __forceinline__ void operator()(int s, uint32_t ph, int kb, float kscale, float vfac, int kmask,
-                                               Hook hook = {}) const {
+    __device__ __forceinline__ void operator()(int s, uint32_t ph, int kb, float kscale, float vfac, int kmask) const {
         using S = Smem<D, NWG>;
         constexpr int kBlk = pv_n(D) / 2;  // P~V block accumulator registers (the last 4: row sums)
         int acc[64];
@@ -332,7 +325,6 @@ struct BlockStep {
         mbar_wait(bar_full + 8 * s, ph);
         wg_fence();
         issue_qk(acc, s);
-        hook();
         wg_wait<0>();
         reg_fence(acc);
         {

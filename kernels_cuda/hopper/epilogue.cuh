@@ -89,76 +89,38 @@ struct OutRows {
     float inv0, inv1;
 };
 
-// The epilogue's math for channel chunk c (channels 32 c ..): the rows' final O / l x V scale (+ mean(V)) as the
-// output dtype's pairs, lane t4's 16 contiguous bytes of row0 (r0) and row1 (r1); sepi: the per-channel V scale and
-// mean staged by the Q prologue
+// Epilogue of a work item: the rows' final state st (O, l, the softmax's maxima and LSE sums, the Q shifts) into
+// the output rows r; sepi: the per-channel V scale and mean staged by the Q prologue.
 template <int D, typename T, typename RS>
-__device__ __forceinline__ void epilogue_chunk(const float* sepi, const OutRows<T>& r, const RS& st, int c,
-                                                   uint32_t (&r0)[4], uint32_t (&r1)[4]) {
+__device__ __forceinline__ void epilogue(const SageAttnParams& p, const float* sepi, const OutRows<T>& r, RS& st) {
+    constexpr bool LSE = RS::kLse;
     const float(&o)[D / 2] = st.pv.o;
     const float l0 = st.pv.l0, l1 = st.pv.l1, inv0 = r.inv0, inv1 = r.inv1;
     const int t4 = r.t4;
     // smooth V: + mean(V) on rows that attended to something (the staged mean is 0 without smooth V)
     const float f0 = l0 != 0.f ? 1.f : 0.f, f1 = l1 != 0.f ? 1.f : 0.f;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // o[4i ..] with i = 4c + q holds channels 32c + 8 t4 + 2q, + 1 (vcol)
-        const int i = 4 * c + q, ch = 32 * c + 8 * t4 + 2 * q;
-        const float2 vv = *reinterpret_cast<const float2*>(sepi + ch);
-        const float2 mv = *reinterpret_cast<const float2*>(sepi + D + ch);
-        r0[q] = pack2<T>(fmaf(mv.x, f0, o[4 * i] * inv0 * vv.x), fmaf(mv.y, f0, o[4 * i + 1] * inv0 * vv.y));
-        r1[q] = pack2<T>(fmaf(mv.x, f1, o[4 * i + 2] * inv1 * vv.x), fmaf(mv.y, f1, o[4 * i + 3] * inv1 * vv.y));
+    for (int c = 0; c < D / 32; ++c) {  // o[4i ..] with i = 4c + q holds channels 32c + 8 t4 + 2q, + 1 (vcol)
+        uint32_t r0[4], r1[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int i = 4 * c + q, ch = 32 * c + 8 * t4 + 2 * q;
+            const float2 vv = *reinterpret_cast<const float2*>(sepi + ch);
+            const float2 mv = *reinterpret_cast<const float2*>(sepi + D + ch);
+            r0[q] = pack2<T>(fmaf(mv.x, f0, o[4 * i] * inv0 * vv.x), fmaf(mv.y, f0, o[4 * i + 1] * inv0 * vv.y));
+            r1[q] = pack2<T>(fmaf(mv.x, f1, o[4 * i + 2] * inv1 * vv.x), fmaf(mv.y, f1, o[4 * i + 3] * inv1 * vv.y));
+        }
+        if (r.st0) *reinterpret_cast<uint4*>(r.O0 + 32 * c) = make_uint4(r0[0], r0[1], r0[2], r0[3]);
+        if (r.st1) *reinterpret_cast<uint4*>(r.O1 + 32 * c) = make_uint4(r1[0], r1[1], r1[2], r1[3]);
     }
-}
-// chunk c's packed rows into the output (where r.st0 / r.st1)
-template <typename T>
-__device__ __forceinline__ void epilogue_store_chunk(const OutRows<T>& r, int c, const uint32_t (&r0)[4],
-                                                         const uint32_t (&r1)[4]) {
-    if (r.st0) *reinterpret_cast<uint4*>(r.O0 + 32 * c) = make_uint4(r0[0], r0[1], r0[2], r0[3]);
-    if (r.st1) *reinterpret_cast<uint4*>(r.O1 + 32 * c) = make_uint4(r1[0], r1[1], r1[2], r1[3]);
-}
-// the softmax's end and the LSE on request
-template <typename T, typename RS>
-__device__ __forceinline__ void epilogue_lse(const SageAttnParams& p, const OutRows<T>& r, RS& st) {
-    constexpr bool LSE = RS::kLse;
     st.softmax.finalize();
-    if (LSE && r.t4 == 0 && !r.skip) {
+    if (LSE && t4 == 0 && !r.skip) {
         float* L = p.cu_seqlens_q ? p.lse + r.h * p.lse_sh + tok0_q(p, r.b) : p.lse + r.bhq * p.Sq;
         const float ss = p.sm_scale;
         const auto& sm = st.softmax;
         if (r.row0 < r.sq) L[r.row0] = sm.lse(sm.m0, sm.ls0, st.qshift0, ss);
         if (r.row1 < r.sq) L[r.row1] = sm.lse(sm.m1, sm.ls1, st.qshift1, ss);
     }
-}
-
-// Epilogue of a work item: the rows' final state st (O, l, the softmax's maxima and LSE sums, the Q shifts) into
-// the output rows r, chunk by chunk.
-template <int D, typename T, typename RS>
-__device__ __forceinline__ void epilogue(const SageAttnParams& p, const float* sepi, const OutRows<T>& r, RS& st) {
-#pragma unroll
-    for (int c = 0; c < D / 32; ++c) {
-        uint32_t r0[4], r1[4];
-        epilogue_chunk<D>(sepi, r, st, c, r0, r1);
-        epilogue_store_chunk(r, c, r0, r1);
-    }
-    epilogue_lse(p, r, st);
-}
-
-// The epilogue split in two (D = 256, kernel.cuh: the stores wait for the next work item's first S): the output
-// values packed (epilogue_pack), then stored (epilogue_store)
-template <int D>
-struct OutPacked {
-    uint32_t r0[D / 32][4], r1[D / 32][4];
-};
-template <int D, typename T, typename RS>
-__device__ __forceinline__ void epilogue_pack(const float* sepi, const OutRows<T>& r, const RS& st,
-                                                  OutPacked<D>& pk) {
-#pragma unroll
-    for (int c = 0; c < D / 32; ++c) epilogue_chunk<D>(sepi, r, st, c, pk.r0[c], pk.r1[c]);
-}
-template <int D, typename T>
-__device__ __forceinline__ void epilogue_store(const OutRows<T>& r, const OutPacked<D>& pk) {
-#pragma unroll
-    for (int c = 0; c < D / 32; ++c) epilogue_store_chunk(r, c, pk.r0[c], pk.r1[c]);
 }
 
 }  // namespace sage::hopper

@@ -61,17 +61,6 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
     QPre<D> pf;
     int tt = take_tile();
     if (tt < w.nitems) prefetch(tt, pf);
-    // D = 256 (kEarlyS): FlashAttention-3's order at a tile boundary. The epilogue computes the output values (packed,
-    // 64 registers) and the next work item's Q prologue runs at once; the output stores wait until the next item's
-    // first S is issued, and run under it (the consumers otherwise store, quantize Q and issue S with the tensor cores
-    // idle: both warpgroups of a CTA reach a tile's end together). Below D = 256 the other consumer warpgroups cover
-    // that gap. pend: stores pending (pk to rows pr); qs_n, qsh0_n, qsh1_n, sepi_n: the next item's Q prologue's.
-    constexpr bool kEarlyS = D == 256;
-    OutPacked<D> pk;
-    OutRows<T> pr{};
-    bool pend = false, have_q = false;
-    float qs_n = 0.f, qsh0_n = 0.f, qsh1_n = 0.f;
-    const float* sepi_n = nullptr;
     while (tt < w.nitems) {
         const Item itm = item(tt, w);
         const Tile tl = tile(itm.tile, w, p.Hq);
@@ -85,18 +74,10 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
 
         RowState<D, LSE, WIN> st;  // this work item's row state: O, l, the softmax's maxima and sums, Q shifts
         float qs;
-        const float* sepi;
-        if (kEarlyS && have_q) {  // (the prologue ran at the previous item's end)
-            qs = qs_n;
-            st.qshift0 = qsh0_n;
-            st.qshift1 = qsh1_n;
-            sepi = sepi_n;
-        } else {
-            float* se = reinterpret_cast<float*>(hsmem + S::EPI_OFF) + (cw * 2 + tpar) * S::EPI_FLOATS;
-            q_prologue<D, T, LSE>(p, pf, se, sQp, cw, ltid, lrow0, t4, qs, st.qshift0, st.qshift1);
-            sepi = se;
-            tpar ^= 1;
-        }
+        float* se = reinterpret_cast<float*>(hsmem + S::EPI_OFF) + (cw * 2 + tpar) * S::EPI_FLOATS;
+        q_prologue<D, T, LSE>(p, pf, se, sQp, cw, ltid, lrow0, t4, qs, st.qshift0, st.qshift1);
+        const float* sepi = se;
+        tpar ^= 1;
 
         const int diag = skv - sq;
         const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
@@ -136,7 +117,7 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
             // wrow_min + 63, starts latest): the visible keys are no prefix there, the general per-key test applies
             const int wlast = wrow_min + 63 + (skv - sq) - p.window_keys;  // the last row's last hidden key
             const int kb_wfull = WIN && wlast >= 0 ? wlast / kBN + 1 : 0;
-            auto step = [&](auto hook) {
+            for (; kb < kend; ++kb, ++it) {
                 uint32_t ph;
                 const int s = stage_of<S::NST>(it, ph);
                 const float kscale_cur = kscale_next, vfac_cur = vfac_next;
@@ -146,18 +127,8 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
                     vfac_next = vfc[kb + 1];
                     if (kmf) kmask_next = kmf[kb + 1];
                 }
-                consume_block(s, ph, kb, kscale_cur, vfac_cur, kmask_cur, hook);
-            };
-            if constexpr (kEarlyS) {  // the previous item's stores: under this item's first S, else now
-                if (kb < kend) {
-                    step([&] { if (pend) epilogue_store<D>(pr, pk); });
-                    ++kb, ++it;
-                } else if (pend) {
-                    epilogue_store<D>(pr, pk);
-                }
-                pend = false;
+                consume_block(s, ph, kb, kscale_cur, vfac_cur, kmask_cur);
             }
-            for (; kb < kend; ++kb, ++it) step(NoHook{});
             // blocks past the diagonal: only released (a separate loop keeps the main loop's code as it is)
             for (; kb < kb1; ++kb, ++it) release_block<S::NST>(it, bar_full, bar_empty, lane);
         }
@@ -179,26 +150,7 @@ __global__ void __launch_bounds__(threads(NWG), 1) hopper_attn_kernel(const __gr
         T* O0 = O + (int64_t)row0 * p.o_ss + 8 * t4;
         T* O1 = O + (int64_t)row1 * p.o_ss + 8 * t4;
         const bool st0 = row0 < sq && !skip, st1 = row1 < sq && !skip;
-        const OutRows<T> rows_out{b, h, bhq, sq, row0, row1, t4, O0, O1, st0, st1, skip, inv0, inv1};
-        if constexpr (kEarlyS) {
-            epilogue_pack<D>(sepi, rows_out, st, pk);
-            epilogue_lse(p, rows_out, st);
-            pr = rows_out;
-            if (tnext < w.nitems) {  // the next item's Q prologue now; the stores under its first S
-                float* se = reinterpret_cast<float*>(hsmem + S::EPI_OFF) + (cw * 2 + tpar) * S::EPI_FLOATS;
-                qsh0_n = 0.f;
-                qsh1_n = 0.f;
-                q_prologue<D, T, LSE>(p, pf, se, sQp, cw, ltid, lrow0, t4, qs_n, qsh0_n, qsh1_n);
-                sepi_n = se;
-                tpar ^= 1;
-                have_q = true;
-                pend = true;
-            } else {
-                epilogue_store<D>(pr, pk);
-            }
-        } else {
-            epilogue<D>(p, sepi, rows_out, st);
-        }
+        epilogue<D>(p, sepi, OutRows<T>{b, h, bhq, sq, row0, row1, t4, O0, O1, st0, st1, skip, inv0, inv1}, st);
         tt = tnext;
     }
 }
