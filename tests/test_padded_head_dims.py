@@ -43,15 +43,15 @@ def test_padded_calls_take_the_measured_padded_crossover_at_or_below_their_work(
     w = registry.get("wgmma-fp8")
     assert w.crossover((9, 0), 128, False) == 2048 and w.crossover((9, 0), 64, True) == 3072  # native: as measured
     assert w.crossover((9, 0), 256, False) == 2048 and w.crossover((9, 0), 256, True) == 2560
-    assert w.crossover((9, 0), 96, False) == 8192 and w.crossover((9, 0), 96, True) == 16384  # measured
-    assert w.crossover((9, 0), 100, False) == 8192                              # 96's: more work than 96 has
+    assert w.crossover((9, 0), 96, False) == 6144 and w.crossover((9, 0), 96, True) == 9216  # measured
+    assert w.crossover((9, 0), 100, False) == 6144                              # 96's: more work than 96 has
     assert w.crossover((9, 0), 72, False) == math.inf                           # below every measured one: SDPA
     assert w.crossover((9, 0), 48, True) == math.inf                            # none measured padded to 64
-    assert w.crossover((9, 0), 192, False) == 16384 and w.crossover((9, 0), 192, True) == math.inf
+    assert w.crossover((9, 0), 192, False) == 12288 and w.crossover((9, 0), 192, True) == 20480
     assert w.crossover((9, 0), 150, False) == math.inf                          # below 160 in 256's bucket
-    assert w.crossover((9, 0), 192, False, 128) == 16384                        # MLA 192/128: work of 160
-    assert w.crossover((9, 0), 128, True, 80) == 16384                          # (128 + 80) / 2 = 104 -> 96's, causal
-    assert registry.padded_measurement(w.sdpa_faster_below, (9, 0), 128, False, 80) == (96, 8192)
+    assert w.crossover((9, 0), 192, False, 128) == 12288                        # MLA 192/128: work of 160
+    assert w.crossover((9, 0), 128, True, 80) == 9216                           # (128 + 80) / 2 = 104 -> 96's, causal
+    assert registry.padded_measurement(w.sdpa_faster_below, (9, 0), 128, False, 80) == (96, 6144)
     assert registry.padded_measurement(w.sdpa_faster_below, (9, 0), 128, False) is None      # native
     assert w.crossover((9, 0), 320, False) is None                             # no kernel at all
 
@@ -185,8 +185,8 @@ def test_padded_calls_on_sm90_follow_the_measured_padded_crossover_with_the_reas
     monkeypatch.setattr(K, "SPEED_ROUTING", True)
     q = _t(96, s=4096, h=1)
     d = R.resolve("8b", q, q, q, layout="bhsd", **CALL)
-    assert d.impl == "sdpa" and "below 8192 tokens on sm_90 (measured with head dim 96 zero-padded to 128" in d.reason
-    q = _t(96, s=8192, h=1)
+    assert d.impl == "sdpa" and "below 6144 tokens on sm_90 (measured with head dim 96 zero-padded to 128" in d.reason
+    q = _t(96, s=6144, h=1)
     assert R.resolve("8b", q, q, q, layout="bhsd", **CALL).impl == K.IMPL_WGMMA
     q = _t(72, s=16384, h=1)   # more padding work than any measured head dim: SDPA
     d = R.resolve("8b", q, q, q, layout="bhsd", **CALL)

@@ -369,17 +369,18 @@ VARIANTS: tuple[KernelVariant, ...] = (
     # 1.06x at 2.5K; D=64 non-causal 0.98x at 1.75K, 1.02x at 2K; D=256, B=4 H=16/18: non-causal 0.79x at 1K,
     # 1.09-1.13x at 2K. Causal, with the L2-section tile order (2026-11-29): D=128 0.92x at 1.5K, 1.03x at 2K, 1.13x
     # at 2.5K; D=64 0.93x at 2.5K, 1.06x at 3K; D=256 0.90-0.98x at 2K, 1.09-1.11x at 2.5K). Padded
-    # head dims, B=4 H=32, the kernel zero-padded against SDPA at the real head dim (padded_measurement): 80, 96, 112
-    # (to 128) 0.93-0.94x at 4K, 1.16-1.20x at 8K, causal 0.97-1.00x at 8K, 1.21-1.23x at 16K; 160, 192 (to 256)
-    # 0.94-0.97x at 8K, 1.09-1.13x at 16K, causal 0.97x at 16K (not measured beyond: SDPA).
+    # head dims, B=4 H=32, the kernel zero-padded against SDPA at the real head dim (padded_measurement), re-measured
+    # with the L2-section tile order (2026-11-29, two passes): 80, 96, 112 (to 128) 1.01-1.03x at 5K, 1.09-1.11x at
+    # 6K; causal 0.98-1.04x at 8K (a tie), 1.05-1.10x at 9K; 160, 192 (to 256) 1.02x at 10K, 1.06-1.07x at 12K;
+    # causal 0.98-1.01x at 16K, 1.01-1.04x at 18K, 1.04-1.05x at 20K.
     KernelVariant("wgmma-fp8", IMPL_WGMMA, KERNEL_WGMMA_FP8, "wgmma", "int8", "wgmma", ("8b",),
                   _COMMON + (_needs_hopper,),
                   sdpa_faster_below={"sm_90": {(128, False): 2048, (128, True): 2560, (64, False): 2048,
                                                (64, True): 3072, (256, False): 2048, (256, True): 2560,
-                                               **{(d, False): 8192 for d in (80, 96, 112)},
-                                               **{(d, True): 16384 for d in (80, 96, 112)},
-                                               **{(d, False): 16384 for d in (160, 192)},
-                                               **{(d, True): math.inf for d in (160, 192)}}}),
+                                               **{(d, False): 6144 for d in (80, 96, 112)},
+                                               **{(d, True): 9216 for d in (80, 96, 112)},
+                                               **{(d, False): 12288 for d in (160, 192)},
+                                               **{(d, True): 20480 for d in (160, 192)}}}),
     # portable mma.sync kernels (kernels_cuda/portable): "4b" on packed INT4 MMA where it is native (sm_80-89) ...
     KernelVariant("mma-fp8-qk4", IMPL_FP8PV, KERNEL_MMA_FP8_QK4, "mma", "int4", "fp8-mma", ("4b",),
                   _COMMON + _FP8 + _INT4, (PREFER_NOT_SM90, PREFER_INT4_NATIVE), _PORTABLE_CROSSOVER),
