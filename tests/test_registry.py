@@ -196,17 +196,18 @@ def test_training_capability_is_the_sagebwd_packages_own(monkeypatch):
     assert registry.select(_training(d=64))[1] == "dtype float16: the SageBwd Triton kernels take bfloat16"
 
 
-def test_sm90a_backward_can_run_where_it_is_not_routed():
-    """sagebwd.hopper.cannot_run is the kernel's own capability (what the GPU tests run it at: both head dims);
-    unsupported_reason adds the speed rule (FASTER_HEAD_DIMS) on top of it."""
+def test_sm90a_backward_can_run_where_it_is_not_routed(monkeypatch):
+    """sagebwd.hopper.cannot_run is the kernel's own capability (what the GPU tests run it at: every head dim it
+    has); unsupported_reason adds the speed rule (FASTER_HEAD_DIMS) on top of it."""
     from sage_patch.kernels.sagebwd import hopper
 
     for d in hopper.HEAD_DIMS:
         assert hopper.cannot_run(_training(d=d)) is None
-    slower = [d for d in hopper.HEAD_DIMS if d not in hopper.FASTER_HEAD_DIMS]
-    assert slower, "every head dim is routed to the sm_90a backward: this test has nothing to tell apart"
-    assert "the SageBwd Triton backward is faster there" in hopper.unsupported_reason(_training(d=slower[0]))
-    assert hopper.unsupported_reason(_training(d=hopper.FASTER_HEAD_DIMS[0])) is None
+        assert (hopper.unsupported_reason(_training(d=d)) is None) == (d in hopper.FASTER_HEAD_DIMS)
+    monkeypatch.setattr(hopper, "FASTER_HEAD_DIMS", (128,))  # a head dim where the Triton backward measured faster
+    assert hopper.cannot_run(_training(d=64)) is None
+    assert "the SageBwd Triton backward is faster there" in hopper.unsupported_reason(_training(d=64))
+    assert hopper.unsupported_reason(_training(d=128)) is None
     assert "sm_90 only (device is sm_89)" in hopper.cannot_run(_training(d=128, cc=(8, 9)))
     assert "no sm_90a SASS" in hopper.cannot_run(dataclasses.replace(_training(d=128), archs=("80",)))
 
