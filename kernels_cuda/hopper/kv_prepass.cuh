@@ -461,10 +461,8 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
         float am = 0.f;
         KvKdiff<D, T> kdiff{chan, kraw, kd, am};
         if (full) kdiff(always); else kdiff(valid);
-        // the next item's raw K/V into the slots just read (their values are consumed: kraw / vraw dead from here);
-        // with a cluster after the exchange's release arrive below (its fence would wait for them)
-        if constexpr (SPLIT == 1)
-            if (item + ncl < nitems) issue(item + ncl);
+        // the next item's raw K/V into the slots just read (their values are consumed: kraw / vraw dead from here)
+        if (item + ncl < nitems) issue(item + ncl);
 #pragma unroll
         for (int s = LPK / 2; s > 0; s >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, s));
         if (cc == 0) omax[o] = am;
@@ -489,7 +487,6 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
             if (threadIdx.x < 4) xch[threadIdx.x] = m;
             if (threadIdx.x == 4) xch[4] = any_sat ? 1.f : 0.f;
             cluster_arrive();
-            if (item + ncl < nitems) issue(item + ncl);
             cluster_wait();
             if (threadIdx.x < 4) m = fmax_nan(m, ld_cluster_f32(&xch[threadIdx.x], (uint32_t)(half ^ 1)));
             if (threadIdx.x == 4) {
