@@ -377,6 +377,7 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
     __shared__ int any_sat_all;
     __shared__ __align__(16) uint8_t vt[DC * kBN];  // this slice's V^T rows of the block image, copied out at the end
     extern __shared__ __align__(16) uint4 kvraw_s[];  // [8][NT], kv_raw_bytes
+    pdl_wait();
     pdl_launch_dependents();
     // a cluster's CTAs are a block's slices and walk the same items
     const int half = blockIdx.x % SPLIT, cl = blockIdx.x / SPLIT, ncl = gridDim.x / SPLIT;
@@ -399,10 +400,7 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
             }
         cp_async_commit();
     };
-    // the first block's loads before pdl_wait (they overlap the statistics kernel): K and V are the caller's inputs,
-    // complete before the statistics kernel (a plain launch) started; the statistics are read after the wait
     if (cl < nitems) issue(cl);
-    pdl_wait();
     for (int item = cl; item < nitems; item += ncl) {
         const KvItem it(item, nkb, p.Hkv);
         const int kb = it.kb, h = it.h, b = it.b;
