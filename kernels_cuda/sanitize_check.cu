@@ -107,9 +107,6 @@ int main() {
         g_v_outlier = 1;
         fails += run(1, 2, 2, 200, 1000, 64, 0, 3, 1, cc);
         fails += run(1, 2, 2, 200, 1000, 256, 0, 3, 1, cc);
-        // 320 K/V blocks > the resident pre-pass CTAs (clusters): each walks several, one saturated block per head
-        fails += run(1, 4, 4, 64, 128 * 80, 256, 0, 3, 1, cc);
-        fails += run(1, 4, 4, 64, 128 * 80, 128, 1, 3, 1, cc);
         g_no_lse = 1;  // 2 tiles on 132 SMs: each split into 2 key parts (partials, counters, the last one combines)
         fails += run(1, 2, 2, 100, 1000, 128, 0, 3, 0, cc);
         fails += run(1, 2, 2, 200, 1000, 64, 0, 3, 1, cc);
