@@ -338,29 +338,6 @@ __device__ __forceinline__ void kv_store_k(int8_t* kdst, const float (&kd)[4][8]
     }
 }
 
-// the raw K/V staging of the pipelined pre-pass (dynamic shared memory): per thread 8 slots of 16 bytes (its 4 keys'
-// K, then V), slot j of thread t at [j][t] (a warp's slot is 512 contiguous bytes: no bank conflicts)
-__host__ __device__ constexpr int kv_raw_bytes(int D) { return 8 * 16 * kv_threads(D); }
-// 16-byte cp.async with a memory clobber (the compiler keeps it after the thread's reads of the slot it refills)
-__device__ __forceinline__ void kv_cp16(void* smem, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
-}
-// block item -> (block, kv-head, batch), items in (batch, kv-head, block) order
-struct KvItem {
-    int kb, h, b;
-    __device__ __forceinline__ KvItem(int item, int nkb, int Hkv) {
-        const int bh = item / nkb;
-        kb = item - bh * nkb;
-        b = bh / Hkv;
-        h = bh - b * Hkv;
-    }
-};
-
-// The K/V pass, persistent: grid = the resident CTAs (clusters at D = 256), each walking the blocks item = cluster,
-// + clusters, ... Each thread's raw K/V of the next block go to its own shared-memory slots with cp.async as soon as
-// this block's values are in registers, so the loads of the next block run under this block's math, barriers and
-// stores (one block per CTA ran load, math and store phases in turn: ~2.9 TB/s). A thread reads and refills only its
-// own slots: no barrier guards them (cp.async.wait_group per thread).
 template <int D, typename T>
 __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_kernel(SageAttnParams p,
         const float* kmean, const float* vscale, const float* vmean, int8_t* kimg, float* kscale, uint8_t* vimg,
@@ -376,149 +353,127 @@ __global__ void __launch_bounds__(kv_threads(D), kv_ctas(D)) hopper_quant_kv_ker
     __shared__ float xch[6];
     __shared__ int any_sat_all;
     __shared__ __align__(16) uint8_t vt[DC * kBN];  // this slice's V^T rows of the block image, copied out at the end
-    extern __shared__ __align__(16) uint4 kvraw_s[];  // [8][NT], kv_raw_bytes
     pdl_wait();
     pdl_launch_dependents();
-    // a cluster's CTAs are a block's slices and walk the same items
-    const int half = blockIdx.x % SPLIT, cl = blockIdx.x / SPLIT, ncl = gridDim.x / SPLIT;
-    const int nitems = nkb * p.Hkv * p.B;
+    // grid (block x slice, kv-head, batch): no division for the head index; a cluster's CTAs are a block's slices
+    const int kb = blockIdx.x / SPLIT, half = blockIdx.x % SPLIT, h = blockIdx.y, b = blockIdx.z;
+    const int bh = b * p.Hkv + h;
+    const int skv = len_k(p, b);
+    if (kb > 0 && kb * kBN >= skv) return;  // varlen: past this sequence's end (never read)
     const int o = threadIdx.x / LPK, cc = threadIdx.x % LPK, d0 = 8 * cc;  // owner, its lane's 8 channels (slice)
     const int ch0 = half * DC;  // the slice's first channel
+    const int kbase = kb * kBN;
+    const bool full = kbase + kBN <= skv;  // CTA-uniform: no per-value validity selects
+    // the owner's keys c0 + {0, 1, 8, 9}: one 64-bit address product, the others by adds
+    const int c0 = kv_key(o, 0);
+    const int64_t tok = tok0_k(p, b) + kbase + c0;
+    const T* ksrc = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + tok * p.k_ss + ch0 + d0;
+    const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + ch0 + d0;
     KvKeyOff key_off{};
-    // the owner's keys c0 + {0, 1, 8, 9} of an item: raw K / V into this thread's slots (none past a sequence's end)
-    auto issue = [&](int item) {
-        const KvItem it(item, nkb, p.Hkv);
-        const int skv = len_k(p, it.b), kbase = it.kb * kBN;
-        const int64_t tok = tok0_k(p, it.b) + kbase + kv_key(o, 0);
-        const T* ks = static_cast<const T*>(p.k) + it.b * p.k_sb + it.h * p.k_sh + tok * p.k_ss + ch0 + d0;
-        const T* vs = static_cast<const T*>(p.v) + it.b * p.v_sb + it.h * p.v_sh + tok * p.v_ss + ch0 + d0;
+    uint4 kraw[4], vraw[4];  // all loads in flight before any use (raw: half the registers of floats)
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            if (kbase + kv_key(o, i) < skv) {
-                kv_cp16(&kvraw_s[i * NT + threadIdx.x], ks + key_off(i, p.k_ss));
-                kv_cp16(&kvraw_s[(4 + i) * NT + threadIdx.x], vs + key_off(i, p.v_ss));
-            }
-        cp_async_commit();
-    };
-    if (cl < nitems) issue(cl);
-    for (int item = cl; item < nitems; item += ncl) {
-        const KvItem it(item, nkb, p.Hkv);
-        const int kb = it.kb, h = it.h, b = it.b;
-        const int bh = b * p.Hkv + h;
-        const int skv = len_k(p, b);
-        const int kbase = kb * kBN;
-        cp_async_wait<0>();
-        if (kb > 0 && kbase >= skv) {  // varlen: past this sequence's end (never read; nothing was loaded)
-            if (item + ncl < nitems) issue(item + ncl);
-            continue;
+    for (int i = 0; i < 4; ++i) {
+        if (kbase + kv_key(o, i) < skv) {
+            kraw[i] = *reinterpret_cast<const uint4*>(ksrc + key_off(i, p.k_ss));
+            vraw[i] = *reinterpret_cast<const uint4*>(vsrc + key_off(i, p.v_ss));
+        } else {
+            kraw[i] = make_uint4(0u, 0u, 0u, 0u);
+            vraw[i] = make_uint4(0u, 0u, 0u, 0u);
         }
-        const bool full = kbase + kBN <= skv;  // CTA-uniform: no per-value validity selects
-        const int64_t tok = tok0_k(p, b) + kbase + kv_key(o, 0);
-        const T* vsrc = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + tok * p.v_ss + ch0 + d0;  // (reload)
-        uint4 kraw[4], vraw[4];  // this thread's own slots (padded keys: 0)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const bool ok = kbase + kv_key(o, i) < skv;
-            const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-            kraw[i] = ok ? kvraw_s[i * NT + threadIdx.x] : z;
-            vraw[i] = ok ? kvraw_s[(4 + i) * NT + threadIdx.x] : z;
-        }
-        if (threadIdx.x < DC) {  // (the previous item's last reads of skc were before its final barrier)
-            const int d = threadIdx.x, dg = ch0 + d;
-            float* kc = reinterpret_cast<float*>(skc) + ((d >> 2) & 1) * LPK * 4 + (d >> 3) * 4 + (d & 3);
-            const float vi = 1.f / vscale[(int64_t)bh * D + dg];  // the sampled base scale (> 0: floored)
-            const float vm = vmean[(int64_t)bh * D + dg];         // 0 without smooth V
-            kc[0] = kmean[(int64_t)bh * D + dg];
-            kc[2 * LPK * 4] = vi;
-            kc[4 * LPK * 4] = -vm * vi;
-        }
-        __syncthreads();
-        KvChan<LPK> chan{skc, cc};  // quantity q (0 K mean, 1 1 / V scale, 2 V shift) of the lane's channels
-        KvValid valid{kbase, o, skv};
-        KvAlways always{};
-        // V: e4m3 bytes of (V - mean) / (base vfac) into the V^T image, first with vfac = 1 (returning nonzero if a
-        // byte is +-448 or NaN: possibly saturated), again with the block's vfac if one is. Channel d's word (the
-        // owner's 4 keys) goes to row vcol(d), bytes 4o..4o+3. Rows vcol(8 cc + e) of a store fall on 4 of the 8
-        // 16-byte bank groups; lanes with (cc / 4) odd store the odd channel of each pair first, spreading them over 8.
-        const int rot = (cc >> 2) & 1;
-        // (rows of the slice: vcol only permutes channel bits 1-4, so the slice's rows are ch0.. ch0 + DC - 1)
-        // img_off(row, 4o, 128) = (row * 128 | (row % 8) * 16) ^ 4o; row = vcol(d0 + c) for c = 2 pp + s is
-        // (s ^ rot) | ((cc % 4) << 1) | (pp << 3) | ((cc / 4) << 5): pp only adds pp * 1024
-        int vaddr[2];
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            const int row = vcol(d0 + (s ^ rot));
-            vaddr[s] = (row * kBN | ((row & 7) << 4)) ^ (4 * o);
-        }
-        KvVaddr vaddr_of{vaddr};
-        KvQuantV<D, T> quant_v{chan, vt, vaddr_of, rot};
-        KvFirst first{vraw};
-        const uint32_t sat = full ? quant_v(first, 1.f, always) : quant_v(first, 1.f, valid);
-        // K - mean kept in registers for the quantization after the group maxima
-        float kd[4][8];
-        float am = 0.f;
-        KvKdiff<D, T> kdiff{chan, kraw, kd, am};
-        if (full) kdiff(always); else kdiff(valid);
-        // the next item's raw K/V into the slots just read (their values are consumed: kraw / vraw dead from here)
-        if (item + ncl < nitems) issue(item + ncl);
-#pragma unroll
-        for (int s = LPK / 2; s > 0; s >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, s));
-        if (cc == 0) omax[o] = am;
-        // key-padding mask: one flag per (batch, block), "some key of this block is masked", so the attention kernel
-        // masks (reads the mask) only in those blocks
-        if (p.kmask) {
-            const int masked = threadIdx.x < kBN && kbase + (int)threadIdx.x < skv &&
-                               p.kmask[(int64_t)b * p.kmask_sb + kbase + threadIdx.x] == 0;
-            const int any_masked = __syncthreads_or(masked);
-            if (h == 0 && half == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
-        }
-        int any_sat = __syncthreads_or(sat != 0u);
-        int sat_all = any_sat;  // (thread 4, SPLIT > 1: the cluster's flag, kept in its register: an early read of the
-                                // shared copy by every thread would race with its write, compute-sanitizer racecheck)
-        const int64_t blk = (int64_t)bh * nkb + kb;
-        float m = 0.f;  // group g = threadIdx.x < 4: owners g, g + 4, ..., g + 28
-        if (threadIdx.x < 4) {
-#pragma unroll
-            for (int r = 0; r < 8; ++r) m = fmax_nan(m, omax[threadIdx.x + 4 * r]);
-        }
-        if constexpr (SPLIT > 1) {  // the other slice's group maxima and flag (the same maxima as over all channels)
-            if (threadIdx.x < 4) xch[threadIdx.x] = m;
-            if (threadIdx.x == 4) xch[4] = any_sat ? 1.f : 0.f;
-            cluster_arrive();
-            cluster_wait();
-            if (threadIdx.x < 4) m = fmax_nan(m, ld_cluster_f32(&xch[threadIdx.x], (uint32_t)(half ^ 1)));
-            if (threadIdx.x == 4) {
-                sat_all = any_sat | (ld_cluster_f32(&xch[4], (uint32_t)(half ^ 1)) != 0.f);
-                any_sat_all = sat_all;  // for the other threads, after the barrier below
-            }
-        }
-        if (threadIdx.x < 4) {  // scales and inverses once
-            const int g = threadIdx.x;
-            const float sc = finite_or_nan(m) / 127.f;  // non-finite group: NaN scale, the scores using it are NaN
-            gscale[g] = sc;
-            gscale[4 + g] = sc > 0.f ? 1.f / sc : 0.f;
-            if (half == 0) kscale[blk * 4 + g] = sc;
-        }
-        if (threadIdx.x == 4 && half == 0 && !sat_all) vfac[blk] = 1.f;  // else set below
-        __syncthreads();
-        if constexpr (SPLIT > 1) {
-            any_sat = any_sat_all;
-            cluster_arrive_relaxed();  // this CTA's reads of the other's shared memory done (waited for before exiting)
-        }
-        kv_store_k<D>(kimg + blk * kBN * D, kd, gscale[o & 3], gscale[4 + (o & 3)], o, ch0 + d0);
-        if (any_sat) {  // rare (a value beyond the sampled range): V reloaded (from L2) here, K's registers free
-            KvReload<T> reload{valid, vsrc, key_off, p};
-            kv_block_vfac<NT, SPLIT, T>(reload, valid, chan, omax, gscale, vfac + blk, &xch[5], half);
-            quant_v(reload, gscale[8], valid);  // rewrites this thread's own image words
-        }
-        __syncthreads();  // the V^T image complete
-        // V^T image out: 16-byte chunks, linear (the staging is already in the image layout)
-        uint8_t* vdst = vimg + blk * kBN * D + ch0 * kBN;
-#pragma unroll
-        for (int i = threadIdx.x; i < DC * kBN / 16; i += NT)
-            reinterpret_cast<uint4*>(vdst)[i] = reinterpret_cast<const uint4*>(vt)[i];
-        if constexpr (SPLIT > 1) cluster_wait();  // the other CTA's reads of this one's exchange slots done
     }
+    if (threadIdx.x < DC) {  // (after the loads are issued: these are small L2 reads)
+        const int d = threadIdx.x, dg = ch0 + d;
+        float* kc = reinterpret_cast<float*>(skc) + ((d >> 2) & 1) * LPK * 4 + (d >> 3) * 4 + (d & 3);
+        const float vi = 1.f / vscale[(int64_t)bh * D + dg];  // the sampled base scale (> 0: floored)
+        const float vm = vmean[(int64_t)bh * D + dg];         // 0 without smooth V
+        kc[0] = kmean[(int64_t)bh * D + dg];
+        kc[2 * LPK * 4] = vi;
+        kc[4 * LPK * 4] = -vm * vi;
+    }
+    __syncthreads();
+    KvChan<LPK> chan{skc, cc};  // quantity q (0 K mean, 1 1 / V scale, 2 V shift) of the lane's channels
+    KvValid valid{kbase, o, skv};
+    KvAlways always{};
+    // V: e4m3 bytes of (V - mean) / (base vfac) into the V^T image, first with vfac = 1 (returning nonzero if a byte
+    // is +-448 or NaN: possibly saturated), again with the block's vfac if one is. Channel d's word (the owner's 4
+    // keys) goes to row vcol(d), bytes 4o..4o+3. Rows vcol(8 cc + e) of a store fall on 4 of the 8 16-byte
+    // bank groups; lanes with (cc / 4) odd store the odd channel of each pair first, which spreads them over 8.
+    const int rot = (cc >> 2) & 1;
+    // (rows of the slice: vcol only permutes channel bits 1-4, so the slice's rows are ch0.. ch0 + DC - 1)
+    // img_off(row, 4o, 128) = (row * 128 | (row % 8) * 16) ^ 4o; row = vcol(d0 + c) for c = 2 pp + s is
+    // (s ^ rot) | ((cc % 4) << 1) | (pp << 3) | ((cc / 4) << 5): pp only adds pp * 1024
+    int vaddr[2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const int row = vcol(d0 + (s ^ rot));
+        vaddr[s] = (row * kBN | ((row & 7) << 4)) ^ (4 * o);
+    }
+    KvVaddr vaddr_of{vaddr};
+    KvQuantV<D, T> quant_v{chan, vt, vaddr_of, rot};
+    KvFirst first{vraw};
+    const uint32_t sat = full ? quant_v(first, 1.f, always) : quant_v(first, 1.f, valid);
+    // K - mean kept in registers for the quantization after the group maxima
+    float kd[4][8];
+    float am = 0.f;
+    KvKdiff<D, T> kdiff{chan, kraw, kd, am};
+    if (full) kdiff(always); else kdiff(valid);
+#pragma unroll
+    for (int s = LPK / 2; s > 0; s >>= 1) am = fmax_nan(am, __shfl_xor_sync(0xffffffffu, am, s));
+    if (cc == 0) omax[o] = am;
+    // key-padding mask: one flag per (batch, block), "some key of this block is masked", so the attention kernel
+    // masks (reads the mask) only in those blocks
+    if (p.kmask) {
+        const int masked = threadIdx.x < kBN && kbase + (int)threadIdx.x < skv &&
+                           p.kmask[(int64_t)b * p.kmask_sb + kbase + threadIdx.x] == 0;
+        const int any_masked = __syncthreads_or(masked);
+        if (h == 0 && half == 0 && threadIdx.x == 0) kmflag[(int64_t)b * nkb + kb] = any_masked;
+    }
+    int any_sat = __syncthreads_or(sat != 0u);
+    int sat_all = any_sat;  // (thread 4, SPLIT > 1: the cluster's flag, kept in its register: an early read of the
+                            // shared copy by every thread would race with its write, compute-sanitizer racecheck)
+    const int64_t blk = (int64_t)bh * nkb + kb;
+    float m = 0.f;  // group g = threadIdx.x < 4: owners g, g + 4, ..., g + 28
+    if (threadIdx.x < 4) {
+#pragma unroll
+        for (int r = 0; r < 8; ++r) m = fmax_nan(m, omax[threadIdx.x + 4 * r]);
+    }
+    if constexpr (SPLIT > 1) {  // the other slice's group maxima and flag (the same maxima as over all channels)
+        if (threadIdx.x < 4) xch[threadIdx.x] = m;
+        if (threadIdx.x == 4) xch[4] = any_sat ? 1.f : 0.f;
+        cluster_arrive();
+        cluster_wait();
+        if (threadIdx.x < 4) m = fmax_nan(m, ld_cluster_f32(&xch[threadIdx.x], (uint32_t)(half ^ 1)));
+        if (threadIdx.x == 4) {
+            sat_all = any_sat | (ld_cluster_f32(&xch[4], (uint32_t)(half ^ 1)) != 0.f);
+            any_sat_all = sat_all;  // for the other threads, after the barrier below
+        }
+    }
+    if (threadIdx.x < 4) {  // scales and inverses once
+        const int g = threadIdx.x;
+        const float sc = finite_or_nan(m) / 127.f;  // non-finite group: NaN scale, the scores using it are NaN
+        gscale[g] = sc;
+        gscale[4 + g] = sc > 0.f ? 1.f / sc : 0.f;
+        if (half == 0) kscale[blk * 4 + g] = sc;
+    }
+    if (threadIdx.x == 4 && half == 0 && !sat_all) vfac[blk] = 1.f;  // else set below
+    __syncthreads();
+    if constexpr (SPLIT > 1) {
+        any_sat = any_sat_all;
+        cluster_arrive_relaxed();  // this CTA's reads of the other's shared memory done (waited for before exiting)
+    }
+    kv_store_k<D>(kimg + blk * kBN * D, kd, gscale[o & 3], gscale[4 + (o & 3)], o, ch0 + d0);
+    if (any_sat) {  // rare (a value beyond the sampled range): V reloaded (from L2) here, where K's registers are free
+        KvReload<T> reload{valid, vsrc, key_off, p};
+        kv_block_vfac<NT, SPLIT, T>(reload, valid, chan, omax, gscale, vfac + blk, &xch[5], half);
+        quant_v(reload, gscale[8], valid);  // rewrites this thread's own image words
+    }
+    __syncthreads();  // the V^T image complete
+    // V^T image out: 16-byte chunks, linear (the staging is already in the image layout)
+    uint8_t* vdst = vimg + blk * kBN * D + ch0 * kBN;
+#pragma unroll
+    for (int i = threadIdx.x; i < DC * kBN / 16; i += NT)
+        reinterpret_cast<uint4*>(vdst)[i] = reinterpret_cast<const uint4*>(vt)[i];
+    if constexpr (SPLIT > 1) cluster_wait();  // the other CTA's reads of this one's exchange slots done
 }
 
 }  // namespace sage::hopper

@@ -73,39 +73,8 @@ int launch(const SageAttnParams& p, cudaStream_t st) {
                                                                    L.nzero);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
-    const int dev = p.device;
-    // the K/V pass is persistent: as many CTAs (clusters of kv_split) as are resident at once, counted per device
-    auto qkv = hopper_quant_kv_kernel<D, T>;
-    static int kv_resident[64] = {};
-    int resident = dev >= 0 && dev < 64 ? kv_resident[dev] : 0;
-    if (resident == 0) {
-        static bool done[64] = {};
-        e = opt_in_dynamic_smem(qkv, kv_raw_bytes(D), done, dev);
-        if (e != cudaSuccess) return (int)e;
-        if constexpr (kv_split(D) > 1) {
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(kv_split(D));
-            cfg.blockDim = dim3(kv_threads(D));
-            cfg.dynamicSmemBytes = kv_raw_bytes(D);
-            cudaLaunchAttribute attr;
-            attr.id = cudaLaunchAttributeClusterDimension;
-            attr.val.clusterDim.x = (unsigned)kv_split(D);
-            attr.val.clusterDim.y = 1;
-            attr.val.clusterDim.z = 1;
-            cfg.attrs = &attr;
-            cfg.numAttrs = 1;
-            e = cudaOccupancyMaxActiveClusters(&resident, qkv, &cfg);
-        } else {
-            e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, qkv, kv_threads(D), kv_raw_bytes(D));
-            resident *= num_sms(dev);
-        }
-        if (e != cudaSuccess) return (int)e;
-        if (resident < 1) return (int)cudaErrorLaunchOutOfResources;
-        if (dev >= 0 && dev < 64) kv_resident[dev] = resident;
-    }
-    const int64_t nitems = (int64_t)nkb * bhk;
-    const int kv_grid = (int)(nitems < resident ? nitems : resident) * kv_split(D);
-    e = launch_pdl(qkv, dim3(kv_grid), dim3(kv_threads(D)), (size_t)kv_raw_bytes(D), st, kv_split(D), p,
+    e = launch_pdl(hopper_quant_kv_kernel<D, T>, dim3(nkb * kv_split(D), p.Hkv, p.B), dim3(kv_threads(D)), 0, st,
+                   kv_split(D), p,
                    (const float*)L.kmean, (const float*)L.vscale, (const float*)L.vmean, L.kimg, L.kscale, L.vimg,
                    L.vfac, L.kmflag, nkb);
     if (e != cudaSuccess) return (int)e;
@@ -115,6 +84,7 @@ int launch(const SageAttnParams& p, cudaStream_t st) {
     const bool lse = p.lse != nullptr, win = p.window_keys > 0;
     auto kern = lse ? (win ? hopper_attn_kernel<D, T, true, NWG, true> : hopper_attn_kernel<D, T, true, NWG, false>)
                     : (win ? hopper_attn_kernel<D, T, false, NWG, true> : hopper_attn_kernel<D, T, false, NWG, false>);
+    const int dev = p.device;
     {
         static bool done[4][64] = {};
         e = opt_in_dynamic_smem(kern, S::TOTAL, done[2 * lse + win], dev);
