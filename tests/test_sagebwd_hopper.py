@@ -67,3 +67,62 @@ def test_launch_refuses_a_dq_buffer_in_another_layout():
     with pytest.raises(ValueError, match="dq_blocks_shape"):
         hopper.launch(q_int, None, None, None, None, None, None, None, None, None,
                       torch.zeros(b, hq, sq, d), None, is_causal=False, scale=1.0)
+
+
+@pytest.mark.parametrize("b,hkv,group,sq,d", [(4, 32, 1, 16384, 128), (1, 8, 4, 32768, 128), (3, 2, 3, 1000, 64),
+                                              (2, 1, 1, 4096, 64), (1, 1, 1, 128, 64)])
+def test_chunks_cover_every_pair_once_in_contiguous_slices(b, hkv, group, sq, d, monkeypatch):
+    monkeypatch.setattr(hopper, "CHUNK_MIN_BYTES", 1 << 20)
+    parts = hopper.chunks(b, hkv, group, sq, d, 2)
+    seen = torch.zeros(b, hkv, dtype=torch.int64)
+    for bs, hs in parts:
+        # a slice of (B, H, ...) is contiguous when it holds whole batch entries or heads of one entry
+        assert hs == slice(0, hkv) or bs.stop - bs.start == 1, (bs, hs)
+        seen[bs, hs] += 1
+    assert torch.equal(seen, torch.ones_like(seen))
+    temps = b * hkv * group * (-(-sq // 64) * 64 * d * 4 + 2 * d * (-(-sq // 16) * 16) + 16 * sq)
+    dq = b * hkv * group * sq * d * 2
+    # each chunk's temporaries within one bf16 dQ of the whole call (or the floor), as few chunks as that allows
+    per_pair = temps / (b * hkv)
+    assert all((bs.stop - bs.start) * (hs.stop - hs.start) * per_pair <= max(dq, 1 << 20) for bs, hs in parts) or \
+        len(parts) == b * hkv
+    assert len(parts) <= 2 * -(-temps // max(dq, 1 << 20))
+
+
+def test_small_calls_run_in_one_piece():
+    assert hopper.chunks(1, 4, 2, 2048, 64, 2) == [(slice(0, 1), slice(0, 4))]
+    assert len(hopper.chunks(4, 32, 1, 16384, 128, 2)) == 4   # B=4 H=32 16K: 1 GiB of fp32 dQ blocks otherwise
+
+
+def test_chunked_backward_assembles_each_chunks_slices(monkeypatch):
+    """The sm_90a path's loop (sagebwd._backward_sm90a) hands each chunk the slices of one set of (batch entry, KV
+    head) pairs (GQA: their query heads; the key-padding mask: their entries) and writes its results into those
+    slices of dQ, dK, dV. A stand-in for the kernel returns its own inputs: dQ <- Q^, dK <- K^, dV <- V + mask."""
+    import sage_patch.kernels.sagebwd as sagebwd
+
+    b, hq, hkv, sq, skv, d = 3, 6, 2, 70, 90, 64
+    g = torch.Generator().manual_seed(0)
+    q_int = torch.randint(-127, 128, (b, hq, sq, d), generator=g, dtype=torch.int8)
+    k_int = torch.randint(-127, 128, (b, hkv, skv, d), generator=g, dtype=torch.int8)
+    v = torch.randn(b, hkv, skv, d, generator=g).to(torch.bfloat16)
+    mask = torch.rand(b, skv, generator=g) > 0.3
+    seen = []
+
+    def kernel(q_c, q_t, do_t, stats, k_c, ks_c, v_c, do_c, dk_c, dv_c, dq_acc, kpm, *, is_causal, scale):
+        assert all(x.is_contiguous() for x in (q_c, k_c, dk_c, dv_c))
+        seen.append(q_c.shape[:2])
+        dq_acc.copy_(_kernel_blocks(q_c.float()))
+        dk_c.copy_(k_c.to(dk_c.dtype))
+        dv_c.copy_(v_c + kpm[:, None, :, None].to(v_c.dtype))
+
+    monkeypatch.setattr(hopper, "launch", kernel)
+    monkeypatch.setattr(sagebwd, "_operands", lambda *a: (None, None, None))
+    monkeypatch.setattr(hopper, "CHUNK_MIN_BYTES", 0)
+    dq, dk, dv = sagebwd._backward_sm90a(torch.zeros(b, hq, sq, d, dtype=torch.bfloat16), q_int,
+                                         torch.ones(b, hq, sq), k_int, torch.ones(b, hkv, skv), v,
+                                         torch.zeros(b, hq, sq, d, dtype=torch.bfloat16), torch.zeros(b, hq, sq),
+                                         is_causal=False, scale=0.5, key_padding_mask=mask)
+    assert len(seen) > 1
+    assert torch.equal(dq, (q_int.float() * 0.5).to(torch.bfloat16))
+    assert torch.equal(dk, k_int.to(torch.bfloat16))
+    assert torch.equal(dv, v + mask[:, None, :, None].to(torch.bfloat16))

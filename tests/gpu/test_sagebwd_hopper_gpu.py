@@ -107,6 +107,22 @@ def test_gradients_against_float64_at_4k(d, causal):
     assert all(c >= 0.999 for c in cos.values()), cos
 
 
+@pytest.mark.parametrize("case", [(3, 6, 2, 1000, 1537, 128, True, True), (5, 4, 1, 333, 333, 64, False, False)])
+def test_chunked_backward_matches_the_whole_call(case, monkeypatch):
+    """The backward run in chunks of (batch entry, KV head) pairs (hopper.chunks; forced here, where the call is
+    small enough for one piece) gives the whole call's gradients: each chunk's slices of every operand, mask and
+    output (GQA: its query heads; key padding: its batch entries). Chunks of heads of one entry, then of whole
+    entries."""
+    b, hq, hkv, sq, skv, d, causal, kp = case
+    q, k, v, dout = _inputs(b, hq, hkv, sq, skv, d, torch.bfloat16)
+    mask = _key_padding(b, skv) if kp else None
+    whole = _run(q, k, v, dout, causal, mask, hopper.backward)[1]
+    monkeypatch.setattr(hopper, "CHUNK_MIN_BYTES", 0)
+    assert len(hopper.chunks(b, hkv, hq // hkv, sq, d, 2)) > 1
+    parts = _run(q, k, v, dout, causal, mask, hopper.backward)[1]
+    _same_grads(whole, parts)
+
+
 def test_poisoned_memory_and_inputs_untouched():
     q, k, v, dout = _inputs(2, 4, 2, 333, 333, 128, torch.bfloat16)
     before = [x.clone() for x in (q, k, v, dout)]

@@ -182,25 +182,16 @@ def _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal,
     the same numerics from the same prepared operands, dQ accumulated in fp32 and scaled and cast here)."""
     dout = _descriptor_ready(dout.to(v.dtype))
     v, out = _descriptor_ready(v), _channels_contiguous(out)
+    if cuda:
+        return _backward_sm90a(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, is_causal=is_causal,
+                               scale=scale, key_padding_mask=key_padding_mask)
     b, hq, sq, d = q_int.shape
     hkv, skv = k_int.shape[1], k_int.shape[2]
     t = TILES[d]
     half, bm, bn = d // 2, KERNEL_LAYOUT["block_q"], KERNEL_LAYOUT["block_k"]
-    f32 = torch.float32
-    do_t, do_t_strides = _int8_transposed(b, hq, sq, d, v.device)
-    # per-query values of both backward loops, one row of four per query (bwd.row_stats)
-    stats = torch.empty(b * hq, sq, 4, dtype=f32, device=v.device)
-    _quantize_tokens(dout, do_t, do_t_strides, stats=(out, q_scale, lse_s, stats))
-    q_t = _transpose(q_int)   # the K-major operand of dS^T Q^
+    do_t, stats, q_t = _operands(dout, q_int, q_scale, out, lse_s)
     dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
     dv = torch.empty_like(dk)
-    if cuda:
-        from .hopper import dq_blocks_shape, dq_from_blocks, launch
-
-        dq_acc = torch.zeros(dq_blocks_shape(b, hq, sq, d), dtype=f32, device=v.device)
-        launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key_padding_mask,
-               is_causal=is_causal, scale=scale)
-        return dq_from_blocks(dq_acc, sq, float(scale), v.dtype), dk, dv
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, v)
     flags = dict(D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
                  num_warps=t["dkdv_warps"], BLOCK_M=bm, BLOCK_N=t["dkdv_n"])
@@ -221,4 +212,40 @@ def _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal,
         _scales_descriptor(k_scale, bn), _descriptor(v, (1, 1, bn, d)), dout, dout.stride(0), dout.stride(1),
         dout.stride(2), stats, dq, kpm, skpm, *sizes, D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm,
         num_stages=t["bwd_stages"], num_warps=t["dq_warps"], BLOCK_M=t["dq_m"], BLOCK_N=bn)
+    return dq, dk, dv
+
+
+def _operands(dout, q_int, q_scale, out, lse_s):
+    """What both backwards read besides the saved tensors: dO^ transposed (INT8, its per-token scales folded into
+    the per-query rows), those rows (B * Hq, Sq, 4) (bwd.row_stats) and Q^ transposed (the K-major operand of
+    dS^T Q^)."""
+    b, hq, sq, d = q_int.shape
+    do_t, do_t_strides = _int8_transposed(b, hq, sq, d, dout.device)
+    stats = torch.empty(b * hq, sq, 4, dtype=torch.float32, device=dout.device)
+    _quantize_tokens(dout, do_t, do_t_strides, stats=(out, q_scale, lse_s, stats))
+    return do_t, stats, _transpose(q_int)
+
+
+def _backward_sm90a(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal, scale, key_padding_mask):
+    """The sm_90a kernel's backward, over chunks of (batch entry, KV head) pairs (hopper.chunks): each chunk's
+    temporaries (the fp32 dQ buffer, the transposed INT8 operands, the per-query rows: ~3x its bf16 dQ) live only
+    while it runs, so the call's peak memory stays below cuDNN's, which holds a whole fp32 dQ accumulator."""
+    from .hopper import chunks, dq_blocks_shape, dq_from_blocks, launch
+
+    b, hq, sq, d = q_int.shape
+    hkv, skv = k_int.shape[1], k_int.shape[2]
+    g = hq // hkv
+    dq = torch.empty(b, hq, sq, d, dtype=v.dtype, device=v.device)
+    dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
+    dv = torch.empty_like(dk)
+    for bs, hs in chunks(b, hkv, g, sq, d, v.element_size()):
+        qs = (bs, slice(hs.start * g, hs.stop * g))   # the query heads of KV heads hs
+        kpm = key_padding_mask if key_padding_mask is None or key_padding_mask.shape[0] == 1 else key_padding_mask[bs]
+        q_c = q_int[qs]
+        do_t, stats, q_t = _operands(dout[qs], q_c, q_scale[qs], out[qs], lse_s[qs])
+        dq_acc = torch.zeros(dq_blocks_shape(*q_c.shape), dtype=torch.float32, device=v.device)
+        launch(q_c, q_t, do_t, stats, k_int[bs, hs], k_scale[bs, hs], v[bs, hs], dout[qs], dk[bs, hs], dv[bs, hs],
+               dq_acc, kpm, is_causal=is_causal, scale=scale)
+        del do_t, stats, q_t   # before the next chunk's are made
+        dq_from_blocks(dq_acc, sq, float(scale), v.dtype, out=dq[qs])
     return dq, dk, dv

@@ -94,14 +94,45 @@ def dq_blocks_shape(b: int, hq: int, sq: int, d: int) -> tuple[int, ...]:
     return b, hq, -(-sq // 64), d // 32, 4, 4, 2, 8, 4, 2
 
 
-def dq_from_blocks(dq_acc: torch.Tensor, sq: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def dq_from_blocks(dq_acc: torch.Tensor, sq: int, scale: float, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """dQ (B, Hq, Sq, D) in dtype = dq_acc (dq_blocks_shape) * scale, in (query, channel) order: one strided pass
-    (the product rounded in fp32, then cast, as dq_acc.mul_(scale).to(dtype))."""
+    (the product rounded in fp32, then cast, as dq_acc.mul_(scale).to(dtype)), into `out` (contiguous) if given."""
     b, hq, ntq, nc = dq_acc.shape[:4]
-    dq = torch.empty(b, hq, ntq * 64, nc * 32, dtype=dtype, device=dq_acc.device)
+    padded = ntq * 64 != sq
+    dq = out if out is not None and not padded else torch.empty(b, hq, ntq * 64, nc * 32, dtype=dtype,
+                                                                 device=dq_acc.device)
     # (tile, c, w, k, hh, g, t4, e) -> (tile, w, hh, g | c, k, t4, e): query row, then channel
     torch.mul(dq_acc.permute(0, 1, 2, 4, 6, 7, 3, 5, 8, 9), scale, out=dq.view(b, hq, ntq, 4, 2, 8, nc, 4, 4, 2))
-    return dq if ntq * 64 == sq else dq[:, :, :sq].contiguous()
+    if not padded:
+        return dq
+    if out is None:
+        return dq[:, :, :sq].contiguous()
+    return out.copy_(dq[:, :, :sq])
+
+
+# The backward's temporaries per query (its fp32 dQ blocks, Q^ and dO^ transposed, the four per-query values) are
+# ~3x the bf16 dQ (6.25 bytes per dQ element at D = 128). Made for the whole call, they put its peak memory at
+# 1.34-1.36x cuDNN's (H200, B=4 H=32 bf16, fwd + bwd, 2026-11-29; cuDNN holds one fp32 dQ accumulator, 2x dQ);
+# made per chunk of (batch entry, KV head) pairs, each chunk's within one bf16 dQ of the whole call, they stay under
+# it. Small calls (under CHUNK_MIN_BYTES of temporaries) run in one piece: a chunk is a few launches more.
+CHUNK_MIN_BYTES = 64 << 20
+
+
+def chunks(b: int, hkv: int, group: int, sq: int, d: int, elem: int) -> list[tuple[slice, slice]]:
+    """(batch slice, KV head slice) pairs that cover the call, each a contiguous slice of (B, H, ...) tensors: whole
+    batch entries, or heads of one entry. group = Hq / Hkv, elem = bytes per element of dQ."""
+    ntq = -(-sq // 64)
+    temps = b * hkv * group * (ntq * 64 * d * 4 + 2 * d * (-(-sq // 16) * 16) + 16 * sq)
+    n = min(b * hkv, -(-temps // max(b * hkv * group * sq * d * elem, CHUNK_MIN_BYTES)))
+    if n <= 1:
+        return [(slice(0, b), slice(0, hkv))]
+    if n <= b:
+        cuts = [b * i // n for i in range(n + 1)]
+        return [(slice(lo, hi), slice(0, hkv)) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+    m = min(hkv, -(-n // b))
+    cuts = [hkv * i // m for i in range(m + 1)]
+    return [(slice(i, i + 1), slice(lo, hi)) for i in range(b) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
 
 
 def launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key_padding_mask, *, is_causal,
