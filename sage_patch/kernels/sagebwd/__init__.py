@@ -248,4 +248,5 @@ def _backward_sm90a(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_c
                dq_acc, kpm, is_causal=is_causal, scale=scale)
         del do_t, stats, q_t   # before the next chunk's are made
         dq_from_blocks(dq_acc, sq, float(scale), v.dtype, out=dq[qs])
+        del dq_acc
     return dq, dk, dv
