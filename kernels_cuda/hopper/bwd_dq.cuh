@@ -7,13 +7,17 @@
 namespace sage::hopper {
 
 // dst[0 .. bytes / 4) += src[...] (fp32, elementwise atomic), one bulk reduction from shared memory (16-byte aligned,
-// bytes a multiple of 16) in this thread's bulk group: the fused dQ's accumulation
+// bytes a multiple of 16) in one lane's bulk group: the fused dQ's accumulation. Called by the whole warp, converged:
+// elect.sync picks the issuing lane inside the asm (a C++ `if (lane == 0)` costs a lane-id computation, ptxas's
+// per-lane loop around the uniform-operand instruction and a convergence region)
 __device__ __forceinline__ void bulk_red_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+    asm volatile("{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n"
+                 " @p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 " @p cp.async.bulk.commit_group;\n}\n"
                  ::"l"(dst), "r"(src), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// this thread's bulk reductions have read their sources (Read) or completed
+// this thread's bulk reductions have read their sources (Read) or completed; a lane without any returns at once,
+// so the whole warp executes it (no test for the issuing lane) and meets the issuer at the warp's next barrier
 template <bool Read> __device__ __forceinline__ void bulk_wait() {
     if constexpr (Read) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -61,7 +65,7 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float*
         reg_fence(t0);
         reg_fence(t1);
         if (ch > 0) {  // the previous chunk's block read
-            if (lane == 0) bulk_wait<true>();
+            bulk_wait<true>();
             __syncwarp();
         }
 #pragma unroll
@@ -75,7 +79,7 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float*
         // generic stores read by the bulk copy (the async proxy): every writer's fence, then the warp's barrier
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncwarp();
-        if (lane == 0) bulk_red_add_f32(dq + bwd_dq_block(h0 / 32 + ch, warp), wst, S::DQ_WARP);
+        bulk_red_add_f32(dq + bwd_dq_block(h0 / 32 + ch, warp), wst, S::DQ_WARP);
     }
 }
 

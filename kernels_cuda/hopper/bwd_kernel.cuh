@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     const int ntq_all = (sq + kBwdQueries - 1) / kBwdQueries;  // the dQ buffer's tiles per head
     auto dq_tile = [&](int tq, int64_t bhq, int m0q) {
         const int pq = tq & 1;
-        if ((ltid & 31) == 0) bulk_wait<true>();
+        bulk_wait<true>();
         named_sync(kBarDsReady + 2 * (1 - wg) + pq, 128 * kBwdNwg);
         const float* sc = reinterpret_cast<const float*>(sm + S::KV_OFF + S::SC_IN_KV) + 64 * pq;
         bwd_dq_update<D>(sb + S::KV_OFF, S::DS_IN_KV + pq * S::DS_BYTES, sc, sc + S::KV_STRIDE / 4, dq_stg,
@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
         bhprev = bh;
     }
     if (tl.ntiles > 0) dq_tile(tl.ntiles - 1, bhprev, mprev);
-    if ((ltid & 31) == 0) bulk_wait<false>();  // (the staging block stays allocated until the last reduction read it)
+    bulk_wait<false>();  // (the staging block stays allocated until the last reduction read it)
     // epilogue: rows key0 / key1, channels 64 nh + 8 i + 2 t4 (+1); dK times tau
     T* dkp = static_cast<T*>(p.dk) + ((int64_t)bkv * skv) * D;
     T* dvp = static_cast<T*>(p.dv) + ((int64_t)bkv * skv) * D;
