@@ -35,11 +35,9 @@ __device__ __forceinline__ void sts_v2(uint32_t a, float x, float y) {
 // warpgroup's region, ds: the dS images' offset in it (the tile's parity)
 template <int D>
 __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float* sc0, const float* sc1, uint32_t stg,
-                                              float* dq, int h0, int ltid) {
+                                              float* dq, int h0, int warp, int ltid) {
     using S = BwdSmem<D>;
-    // (warp through __shfl_sync: warp-uniform to ptxas, so the staging block's and the buffer block's addresses
-    // stay in uniform registers, the bulk reduction's operands, not rebuilt from threadIdx each tile)
-    const int warp = __shfl_sync(0xffffffffu, ltid >> 5, 0), lane = ltid & 31, g = lane >> 2;
+    const int lane = ltid & 31, g = lane >> 2;
     const uint32_t wst = stg + warp * S::DQ_WARP;
     const int r0 = 16 * warp + g, r1 = r0 + 8;
     const float s00 = sc0[r0], s01 = sc0[r1], s10 = sc1[r0], s11 = sc1[r1];

@@ -140,13 +140,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     // ready barrier, which the whole warp passes before writing it again)
     const uint32_t dq_stg = kimg + S::DQ_IN_KV;
     const int ntq_all = (sq + kBwdQueries - 1) / kBwdQueries;  // the dQ buffer's tiles per head
+    const int warp_u = __shfl_sync(0xffffffffu, warp, 0);
     auto dq_tile = [&](int tq, int64_t bhq, int m0q) {
         const int pq = tq & 1;
         bulk_wait<true>();
         named_sync(kBarDsReady + 2 * (1 - wg) + pq, 128 * kBwdNwg);
         const float* sc = reinterpret_cast<const float*>(sm + S::KV_OFF + S::SC_IN_KV) + 64 * pq;
         bwd_dq_update<D>(sb + S::KV_OFF, S::DS_IN_KV + pq * S::DS_BYTES, sc, sc + S::KV_STRIDE / 4, dq_stg,
-                         p.dq_acc + bwd_dq_tile<D>(bhq, ntq_all, m0q / kBwdQueries), wg * (D / 2), ltid);
+                         p.dq_acc + bwd_dq_tile<D>(bhq, ntq_all, m0q / kBwdQueries), wg * (D / 2), warp_u, ltid);
         if (tq + 2 < tl.ntiles) named_arrive(kBarDsFree + 2 * (1 - wg) + pq, 128 * kBwdNwg);
     };
     int mprev = 0;
