@@ -125,6 +125,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     const int key0 = n0 + 16 * warp + g, key1 = key0 + 8;
     const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
     const bool kok0 = key0 < skv && (!mrow || mrow[key0]), kok1 = key1 < skv && (!mrow || mrow[key1]);
+    // a key's visibility as one threshold on the query: pair (key, qi < sq) is visible iff qi >= its qlim (causal:
+    // key <= qi + diag), INT_MAX for a key past skv or padded. One int per key across the tile loop instead of the
+    // flag, the key and diag (D = 128 spilled both flags and reloaded them every tile)
+    const int qlim0 = kok0 ? (p.causal ? key0 - diag : 0) : INT_MAX, qlim1 = kok1 ? (p.causal ? key1 - diag : 0) : INT_MAX;
     const float ksr0 = key0 < skv ? p.k_scale[(int64_t)bkv * skv + key0] : 0.f;  // dQ's dS s_K
     const float ksr1 = key1 < skv ? p.k_scale[(int64_t)bkv * skv + key1] : 0.f;
     const float ks0 = ksr0 * tau_log2e, ks1 = ksr1 * tau_log2e;
@@ -213,8 +217,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                         const float x1 = fast_exp2((float)sacc[4 * i + 2 + e] * ks1 * s4.x - s4.y);
                         if constexpr (decltype(masked)::value) {
                             const bool qok = qi < sq;
-                            const bool v0 = qok && kok0 && (!p.causal || key0 <= qi + diag);
-                            const bool v1 = qok && kok1 && (!p.causal || key1 <= qi + diag);
+                            const bool v0 = qok && qi >= qlim0, v1 = qok && qi >= qlim1;
                             pt[4 * i + e] = v0 ? x0 : 0.f;
                             pt[4 * i + 2 + e] = v1 ? x1 : 0.f;
                         } else {
@@ -224,7 +227,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                     }
                 }
             };
-            if (kok0 && kok1 && m0 + kBwdQueries <= sq && (!p.causal || key1 <= m0 + diag))
+            if (m0 >= max(qlim0, qlim1) && m0 + kBwdQueries <= sq)
                 probs(std::false_type{});
             else
                 probs(std::true_type{});
