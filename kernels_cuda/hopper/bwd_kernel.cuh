@@ -129,6 +129,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     // key <= qi + diag), INT_MAX for a key past skv or padded. One int per key across the tile loop instead of the
     // flag, the key and diag (D = 128 spilled both flags and reloaded them every tile)
     const int qlim0 = kok0 ? (p.causal ? key0 - diag : 0) : INT_MAX, qlim1 = kok1 ? (p.causal ? key1 - diag : 0) : INT_MAX;
+    // and the warp's: a tile from m0 >= qlim_w (and within sq) has every pair of the warp visible (warp-uniform, so
+    // in a uniform register, and no lane of the warp diverges into the masked path alone)
+    const int qlim_w = __shfl_sync(0xffffffffu, __reduce_max_sync(0xffffffffu, max(qlim0, qlim1)), 0);
     const float ksr0 = key0 < skv ? p.k_scale[(int64_t)bkv * skv + key0] : 0.f;  // dQ's dS s_K
     const float ksr1 = key1 < skv ? p.k_scale[(int64_t)bkv * skv + key1] : 0.f;
     const float ks0 = ksr0 * tau_log2e, ks1 = ksr1 * tau_log2e;
@@ -227,7 +230,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                     }
                 }
             };
-            if (m0 >= max(qlim0, qlim1) && m0 + kBwdQueries <= sq)
+            if (m0 >= qlim_w && m0 + kBwdQueries <= sq)
                 probs(std::false_type{});
             else
                 probs(std::true_type{});
