@@ -39,9 +39,10 @@ __device__ __forceinline__ void sts_v2(uint32_t a, float x, float y) {
 // reduction from lane 0 (FA3's dQ path, per warp: no barrier beyond the warp's; 1 bulk operation per warp and
 // chunk instead of 8 vector reductions per thread). dq: the tile in the dQ buffer (bwd_dq_tile), kv0: the first
 // warpgroup's region, ds: the dS images' offset in it (the tile's parity)
-template <int D>
+// between(): the caller's products (Pending commit groups) issued behind the first chunk's, in flight on return
+template <int D, int Pending, typename F>
 __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float* sc0, const float* sc1, uint32_t stg,
-                                              float* dq, int h0, int warp, int ltid) {
+                                              float* dq, int h0, int warp, int ltid, F&& between) {
     using S = BwdSmem<D>;
     const int lane = ltid & 31, g = lane >> 2;
     const uint32_t wst = stg + warp * S::DQ_WARP;
@@ -66,9 +67,11 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float*
         wg_commit();
     };
     issue(0);
+    between();
 #pragma unroll
     for (int ch = 0; ch < D / 64; ++ch) {
-        wg_wait<0>();
+        if (ch == 0) wg_wait<Pending>();
+        else wg_wait<0>();
         reg_fence(t0);
         reg_fence(t1);
         float v[16];

@@ -148,13 +148,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     const uint32_t dq_stg = kimg + S::DQ_IN_KV;
     const int ntq_all = (sq + kBwdQueries - 1) / kBwdQueries;  // the dQ buffer's tiles per head
     const int warp_u = __shfl_sync(0xffffffffu, warp, 0);
-    auto dq_tile = [&](int tq, int64_t bhq, int m0q) {
+    auto dq_tile = [&](int tq, int64_t bhq, int m0q, auto pending, auto&& between) {
         const int pq = tq & 1;
         bulk_wait<true>();
         named_sync(kBarDsReady + 2 * (1 - wg) + pq, 128 * kBwdNwg);
         const float* sc = reinterpret_cast<const float*>(sm + S::KV_OFF + S::SC_IN_KV) + 64 * pq;
-        bwd_dq_update<D>(sb + S::KV_OFF, S::DS_IN_KV + pq * S::DS_BYTES, sc, sc + S::KV_STRIDE / 4, dq_stg,
-                         p.dq_acc + bwd_dq_tile<D>(bhq, ntq_all, m0q / kBwdQueries), wg * (D / 2), warp_u, ltid);
+        bwd_dq_update<D, decltype(pending)::value>(sb + S::KV_OFF, S::DS_IN_KV + pq * S::DS_BYTES, sc, sc + S::KV_STRIDE / 4, dq_stg,
+                         p.dq_acc + bwd_dq_tile<D>(bhq, ntq_all, m0q / kBwdQueries), wg * (D / 2), warp_u, ltid, between);
         if (tq + 2 < tl.ntiles) named_arrive(kBarDsFree + 2 * (1 - wg) + pq, 128 * kBwdNwg);
     };
     int mprev = 0;
@@ -173,8 +173,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
             // S^T = K^ Q^^T and dP^T = V dO^T, in flight together
             int sacc[32];
             float dpt[32];
-            wg_fence();
-            {
+            auto issue_s = [&] {
+                wg_fence();
                 const uint32_t ka = desc_lo(kimg), qa = desc_lo(sst + S::Q_OFF);
                 wgmma_s8_n64_ss<false>(sacc, desc_make(ka, desc_hi(D)), desc_make(qa, desc_hi(D)));
 #pragma unroll
@@ -182,11 +182,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                     wgmma_s8_n64_ss<true>(sacc, desc_make(ka + desc_step(32 * k), desc_hi(D)),
                                     desc_make(qa + desc_step(32 * k), desc_hi(D)));
                 wg_commit();
-                // D = 128: the previous tile's dQ products with S^T in flight (room for S^T's 32 accumulators only)
-                if (!kBwdOverlap<D> && t > 0) {
-                    dq_tile(t - 1, bhprev, mprev);
-                    wg_fence();
-                }
+            };
+            auto issue_dp = [&] {
+                wg_fence();
 #pragma unroll
                 for (int cc = 0; cc < D / 64; ++cc) {
                     const uint32_t va = desc_lo(vimg + cc * 8192),
@@ -200,10 +198,18 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                     }
                 }
                 wg_commit();
+            };
+            if constexpr (kBwdOverlap<D>) {
+                // where registers allow: S^T and dP^T issued behind the previous tile's dQ products, in flight during
+                // their scaling, staging and reduction (dQ waits for its own products only)
+                if (t > 0) dq_tile(t - 1, bhprev, mprev, std::integral_constant<int, 2>{}, [&] { issue_s(); issue_dp(); });
+                else issue_s(), issue_dp();
+            } else {
+                // D = 128: the previous tile's dQ products with S^T in flight (room for S^T's 32 accumulators only)
+                issue_s();
+                if (t > 0) dq_tile(t - 1, bhprev, mprev, std::integral_constant<int, 0>{}, [] {});
+                issue_dp();
             }
-            // FA3's order where registers allow: the previous tile's dQ products run with S^T and dP^T in flight (its
-            // wait_group waits for them too)
-            if (kBwdOverlap<D> && t > 0) dq_tile(t - 1, bhprev, mprev);
             wg_wait<1>();
             reg_fence(sacc);
             // P^T (masked pairs 0: keys past skv or padded, past the causal diagonal, queries past sq); a lane whose
@@ -296,7 +302,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
         mprev = m0;
         bhprev = bh;
     }
-    if (tl.ntiles > 0) dq_tile(tl.ntiles - 1, bhprev, mprev);
+    if (tl.ntiles > 0) dq_tile(tl.ntiles - 1, bhprev, mprev, std::integral_constant<int, 0>{}, [] {});
     bulk_wait<false>();  // (the staging block stays allocated until the last reduction read it)
     // epilogue: rows key0 / key1, channels 64 nh + 8 i + 2 t4 (+1); dK times tau
     T* dkp = static_cast<T*>(p.dk) + ((int64_t)bkv * skv) * D;
