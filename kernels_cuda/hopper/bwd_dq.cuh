@@ -7,23 +7,13 @@
 namespace sage::hopper {
 
 // dst[0 .. bytes / 4) += src[...] (fp32, elementwise atomic), one bulk reduction from shared memory (16-byte aligned,
-// bytes a multiple of 16) in one lane's bulk group: the fused dQ's accumulation. Called by the whole warp, converged:
-// elect.sync picks the issuing lane inside the asm (a C++ `if (lane == 0)` costs a lane-id computation, ptxas's
-// per-lane loop around the uniform-operand instruction and a convergence region)
+// bytes a multiple of 16) in this thread's bulk group: the fused dQ's accumulation
 __device__ __forceinline__ void bulk_red_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-    asm volatile("{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n"
-                 " @p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                 " @p cp.async.bulk.commit_group;\n}\n"
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                  ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// this thread's bulk reductions have read their sources (Read) or completed; a lane without any returns at once,
-// so the whole warp executes it (no test for the issuing lane) and meets the issuer at the warp's next barrier
-// true in one lane of the converged warp (the lowest: the one whose bulk_red_add_f32 issued)
-__device__ __forceinline__ bool elect_one() {
-    uint32_t e;
-    asm volatile("{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n selp.u32 %0, 1, 0, p;\n}\n" : "=r"(e));
-    return e != 0;
-}
+// this thread's bulk reductions have read their sources (Read) or completed
 template <bool Read> __device__ __forceinline__ void bulk_wait() {
     if constexpr (Read) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -39,17 +29,19 @@ __device__ __forceinline__ void sts_v2(uint32_t a, float x, float y) {
 // reduction from lane 0 (FA3's dQ path, per warp: no barrier beyond the warp's; 1 bulk operation per warp and
 // chunk instead of 8 vector reductions per thread). dq: the tile in the dQ buffer (bwd_dq_tile), kv0: the first
 // warpgroup's region, ds: the dS images' offset in it (the tile's parity)
-// between(): the caller's products (Pending commit groups) issued behind the first chunk's, in flight on return
-template <int D, int Pending, typename F>
+template <int D>
 __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float* sc0, const float* sc1, uint32_t stg,
-                                              float* dq, int h0, int warp, int ltid, F&& between) {
+                                              float* dq, int h0, int ltid) {
     using S = BwdSmem<D>;
-    const int lane = ltid & 31, g = lane >> 2;
+    // (warp through __shfl_sync: warp-uniform to ptxas, so the staging block's and the buffer block's addresses
+    // stay in uniform registers, the bulk reduction's operands, not rebuilt from threadIdx each tile)
+    const int warp = __shfl_sync(0xffffffffu, ltid >> 5, 0), lane = ltid & 31, g = lane >> 2;
     const uint32_t wst = stg + warp * S::DQ_WARP;
     const int r0 = 16 * warp + g, r1 = r0 + 8;
     const float s00 = sc0[r0], s01 = sc0[r1], s10 = sc1[r0], s11 = sc1[r1];
-    int t0[16], t1[16];
-    auto issue = [&](int ch) {  // 32 channels per product
+#pragma unroll
+    for (int ch = 0; ch < D / 64; ++ch) {  // 32 channels per product
+        int t0[16], t1[16];
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
@@ -65,36 +57,25 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float*
             }
         }
         wg_commit();
-    };
-    issue(0);
-    between();
-#pragma unroll
-    for (int ch = 0; ch < D / 64; ++ch) {
-        if (ch == 0) wg_wait<Pending>();
-        else wg_wait<0>();
+        wg_wait<0>();
         reg_fence(t0);
         reg_fence(t1);
-        float v[16];
-#pragma unroll
-        for (int j = 0; j < 16; ++j) v[j] = (float)t0[j] * ((j & 2) ? s01 : s00) + (float)t1[j] * ((j & 2) ? s11 : s10);
-        if (ch > 0) {  // the previous chunk's block read, waited for by its issuer (the lane elect.sync picks in
-            // bulk_red_add_f32, lane 0 of the converged warp): the branch keeps ptxas from hoisting the wait above the
-            // scaling of this chunk's products (unconditional, it went right after the products' wait)
-            if (elect_one()) bulk_wait<true>();
+        if (ch > 0) {  // the previous chunk's block read
+            if (lane == 0) bulk_wait<true>();
             __syncwarp();
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const uint32_t a = wst + 8 * (64 * i + lane);
-            sts_v2(a, v[4 * i], v[4 * i + 1]);
-            sts_v2(a + 8 * 32, v[4 * i + 2], v[4 * i + 3]);
+            sts_v2(a, (float)t0[4 * i] * s00 + (float)t1[4 * i] * s10,
+                   (float)t0[4 * i + 1] * s00 + (float)t1[4 * i + 1] * s10);
+            sts_v2(a + 8 * 32, (float)t0[4 * i + 2] * s01 + (float)t1[4 * i + 2] * s11,
+                   (float)t0[4 * i + 3] * s01 + (float)t1[4 * i + 3] * s11);
         }
-        // the next chunk's products (into t0, t1: read above) run during this chunk's fence and reduction
-        if (ch + 1 < D / 64) issue(ch + 1);
         // generic stores read by the bulk copy (the async proxy): every writer's fence, then the warp's barrier
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncwarp();
-        bulk_red_add_f32(dq + bwd_dq_block(h0 / 32 + ch, warp), wst, S::DQ_WARP);
+        if (lane == 0) bulk_red_add_f32(dq + bwd_dq_block(h0 / 32 + ch, warp), wst, S::DQ_WARP);
     }
 }
 

@@ -125,13 +125,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     const int key0 = n0 + 16 * warp + g, key1 = key0 + 8;
     const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
     const bool kok0 = key0 < skv && (!mrow || mrow[key0]), kok1 = key1 < skv && (!mrow || mrow[key1]);
-    // a key's visibility as one threshold on the query: pair (key, qi < sq) is visible iff qi >= its qlim (causal:
-    // key <= qi + diag), INT_MAX for a key past skv or padded. One int per key across the tile loop instead of the
-    // flag, the key and diag (D = 128 spilled both flags and reloaded them every tile)
-    const int qlim0 = kok0 ? (p.causal ? key0 - diag : 0) : INT_MAX, qlim1 = kok1 ? (p.causal ? key1 - diag : 0) : INT_MAX;
-    // and the warp's: a tile from m0 >= qlim_w (and within sq) has every pair of the warp visible (warp-uniform, so
-    // in a uniform register, and no lane of the warp diverges into the masked path alone)
-    const int qlim_w = __shfl_sync(0xffffffffu, __reduce_max_sync(0xffffffffu, max(qlim0, qlim1)), 0);
     const float ksr0 = key0 < skv ? p.k_scale[(int64_t)bkv * skv + key0] : 0.f;  // dQ's dS s_K
     const float ksr1 = key1 < skv ? p.k_scale[(int64_t)bkv * skv + key1] : 0.f;
     const float ks0 = ksr0 * tau_log2e, ks1 = ksr1 * tau_log2e;
@@ -147,14 +140,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     // ready barrier, which the whole warp passes before writing it again)
     const uint32_t dq_stg = kimg + S::DQ_IN_KV;
     const int ntq_all = (sq + kBwdQueries - 1) / kBwdQueries;  // the dQ buffer's tiles per head
-    const int warp_u = __shfl_sync(0xffffffffu, warp, 0);
-    auto dq_tile = [&](int tq, int64_t bhq, int m0q, auto pending, auto&& between) {
+    auto dq_tile = [&](int tq, int64_t bhq, int m0q) {
         const int pq = tq & 1;
-        bulk_wait<true>();
+        if ((ltid & 31) == 0) bulk_wait<true>();
         named_sync(kBarDsReady + 2 * (1 - wg) + pq, 128 * kBwdNwg);
         const float* sc = reinterpret_cast<const float*>(sm + S::KV_OFF + S::SC_IN_KV) + 64 * pq;
-        bwd_dq_update<D, decltype(pending)::value>(sb + S::KV_OFF, S::DS_IN_KV + pq * S::DS_BYTES, sc, sc + S::KV_STRIDE / 4, dq_stg,
-                         p.dq_acc + bwd_dq_tile<D>(bhq, ntq_all, m0q / kBwdQueries), wg * (D / 2), warp_u, ltid, between);
+        bwd_dq_update<D>(sb + S::KV_OFF, S::DS_IN_KV + pq * S::DS_BYTES, sc, sc + S::KV_STRIDE / 4, dq_stg,
+                         p.dq_acc + bwd_dq_tile<D>(bhq, ntq_all, m0q / kBwdQueries), wg * (D / 2), ltid);
         if (tq + 2 < tl.ntiles) named_arrive(kBarDsFree + 2 * (1 - wg) + pq, 128 * kBwdNwg);
     };
     int mprev = 0;
@@ -173,8 +165,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
             // S^T = K^ Q^^T and dP^T = V dO^T, in flight together
             int sacc[32];
             float dpt[32];
-            auto issue_s = [&] {
-                wg_fence();
+            wg_fence();
+            {
                 const uint32_t ka = desc_lo(kimg), qa = desc_lo(sst + S::Q_OFF);
                 wgmma_s8_n64_ss<false>(sacc, desc_make(ka, desc_hi(D)), desc_make(qa, desc_hi(D)));
 #pragma unroll
@@ -182,9 +174,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                     wgmma_s8_n64_ss<true>(sacc, desc_make(ka + desc_step(32 * k), desc_hi(D)),
                                     desc_make(qa + desc_step(32 * k), desc_hi(D)));
                 wg_commit();
-            };
-            auto issue_dp = [&] {
-                wg_fence();
+                // D = 128: the previous tile's dQ products with S^T in flight (room for S^T's 32 accumulators only)
+                if (!kBwdOverlap<D> && t > 0) {
+                    dq_tile(t - 1, bhprev, mprev);
+                    wg_fence();
+                }
 #pragma unroll
                 for (int cc = 0; cc < D / 64; ++cc) {
                     const uint32_t va = desc_lo(vimg + cc * 8192),
@@ -198,18 +192,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                     }
                 }
                 wg_commit();
-            };
-            if constexpr (kBwdOverlap<D>) {
-                // where registers allow: S^T and dP^T issued behind the previous tile's dQ products, in flight during
-                // their scaling, staging and reduction (dQ waits for its own products only)
-                if (t > 0) dq_tile(t - 1, bhprev, mprev, std::integral_constant<int, 2>{}, [&] { issue_s(); issue_dp(); });
-                else issue_s(), issue_dp();
-            } else {
-                // D = 128: the previous tile's dQ products with S^T in flight (room for S^T's 32 accumulators only)
-                issue_s();
-                if (t > 0) dq_tile(t - 1, bhprev, mprev, std::integral_constant<int, 0>{}, [] {});
-                issue_dp();
             }
+            // FA3's order where registers allow: the previous tile's dQ products run with S^T and dP^T in flight (its
+            // wait_group waits for them too)
+            if (kBwdOverlap<D> && t > 0) dq_tile(t - 1, bhprev, mprev);
             wg_wait<1>();
             reg_fence(sacc);
             // P^T (masked pairs 0: keys past skv or padded, past the causal diagonal, queries past sq); a lane whose
@@ -226,7 +212,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                         const float x1 = fast_exp2((float)sacc[4 * i + 2 + e] * ks1 * s4.x - s4.y);
                         if constexpr (decltype(masked)::value) {
                             const bool qok = qi < sq;
-                            const bool v0 = qok && qi >= qlim0, v1 = qok && qi >= qlim1;
+                            const bool v0 = qok && kok0 && (!p.causal || key0 <= qi + diag);
+                            const bool v1 = qok && kok1 && (!p.causal || key1 <= qi + diag);
                             pt[4 * i + e] = v0 ? x0 : 0.f;
                             pt[4 * i + 2 + e] = v1 ? x1 : 0.f;
                         } else {
@@ -236,7 +223,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                     }
                 }
             };
-            if (m0 >= qlim_w && m0 + kBwdQueries <= sq)
+            if (kok0 && kok1 && m0 + kBwdQueries <= sq && (!p.causal || key1 <= m0 + diag))
                 probs(std::false_type{});
             else
                 probs(std::true_type{});
@@ -302,8 +289,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
         mprev = m0;
         bhprev = bh;
     }
-    if (tl.ntiles > 0) dq_tile(tl.ntiles - 1, bhprev, mprev, std::integral_constant<int, 0>{}, [] {});
-    bulk_wait<false>();  // (the staging block stays allocated until the last reduction read it)
+    if (tl.ntiles > 0) dq_tile(tl.ntiles - 1, bhprev, mprev);
+    if ((ltid & 31) == 0) bulk_wait<false>();  // (the staging block stays allocated until the last reduction read it)
     // epilogue: rows key0 / key1, channels 64 nh + 8 i + 2 t4 (+1); dK times tau
     T* dkp = static_cast<T*>(p.dk) + ((int64_t)bkv * skv) * D;
     T* dvp = static_cast<T*>(p.dv) + ((int64_t)bkv * skv) * D;
