@@ -39,8 +39,9 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float*
     const uint32_t wst = stg + warp * S::DQ_WARP;
     const int r0 = 16 * warp + g, r1 = r0 + 8;
     const float s00 = sc0[r0], s01 = sc0[r1], s10 = sc1[r0], s11 = sc1[r1];
-    int t0[16], t1[16];
-    auto issue = [&](int ch) {  // 32 channels per product
+#pragma unroll
+    for (int ch = 0; ch < D / 64; ++ch) {  // 32 channels per product
+        int t0[16], t1[16];
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
@@ -56,10 +57,6 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float*
             }
         }
         wg_commit();
-    };
-    issue(0);
-#pragma unroll
-    for (int ch = 0; ch < D / 64; ++ch) {
         wg_wait<0>();
         reg_fence(t0);
         reg_fence(t1);
@@ -75,9 +72,6 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float*
             sts_v2(a + 8 * 32, (float)t0[4 * i + 2] * s01 + (float)t1[4 * i + 2] * s11,
                    (float)t0[4 * i + 3] * s01 + (float)t1[4 * i + 3] * s11);
         }
-        // D = 128: the next chunk's products (into t0, t1, read above) run during this chunk's proxy fence (the
-        // drain of the staging stores) and bulk reduction
-        if (ch + 1 < D / 64) issue(ch + 1);
         // generic stores read by the bulk copy (the async proxy): every writer's fence, then the warp's barrier
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncwarp();
