@@ -177,9 +177,10 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
 
 
 def _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal, scale, key_padding_mask,
-              cuda: bool):
+              cuda: bool, deterministic: bool = False):
     """`backward`, from the Triton dkdv_kernel and dq_kernel or (cuda) the compiled sm_90a kernel (hopper.launch:
-    the same numerics from the same prepared operands, dQ accumulated in fp32 and scaled and cast here)."""
+    the same numerics from the same prepared operands, dQ accumulated in fp32 and scaled and cast here; with
+    deterministic, in the kernel's fixed order: its tile counters zeroed here)."""
     dout = _descriptor_ready(dout.to(v.dtype))
     v, out = _descriptor_ready(v), _channels_contiguous(out)
     b, hq, sq, d = q_int.shape
@@ -195,11 +196,12 @@ def _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal,
     dk = torch.empty(b, hkv, skv, d, dtype=v.dtype, device=v.device)
     dv = torch.empty_like(dk)
     if cuda:
-        from .hopper import dq_blocks_shape, dq_from_blocks, launch
+        from .hopper import dq_blocks_shape, dq_from_blocks, dq_sem_shape, launch
 
         dq_acc = torch.zeros(dq_blocks_shape(b, hq, sq, d), dtype=f32, device=v.device)
+        dq_sem = torch.zeros(dq_sem_shape(b, hq, sq), dtype=torch.int32, device=v.device) if deterministic else None
         launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key_padding_mask,
-               is_causal=is_causal, scale=scale)
+               is_causal=is_causal, scale=scale, dq_sem=dq_sem)
         return dq_from_blocks(dq_acc, sq, float(scale), v.dtype), dk, dv
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, v)
     flags = dict(D=d, CAUSAL=bool(is_causal), KEY_PADDING=has_kpm, num_stages=t["bwd_stages"],
