@@ -20,7 +20,8 @@ template <bool Read> __device__ __forceinline__ void bulk_wait() {
 }
 // The deterministic mode's order (bwd_kernel.cuh): a tile's counter (int32, global) counts the warps whose bulk
 // reductions into the tile have completed. One lane waits until it reaches target (every warp of the key blocks
-// before this one in the tile's order), acquire, then orders its following bulk reductions (async proxy) after it
+// before this one in the tile's order; >=, not ==: the counter moves on once this key block's other warps add),
+// acquire, then orders its following bulk reductions (async proxy) after it
 __device__ __forceinline__ void bwd_dq_wait(const int* sem, int target) {
     for (uint32_t ns = 32;; ns = ns < 512 ? 2 * ns : ns) {
         int v;
@@ -46,11 +47,10 @@ __device__ __forceinline__ void sts_v2(uint32_t a, float x, float y) {
 // previous bulk reduction has read it), then added to the warp's block of the tile in the dQ buffer by one bulk
 // reduction from lane 0 (FA3's dQ path, per warp: no barrier beyond the warp's; 1 bulk operation per warp and
 // chunk instead of 8 vector reductions per thread). dq: the tile in the dQ buffer (bwd_dq_tile), kv0: the first
-// warpgroup's region, ds: the dS images' offset in it (the tile's parity). Det: the first bulk reduction waits
-// until the tile's counter sem reaches target (bwd_dq_wait)
-template <int D, bool Det = false>
+// warpgroup's region, ds: the dS images' offset in it (the tile's parity)
+template <int D>
 __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float* sc0, const float* sc1, uint32_t stg,
-                                              float* dq, int h0, int ltid, const int* sem = nullptr, int target = 0) {
+                                              float* dq, int h0, int ltid) {
     using S = BwdSmem<D>;
     // (warp through __shfl_sync: warp-uniform to ptxas, so the staging block's and the buffer block's addresses
     // stay in uniform registers, the bulk reduction's operands, not rebuilt from threadIdx each tile)
@@ -94,10 +94,7 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float*
         // generic stores read by the bulk copy (the async proxy): every writer's fence, then the warp's barrier
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncwarp();
-        if (lane == 0) {
-            if constexpr (Det) if (ch == 0) bwd_dq_wait(sem, target);
-            bulk_red_add_f32(dq + bwd_dq_block(h0 / 32 + ch, warp), wst, S::DQ_WARP);
-        }
+        if (lane == 0) bulk_red_add_f32(dq + bwd_dq_block(h0 / 32 + ch, warp), wst, S::DQ_WARP);
     }
 }
 
