@@ -103,9 +103,9 @@ typedef struct {
     int32_t device, device_cc;
     float sm_scale;
     /* ABI 9 */
-    int32_t* dq_sem;           /* NULL: dQ's reductions in any order. Else the deterministic mode: (B, Hq, ceil(Sq / 64))
-                                  int32 contiguous, zeroed by the caller (one counter per 64-query tile: the key blocks
-                                  add to a tile one after another, in a fixed order) */
+    int32_t* dq_sem;           /* NULL: dQ's reductions in any order. Else the deterministic mode: (B, Hq,
+                                  ceil(Sq / 64)) int32 contiguous, zeroed by the caller (one counter per 64-query
+                                  tile: the key blocks add to a tile one after another, in a fixed order) */
 } SageBwdParams;
 
 int64_t sage_attn_workspace_bytes(const SageAttnParams* p);

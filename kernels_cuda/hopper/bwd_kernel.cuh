@@ -162,8 +162,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
         if ((ltid & 31) == 0) bulk_wait<true>();
         if constexpr (Det) {
             // this CTA's place in the tile's order (above) times the increments per key block (its warps), waited
-            // for before the barrier, where the warp may wait anyway (H200, B=4 H=32: 1.17-1.33x the default mode's
-            // time, against 1.22-1.44x waiting just before the first bulk reduction)
+            // for before the barrier, where the warp may wait anyway (H200, B=4 H=32, with the release below:
+            // 1.17-1.33x the default mode's time, against 1.15-1.44x waiting just before the first bulk reduction
+            // and releasing at the next tile's dQ)
             sem_prev = p.dq_sem + bhq * ntq_all + m0q / kBwdQueries;
             const int n = p.causal ? min((int)gridDim.x, (m0q + kBwdQueries + diag + keys - 1) / keys) : 0;
             if ((ltid & 31) == 0) bwd_dq_wait(sem_prev, 4 * kBwdNwg * (p.causal ? n - 1 - kb : kb));

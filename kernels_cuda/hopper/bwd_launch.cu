@@ -20,6 +20,13 @@ int bwd_launch(const SageBwdParams& p, cudaStream_t st) {
     return (int)cudaGetLastError();
 }
 
+// the instantiation of p's head dim and dtype
+template <bool Det>
+int bwd_dispatch(const SageBwdParams& p, cudaStream_t st) {
+    if (p.D == 64) return p.dtype == 0 ? bwd_launch<64, __half, Det>(p, st) : bwd_launch<64, __nv_bfloat16, Det>(p, st);
+    return p.dtype == 0 ? bwd_launch<128, __half, Det>(p, st) : bwd_launch<128, __nv_bfloat16, Det>(p, st);
+}
+
 }  // namespace sage::hopper
 
 namespace sage {
@@ -32,12 +39,7 @@ int hopper_bwd(const SageBwdParams& p, cudaStream_t st) {
                      p.do_ss % 8 == 0;
     if (!v16 || !d16) return SAGE_E_BADARG;
     if (reinterpret_cast<uintptr_t>(p.dq_sem) % 4 != 0) return SAGE_E_BADARG;
-    if (p.dq_sem) {
-        if (p.D == 64) return p.dtype == 0 ? hopper::bwd_launch<64, __half, true>(p, st) : hopper::bwd_launch<64, __nv_bfloat16, true>(p, st);
-        return p.dtype == 0 ? hopper::bwd_launch<128, __half, true>(p, st) : hopper::bwd_launch<128, __nv_bfloat16, true>(p, st);
-    }
-    if (p.D == 64) return p.dtype == 0 ? hopper::bwd_launch<64, __half, false>(p, st) : hopper::bwd_launch<64, __nv_bfloat16, false>(p, st);
-    return p.dtype == 0 ? hopper::bwd_launch<128, __half, false>(p, st) : hopper::bwd_launch<128, __nv_bfloat16, false>(p, st);
+    return p.dq_sem ? hopper::bwd_dispatch<true>(p, st) : hopper::bwd_dispatch<false>(p, st);
 }
 
 }  // namespace sage

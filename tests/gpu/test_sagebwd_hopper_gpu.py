@@ -234,7 +234,7 @@ DETERMINISTIC_CASES = [  # b, hq, hkv, sq, skv, d, causal, key padding: 32-40 ke
 @pytest.mark.parametrize("case", DETERMINISTIC_CASES)
 def test_deterministic_mode_is_bitwise_reproducible(case):
     """Under torch.use_deterministic_algorithms(True) three backward runs of one call give bitwise the same dQ, dK
-    and dV (the default mode's dQ differs between two such runs at these lengths: hopdet's notes), close to the
+    and dV (the default mode's dQ differs between two such runs at these lengths: docs/design/kernels.md), close to the
     default mode's."""
     b, hq, hkv, sq, skv, d, causal, kp = case
     q, k, v, dout = _inputs(b, hq, hkv, sq, skv, d, torch.bfloat16)
