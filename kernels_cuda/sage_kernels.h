@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SAGE_ABI_VERSION 8
+#define SAGE_ABI_VERSION 9
 
 /* The compiled kernel variants (SageAttnParams.kernel): one id per attention kernel family, chosen by the caller
  * (sage_patch.kernels.registry); nothing here re-derives it. QK4 = "4b" with packed INT4 mma.sync m16n8k64 s4
@@ -80,7 +80,8 @@ typedef struct {
 
 /* ABI 8: the SageBwd training backward (dQ, dK, dV) on sm_90a (kernels_cuda/hopper/bwd_kernel.cuh), from the
  * operands sage_patch.kernels.sagebwd prepares (its numerics: SageBwdConfig(**KERNEL_LAYOUT)). dQ is accumulated
- * with floating-point reductions (red.global.add) into dq_acc: its summation order varies from run to run. */
+ * with floating-point bulk reductions into dq_acc: by default in whatever order the key blocks reach a query tile
+ * (it varies from run to run); with dq_sem (ABI 9) in a fixed order (deterministic). */
 typedef struct {
     const int8_t* q_int;       /* Q^ (B, Hq, Sq, D) contiguous */
     const int8_t* q_t;         /* Q^ transposed, (B * Hq, D, t_stride) */
@@ -101,6 +102,10 @@ typedef struct {
     int32_t dtype;             /* 0 = fp16, 1 = bf16 */
     int32_t device, device_cc;
     float sm_scale;
+    /* ABI 9 */
+    int32_t* dq_sem;           /* NULL: dQ's reductions in any order. Else the deterministic mode: (B, Hq,
+                                  ceil(Sq / 64)) int32 contiguous, zeroed by the caller (one counter per 64-query
+                                  tile: the key blocks add to a tile one after another, in a fixed order) */
 } SageBwdParams;
 
 int64_t sage_attn_workspace_bytes(const SageAttnParams* p);

@@ -1,33 +1,105 @@
 """The sm_90a SageBwd backward's launcher (sage_patch.kernels.sagebwd.hopper) without a GPU: what it runs under
-torch's deterministic-algorithms switch (its dQ is summed with floating-point reductions in no fixed order, so
-deterministic mode takes the Triton kernels, whose dQ is deterministic, and says so once), and the reading of the
-kernel's fp32 dQ buffer (in blocks, bwd_traits.cuh's bwd_dq_tile). The kernel itself:
-tests/gpu/test_sagebwd_hopper_gpu.py."""
-import logging
+torch's deterministic-algorithms switch (the kernel's deterministic mode: dQ's reductions in a fixed order, through
+tile counters), the counters' sizing and their way into the kernel's parameters (the ctypes struct against the C
+header), and the reading of the kernel's fp32 dQ buffer (in blocks, bwd_traits.cuh's bwd_dq_tile). The kernel
+itself: tests/gpu/test_sagebwd_hopper_gpu.py."""
+import ctypes
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
 
+from sage_patch.kernels import _lib
 from sage_patch.kernels.sagebwd import hopper
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def test_deterministic_algorithms_route_to_the_triton_kernels(monkeypatch, caplog):
+
+def test_deterministic_algorithms_select_the_kernels_deterministic_mode(monkeypatch, caplog):
     ran = []
-    monkeypatch.setattr(hopper, "_backward", lambda *a, **kw: ran.append(kw["cuda"]))
-    monkeypatch.setattr(hopper, "_deterministic_logged", False)
+    monkeypatch.setattr(hopper, "_backward", lambda *a, **kw: ran.append((kw["cuda"], kw["deterministic"])))
     args = (None,) * 8
     hopper.backward(*args, is_causal=False, scale=1.0)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        with caplog.at_level(logging.INFO, logger="sage_patch"):
-            hopper.backward(*args, is_causal=False, scale=1.0)
-            hopper.backward(*args, is_causal=True, scale=1.0)
+        hopper.backward(*args, is_causal=False, scale=1.0)
+        hopper.backward(*args, is_causal=True, scale=1.0)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert ran == [True, False, False]
-    said = [r.getMessage() for r in caplog.records if "deterministic" in r.getMessage()]
-    assert len(said) == 1 and "Triton" in said[0], said
+    assert ran == [(True, False), (True, True), (True, True)]   # the compiled kernel in both modes, no fallback
+
+
+@pytest.mark.parametrize("sq,tiles", [(1, 1), (64, 1), (65, 2), (1000, 16), (16384, 256)])
+def test_dq_sem_shape_has_one_counter_per_dq_tile(sq, tiles):
+    assert hopper.dq_sem_shape(2, 3, sq) == (2, 3, tiles)
+    assert hopper.dq_sem_shape(2, 3, sq)[2] == hopper.dq_blocks_shape(2, 3, sq, 64)[2]
+
+
+def _launch_args(b=1, hq=2, hkv=1, sq=100, skv=90, d=64):
+    t = lambda *shape, dtype=torch.bfloat16: torch.zeros(*shape, dtype=dtype)  # noqa: E731
+    q_int = t(b, hq, sq, d, dtype=torch.int8)
+    q_t = do_t = t(b * hq, d, 112, dtype=torch.int8)
+    k_int, k_scale, v = t(b, hkv, skv, d, dtype=torch.int8), t(b, hkv, skv, dtype=torch.float32), t(b, hkv, skv, d)
+    dq_acc = t(*hopper.dq_blocks_shape(b, hq, sq, d), dtype=torch.float32)
+    return (q_int, q_t, do_t, t(b * hq, sq, 4, dtype=torch.float32), k_int, k_scale, v, t(b, hq, sq, d), t(*v.shape),
+            t(*v.shape), dq_acc, None)
+
+
+class _FakeLib:
+    """_lib.get()'s stand-in: records the SageBwdParams each launch hands the library."""
+
+    def __init__(self):
+        self.seen = []
+        fake = self
+
+        class Handle:
+            @staticmethod
+            def sage_bwd(p, stream):
+                fake.seen.append(ctypes.cast(p, ctypes.POINTER(_lib.SageBwdParams)).contents.dq_sem)
+                return 0
+
+        self.handle = Handle()
+
+
+def test_launch_hands_the_counters_to_the_kernel(monkeypatch):
+    fake = _FakeLib()
+    monkeypatch.setattr(_lib, "get", lambda: fake)
+    monkeypatch.setattr(hopper, "device_cc", lambda dev: (9, 0))
+    monkeypatch.setattr(hopper, "_stream_ptr", lambda device, dev: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    args = _launch_args()
+    hopper.launch(*args, is_causal=True, scale=1.0)
+    sem = torch.zeros(hopper.dq_sem_shape(1, 2, 100), dtype=torch.int32)
+    hopper.launch(*args, is_causal=True, scale=1.0, dq_sem=sem)
+    assert fake.seen == [None, sem.data_ptr()]   # NULL: the default mode
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(1, 2, 1, dtype=torch.int32), torch.zeros(1, 2, 2),
+                                 torch.zeros(1, 2, 4, dtype=torch.int32)[..., ::2]])
+def test_launch_refuses_counters_of_another_shape_or_type(bad):
+    with pytest.raises(ValueError, match="dq_sem_shape"):
+        hopper.launch(*_launch_args(), is_causal=False, scale=1.0, dq_sem=bad)
+
+
+def test_the_ctypes_struct_has_the_c_headers_layout(tmp_path):
+    """SageBwdParams field offsets and size in sage_patch/kernels/_lib.py against kernels_cuda/sage_kernels.h (a
+    field added on one side only would hand the kernel garbage: the deterministic mode's dq_sem is ABI 9's)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    names = [n for n, _ in _lib.SageBwdParams._fields_]
+    src = tmp_path / "layout.c"
+    src.write_text('#include <stdio.h>\n#include <stddef.h>\n#include "sage_kernels.h"\nint main(void) {\n'
+                   + "".join(f'printf("%zu\\n", offsetof(SageBwdParams, {n}));\n' for n in names)
+                   + 'printf("%zu\\n", sizeof(SageBwdParams));\nreturn 0;\n}\n')
+    exe = tmp_path / "layout"
+    subprocess.run([cc, "-I", os.path.join(ROOT, "kernels_cuda"), "-o", str(exe), str(src)], check=True)
+    got = [int(x) for x in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
+    want = [getattr(_lib.SageBwdParams, n).offset for n in names] + [ctypes.sizeof(_lib.SageBwdParams)]
+    assert got == want, dict(zip(names + ["sizeof"], zip(got, want)))
 
 
 def _kernel_blocks(dq: torch.Tensor) -> torch.Tensor:
@@ -112,7 +184,7 @@ def test_chunked_backward_assembles_each_chunks_slices(monkeypatch):
     mask = torch.rand(b, skv, generator=g) > 0.3
     seen = []
 
-    def kernel(q_c, q_t, do_t, stats, k_c, ks_c, v_c, do_c, dk_c, dv_c, dq_acc, kpm, *, is_causal, scale):
+    def kernel(q_c, q_t, do_t, stats, k_c, ks_c, v_c, do_c, dk_c, dv_c, dq_acc, kpm, *, is_causal, scale, dq_sem):
         assert all(x.is_contiguous() for x in (q_c, k_c, dk_c, dv_c))
         seen.append(q_c.shape[:2])
         dq_acc.copy_(_kernel_blocks(q_c.float()))
@@ -125,7 +197,7 @@ def test_chunked_backward_assembles_each_chunks_slices(monkeypatch):
     dq, dk, dv = sagebwd._backward_sm90a(torch.zeros(b, hq, sq, d, dtype=torch.bfloat16), q_int,
                                          torch.ones(b, hq, sq), k_int, torch.ones(b, hkv, skv), v,
                                          torch.zeros(b, hq, sq, d, dtype=torch.bfloat16), torch.zeros(b, hq, sq),
-                                         is_causal=False, scale=0.5, key_padding_mask=mask)
+                                         is_causal=False, scale=0.5, key_padding_mask=mask, deterministic=False)
     assert len(seen) > 1
     assert torch.equal(dq, (q_int.float() * 0.5).to(torch.bfloat16))
     assert torch.equal(dk, k_int.to(torch.bfloat16))

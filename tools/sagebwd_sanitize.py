@@ -4,8 +4,13 @@ on sm_90 also sagebwd-hopper, the sm_90a backward): every kernel of the forward 
 bottom-right causal, key padding, odd lengths, D 64 and 128.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python tools/sagebwd_sanitize.py     (tools/gpu_check.sh)
+
+--deterministic: under torch.use_deterministic_algorithms(True) (sagebwd-hopper's deterministic mode: its tile
+counters and the reversed causal grid), e.g.
+    compute-sanitizer --tool racecheck --kernel-name kns=hopper_bwd python tools/sagebwd_sanitize.py --deterministic
 """
 import itertools
+import sys
 
 import torch
 
@@ -31,4 +36,6 @@ def main():
 
 
 if __name__ == "__main__":
+    if "--deterministic" in sys.argv[1:]:
+        torch.use_deterministic_algorithms(True)
     main()

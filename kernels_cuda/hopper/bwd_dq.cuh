@@ -18,6 +18,25 @@ template <bool Read> __device__ __forceinline__ void bulk_wait() {
     if constexpr (Read) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
+// The deterministic mode's order (bwd_kernel.cuh): a tile's counter (int32, global) counts the warps whose bulk
+// reductions into the tile have completed. One lane waits until it reaches target (every warp of the key blocks
+// before this one in the tile's order; >=, not ==: the counter moves on once this key block's other warps add),
+// acquire, then orders its following bulk reductions (async proxy) after it
+__device__ __forceinline__ void bwd_dq_wait(const int* sem, int target) {
+    for (uint32_t ns = 32;; ns = ns < 512 ? 2 * ns : ns) {
+        int v;
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
+        if (v >= target) break;
+        __nanosleep(ns);
+    }
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// this lane's bulk reductions complete (bulk_wait<false>), made visible to the generic proxy and released with one
+// increment of the tile's counter
+__device__ __forceinline__ void bwd_dq_signal(int* sem) {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
+}
 __device__ __forceinline__ void sts_v2(uint32_t a, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a), "f"(x), "f"(y) : "memory");
 }

@@ -7,7 +7,7 @@ import struct
 import threading
 
 LIB_NAME = "libsage_kernels.so"
-ABI_VERSION = 8
+ABI_VERSION = 9
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -51,6 +51,8 @@ class SageBwdParams(ctypes.Structure):
         ("Sq", ctypes.c_int32), ("Skv", ctypes.c_int32), ("D", ctypes.c_int32),
         ("causal", ctypes.c_int32), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32), ("device_cc", ctypes.c_int32),
         ("sm_scale", ctypes.c_float),
+        # ABI 9: the deterministic mode's tile counters (int32, zeroed), 0 = the default mode
+        ("dq_sem", ctypes.c_void_p),
     ]
 
 

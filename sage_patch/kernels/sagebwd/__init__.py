@@ -177,14 +177,15 @@ def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: 
 
 
 def _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal, scale, key_padding_mask,
-              cuda: bool):
+              cuda: bool, deterministic: bool = False):
     """`backward`, from the Triton dkdv_kernel and dq_kernel or (cuda) the compiled sm_90a kernel (hopper.launch:
-    the same numerics from the same prepared operands, dQ accumulated in fp32 and scaled and cast here)."""
+    the same numerics from the same prepared operands, dQ accumulated in fp32 and scaled and cast here; with
+    deterministic, in the kernel's fixed order: its tile counters zeroed here)."""
     dout = _descriptor_ready(dout.to(v.dtype))
     v, out = _descriptor_ready(v), _channels_contiguous(out)
     if cuda:
         return _backward_sm90a(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, is_causal=is_causal,
-                               scale=scale, key_padding_mask=key_padding_mask)
+                               scale=scale, key_padding_mask=key_padding_mask, deterministic=deterministic)
     b, hq, sq, d = q_int.shape
     hkv, skv = k_int.shape[1], k_int.shape[2]
     t = TILES[d]
@@ -226,11 +227,12 @@ def _operands(dout, q_int, q_scale, out, lse_s):
     return do_t, stats, _transpose(q_int)
 
 
-def _backward_sm90a(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal, scale, key_padding_mask):
+def _backward_sm90a(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal, scale, key_padding_mask,
+                    deterministic):
     """The sm_90a kernel's backward, over chunks of (batch entry, KV head) pairs (hopper.chunks): each chunk's
     temporaries (the fp32 dQ buffer, the transposed INT8 operands, the per-query rows: ~3x its bf16 dQ) live only
     while it runs, so the call's peak memory stays below cuDNN's, which holds a whole fp32 dQ accumulator."""
-    from .hopper import chunks, dq_blocks_shape, dq_from_blocks, launch
+    from .hopper import chunks, dq_blocks_shape, dq_from_blocks, dq_sem_shape, launch
 
     b, hq, sq, d = q_int.shape
     hkv, skv = k_int.shape[1], k_int.shape[2]
@@ -244,9 +246,11 @@ def _backward_sm90a(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_c
         q_c = q_int[qs]
         do_t, stats, q_t = _operands(dout[qs], q_c, q_scale[qs], out[qs], lse_s[qs])
         dq_acc = torch.zeros(dq_blocks_shape(*q_c.shape), dtype=torch.float32, device=v.device)
+        dq_sem = torch.zeros(dq_sem_shape(*q_c.shape[:3]), dtype=torch.int32, device=v.device) if deterministic \
+            else None
         launch(q_c, q_t, do_t, stats, k_int[bs, hs], k_scale[bs, hs], v[bs, hs], dout[qs], dk[bs, hs], dv[bs, hs],
-               dq_acc, kpm, is_causal=is_causal, scale=scale)
+               dq_acc, kpm, is_causal=is_causal, scale=scale, dq_sem=dq_sem)
         del do_t, stats, q_t   # before the next chunk's are made
         dq_from_blocks(dq_acc, sq, float(scale), v.dtype, out=dq[qs])
-        del dq_acc
+        del dq_acc, dq_sem
     return dq, dk, dv

@@ -1,9 +1,11 @@
 """SageBwd's backward from the compiled sm_90a kernel (kernels_cuda/hopper/bwd_kernel.cuh, C ABI sage_bwd) instead of
 the Triton dkdv_kernel and dq_kernel: dQ, dK and dV in one pass over the (key block, query tile) pairs. Same numerics
 (KERNEL_LAYOUT), the same operands prepared by the same passes (sagebwd._backward), the caller's stream, no host
-synchronization. dQ is summed across key blocks with floating-point reductions in an fp32 buffer, so its summation
-order (not its numerics' groups) varies from run to run: with torch.use_deterministic_algorithms(True) the backward
-is the Triton kernels' (deterministic: each output tile written by one program), with the reason logged once.
+synchronization. dQ is summed across key blocks with floating-point reductions in an fp32 buffer, so by default its
+summation order (not its numerics' groups) varies from run to run; with torch.use_deterministic_algorithms(True)
+the kernel runs its deterministic mode instead (FlashAttention-3's: per 64-query tile a counter in a zeroed int32
+workspace, dq_sem_shape, makes the key blocks add to the tile one after another in a fixed order), so two runs give
+bitwise the same dQ, dK and dV.
 
 It is the launch module of the training variant "sagebwd-hopper" (registry): the Triton family's forward and
 KERNEL_LAYOUT, this backward. The registry offers it where it measures faster than the Triton backward
@@ -14,11 +16,11 @@ KERNEL_LAYOUT, this backward. The registry offers it where it measures faster th
     forward(...)                              sagebwd.forward (the Triton forward; it saves what backward reads)
     backward(...)           -> dq, dk, dv     sagebwd.backward's signature and results
     dq_blocks_shape, dq_from_blocks           the kernel's fp32 dQ buffer (in blocks) and its reading into dQ
+    dq_sem_shape                              the deterministic mode's tile counters
 """
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
 
@@ -26,8 +28,6 @@ from .. import _lib
 from .._ops import _DTYPE_CODE, _stream_ptr, device_cc
 from . import KERNEL_LAYOUT, _backward, forward  # noqa: F401 (KERNEL_LAYOUT, forward: this variant's, as launched)
 from . import unsupported_reason as _triton_unsupported_reason
-
-logger = logging.getLogger("sage_patch")
 
 HEAD_DIMS = (64, 128)                            # what bwd_launch.cu instantiates
 DTYPES = (torch.float16, torch.bfloat16)
@@ -67,23 +67,14 @@ def cannot_run(t) -> str | None:
     return None
 
 
-_deterministic_logged = False
-
-
 def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: bool, scale: float,
              key_padding_mask=None):
-    """sagebwd.backward from the sm_90a kernel (check `cannot_run` first); the Triton kernels' under
-    torch.are_deterministic_algorithms_enabled() (dQ's reductions have no fixed order)."""
-    cuda = not torch.are_deterministic_algorithms_enabled()
-    if not cuda:
-        global _deterministic_logged
-        if not _deterministic_logged:
-            logger.info("sage_patch: SageBwd backward through the Triton kernels: deterministic algorithms are "
-                        "enabled and the sm_90a kernel sums dQ with floating-point reductions in no fixed order")
-            _deterministic_logged = True
+    """sagebwd.backward from the sm_90a kernel (check `cannot_run` first); its deterministic mode under
+    torch.are_deterministic_algorithms_enabled() (dQ's reductions in a fixed order)."""
     # (sagebwd._backward itself, not sagebwd.backward: that name may be this function, patched in)
     return _backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, is_causal=is_causal, scale=scale,
-                     key_padding_mask=key_padding_mask, cuda=cuda)
+                     key_padding_mask=key_padding_mask, cuda=True,
+                     deterministic=torch.are_deterministic_algorithms_enabled())
 
 
 def dq_blocks_shape(b: int, hq: int, sq: int, d: int) -> tuple[int, ...]:
@@ -92,6 +83,12 @@ def dq_blocks_shape(b: int, hq: int, sq: int, d: int) -> tuple[int, ...]:
     accumulator-fragment order (k, hh, g, t4, e): query 16 w + 8 hh + g, channel 32 c + 8 k + 2 t4 + e. The kernel's
     float2 stores of a fragment are then 256 contiguous bytes and a warp's block is one bulk reduction."""
     return b, hq, -(-sq // 64), d // 32, 4, 4, 2, 8, 4, 2
+
+
+def dq_sem_shape(b: int, hq: int, sq: int) -> tuple[int, int, int]:
+    """Shape of the deterministic mode's workspace (int32, zeroed; SageBwdParams.dq_sem): one counter per (batch,
+    query head, 64-query tile), the dQ buffer's tiles."""
+    return b, hq, -(-sq // 64)
 
 
 def dq_from_blocks(dq_acc: torch.Tensor, sq: int, scale: float, dtype: torch.dtype,
@@ -140,16 +137,22 @@ def chunks(b: int, hkv: int, group: int, sq: int, d: int, elem: int) -> list[tup
 
 
 def launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key_padding_mask, *, is_causal,
-           scale) -> None:
+           scale, dq_sem=None) -> None:
     """Launch the kernel on the current stream: dK, dV into dk, dv (B, Hkv, Skv, D), dQ / scale added to dq_acc
     (fp32, contiguous, zeroed, of shape dq_blocks_shape: the kernel's block order, which dq_from_blocks reads).
     q_t / do_t: the transposed INT8 operands of sagebwd._int8_transposed (views of (B * Hq, D, padded) buffers),
-    stats: (B * Hq, Sq, 4); v and dout with 16-byte aligned rows (sagebwd._descriptor_ready)."""
+    stats: (B * Hq, Sq, 4); v and dout with 16-byte aligned rows (sagebwd._descriptor_ready). dq_sem: None (dQ's
+    reductions in any order) or the deterministic mode's zeroed int32 counters of shape dq_sem_shape."""
     b, hq, sq, d = q_int.shape
     want = dq_blocks_shape(b, hq, sq, d)
     if tuple(dq_acc.shape) != want or dq_acc.dtype != torch.float32 or not dq_acc.is_contiguous():
         raise ValueError(f"dq_acc: {tuple(dq_acc.shape)} {dq_acc.dtype} (contiguous: {dq_acc.is_contiguous()}); "
                          f"the kernel needs a contiguous float32 buffer of shape dq_blocks_shape = {want}")
+    if dq_sem is not None and (tuple(dq_sem.shape) != dq_sem_shape(b, hq, sq) or dq_sem.dtype != torch.int32
+                               or not dq_sem.is_contiguous()):
+        raise ValueError(f"dq_sem: {tuple(dq_sem.shape)} {dq_sem.dtype} (contiguous: {dq_sem.is_contiguous()}); "
+                         f"the deterministic mode needs a contiguous, zeroed int32 buffer of shape dq_sem_shape = "
+                         f"{dq_sem_shape(b, hq, sq)}")
     lib = _lib.get()
     if lib.handle is None:
         raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
@@ -168,6 +171,7 @@ def launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key
     p.v, (p.v_sb, p.v_sh, p.v_ss) = v.data_ptr(), v.stride()[:3]
     p.dout, (p.do_sb, p.do_sh, p.do_ss) = dout.data_ptr(), dout.stride()[:3]
     p.dk, p.dv, p.dq_acc = dk.data_ptr(), dv.data_ptr(), dq_acc.data_ptr()
+    p.dq_sem = dq_sem.data_ptr() if dq_sem is not None else 0
     p.kmask, p.kmask_sb = (kmask.data_ptr() if kmask is not None else 0), kmask_sb
     p.t_stride = q_t.stride(1)
     if do_t.stride(1) != p.t_stride:
