@@ -67,3 +67,31 @@ def test_launch_refuses_a_dq_buffer_in_another_layout():
     with pytest.raises(ValueError, match="dq_blocks_shape"):
         hopper.launch(q_int, None, None, None, None, None, None, None, None, None,
                       torch.zeros(b, hq, sq, d), None, is_causal=False, scale=1.0)
+
+
+def test_forward_routes_the_triton_forward_pairs_to_triton(monkeypatch):
+    """hopper.forward runs the sm_90a forward except for the (head dim, causal) pairs of TRITON_FORWARD, where the
+    Triton forward_kernel measured faster; both take the same quantization passes (sagebwd._forward)."""
+    ran = []
+    monkeypatch.setattr(hopper, "_forward", lambda *a, **kw: ran.append(kw["cuda"]))
+    monkeypatch.setattr(hopper, "TRITON_FORWARD", frozenset({(64, True)}))
+    for d, causal in ((64, True), (64, False), (128, True)):
+        hopper.forward(torch.zeros(1, 1, 4, d), None, None, is_causal=causal, scale=1.0)
+    assert ran == [False, True, True]
+
+
+@pytest.mark.parametrize("what", ["q_scale", "k_int", "lse", "out"])
+def test_launch_forward_refuses_operands_of_another_shape_or_layout(what):
+    """The forward's launch checks every operand's shape and layout before the library is asked for (a wrong one
+    would be read out of bounds by the kernel): the error names the argument."""
+    b, hq, hkv, sq, skv, d = 1, 4, 2, 100, 70, 64
+    args = dict(q_int=torch.zeros(b, hq, sq, d, dtype=torch.int8), q_scale=torch.zeros(b, hq, sq),
+                qdot=torch.zeros(b, hq, sq), k_int=torch.zeros(b, hkv, skv, d, dtype=torch.int8),
+                k_scale=torch.zeros(b, hkv, skv), v=torch.zeros(b, hkv, skv, d, dtype=torch.bfloat16),
+                out=torch.zeros(b, hq, sq, d, dtype=torch.bfloat16), lse=torch.zeros(b, hq, sq),
+                lse_s=torch.zeros(b, hq, sq))
+    bad = {"q_scale": torch.zeros(b, hq, sq + 1), "k_int": torch.zeros(b, hkv, d, skv, dtype=torch.int8).mT,
+           "lse": torch.zeros(b, hq, sq - 1), "out": torch.zeros(b, hq, sq, d, dtype=torch.float16)}
+    args[what] = bad[what]
+    with pytest.raises(ValueError, match=f"^{what}: "):
+        hopper.launch_forward(*args.values(), None, is_causal=False, scale=1.0)
