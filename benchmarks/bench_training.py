@@ -10,16 +10,17 @@ Cases (--cases, default all three):
 - attention: B=4 H=32 (--batch, --heads), --dtype (bf16), D in --dims, causal and not, N in --seqs. Implementations
   (--impls): sage8b = `sage_patch.trainable.sagebwd_attention` with the Triton pair (kernel="sagebwd-triton", no
   routing), sage8b_hopper = the same with the sm_90a CUDA kernels (kernel="sagebwd-hopper": its forward, or the
-  Triton one where that measured faster, and its backward; H100/H200), sage_api = `sage_patch.attention(..., precision="8b")` (the resolver: may
-  run SDPA below a measured crossover; what it ran is recorded per case), and torch SDPA with one backend forced
-  (cudnn, flash; on CPU math and flash, the backends torch has there). Every implementation gets the same inputs
-  (randn; K and V with a per-channel bias of 4 sigma, as bench_kernel's accuracy inputs). "fwdbwd" times out = f(q, k, v) then torch.autograd.grad(out, (q, k, v), dO);
-  "fwd" times out = f(q, k, v) alone (recording the autograd graph, as a training step does); "bwd" times
-  torch.autograd.grad(..., retain_graph=True) of one forward done outside the timed region. Whole
-  calls, every quantization pass included; timing.counted_ms (CUDA events, L2 flushed before each call, --warmup
-  untimed calls, median of --reps). TFLOPS: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that, forward
-  + backward 3.5x. Ratios: baseline time / time (--baseline: cudnn; math on CPU). Peak memory: the most allocated
-  during one forward + backward beyond what was allocated before it (q, k, v, dO). Accuracy at the first N of each
+  Triton one where that measured faster, and its backward; H100/H200), sage_api = `sage_patch.attention(...,
+  precision="8b")` (the resolver: may run SDPA below a measured crossover; what it ran is recorded per case), and
+  torch SDPA with one backend forced (cudnn, flash; on CPU math and flash, the backends torch has there). Every
+  implementation gets the same inputs (randn; K and V with a per-channel bias of 4 sigma, as bench_kernel's accuracy
+  inputs). "fwdbwd" times out = f(q, k, v) then torch.autograd.grad(out, (q, k, v), dO); "fwd" times out = f(q, k, v)
+  alone (recording the autograd graph, as a training step does); "bwd" times torch.autograd.grad(...,
+  retain_graph=True) of one forward done outside the timed region. Whole calls, every quantization pass included;
+  timing.counted_ms (CUDA events, L2 flushed before each call, --warmup untimed calls, median of --reps). TFLOPS:
+  forward 4*B*H*N*N*D (halved when causal), backward 2.5x that, forward + backward 3.5x. Ratios: baseline time /
+  time (--baseline: cudnn; math on CPU). Peak memory: the most allocated during one forward + backward beyond what
+  was allocated before it (q, k, v, dO). Accuracy at the first N of each
   D and causal (N <= 8192): cosine of out, dq, dk, dv (batch 0, the first 8 heads) to torch SDPA math in float64.
   A shape that raises (out of memory, a backend that cannot run it) is recorded with its error and skipped.
 - llama: one training step of the Llama-3.2-1B architecture (its config.json values, hard-coded; random bf16

@@ -116,7 +116,9 @@ typedef struct {
     void* o; int64_t o_sb, o_sh, o_ss;        /* output (B, Hq, Sq, D), input dtype, channel stride 1, 4-byte aligned rows */
     float* lse;                /* (B, Hq, Sq) contiguous, natural log: of the true scores (qdot added back) */
     float* lse_s;              /* (B, Hq, Sq) contiguous, natural log: of the smoothed scores; -inf on empty rows */
-    const uint8_t* kmask;      /* (B, Skv) bool (1 = attend) with batch stride kmask_sb, or NULL */
+    const uint8_t* kmask;      /* (B, Skv) bool (1 = attend) with batch stride kmask_sb, or NULL; read in 16-byte
+                                  chunks: 16-byte aligned, kmask_sb a multiple of 16 (or 0), rows readable up to Skv
+                                  rounded up to 16 (the bytes past Skv are ignored) */
     int64_t kmask_sb;
     int32_t B, Hq, Hkv, Sq, Skv, D;
     int32_t causal;            /* bottom-right aligned */

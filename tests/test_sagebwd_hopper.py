@@ -69,15 +69,21 @@ def test_launch_refuses_a_dq_buffer_in_another_layout():
                       torch.zeros(b, hq, sq, d), None, is_causal=False, scale=1.0)
 
 
-def test_forward_routes_the_triton_forward_pairs_to_triton(monkeypatch):
-    """hopper.forward runs the sm_90a forward except for the (head dim, causal) pairs of TRITON_FORWARD, where the
-    Triton forward_kernel measured faster; both take the same quantization passes (sagebwd._forward)."""
+def test_forward_routes_where_the_triton_forward_measured_faster(monkeypatch):
+    """hopper.forward runs the sm_90a forward except for the (head dim, causal) pairs of TRITON_FORWARD_BELOW below
+    their length (min(Sq, Skv)), where the Triton forward_kernel measured faster; the same quantization passes
+    either way (sagebwd._forward)."""
     ran = []
     monkeypatch.setattr(hopper, "_forward", lambda *a, **kw: ran.append(kw["cuda"]))
-    monkeypatch.setattr(hopper, "TRITON_FORWARD", frozenset({(64, True)}))
-    for d, causal in ((64, True), (64, False), (128, True)):
-        hopper.forward(torch.zeros(1, 1, 4, d), None, None, is_causal=causal, scale=1.0)
-    assert ran == [False, True, True]
+    monkeypatch.setattr(hopper, "TRITON_FORWARD_BELOW", {(64, True): 100})
+    for d, causal, sq, skv in ((64, True, 99, 500), (64, True, 100, 100), (64, False, 8, 8), (128, True, 8, 8)):
+        hopper.forward(torch.zeros(1, 1, sq, d), torch.zeros(1, 1, skv, d), None, is_causal=causal, scale=1.0)
+    assert ran == [False, True, True, True]
+
+
+def test_forward_routing_table_is_keyed_by_served_head_dims():
+    assert all(d in hopper.HEAD_DIMS and isinstance(c, bool) and n > 0
+               for (d, c), n in hopper.TRITON_FORWARD_BELOW.items())
 
 
 @pytest.mark.parametrize("what", ["q_scale", "k_int", "lse", "out"])

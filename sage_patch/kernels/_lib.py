@@ -66,8 +66,8 @@ class SageTrainFwdParams(ctypes.Structure):
         ("kmask", ctypes.c_void_p), ("kmask_sb", ctypes.c_int64),
         ("B", ctypes.c_int32), ("Hq", ctypes.c_int32), ("Hkv", ctypes.c_int32),
         ("Sq", ctypes.c_int32), ("Skv", ctypes.c_int32), ("D", ctypes.c_int32),
-        ("causal", ctypes.c_int32), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32), ("device_cc", ctypes.c_int32),
-        ("sm_scale", ctypes.c_float),
+        ("causal", ctypes.c_int32), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32),
+        ("device_cc", ctypes.c_int32), ("sm_scale", ctypes.c_float),
     ]
 
 

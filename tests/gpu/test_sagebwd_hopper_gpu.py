@@ -2,8 +2,8 @@
 and the sm_90a training forward (O and both LSEs from kernels_cuda/hopper/fwd_train_kernel.cuh; hopper.forward) on the
 GPU: the same comparisons as the Triton kernels' (test_sagebwd_gpu.py) against the reference simulation of their
 numerics, against float64, and the training contract (poisoned memory, odd lengths, GQA, key padding, NaN rule, CUDA
-graphs). The backward tests run the variant's pair (hopper.forward, then the backward). Runs on an H100/H200 with an
-sm_90a build only.
+graphs). The backward tests run the sm_90a pair (the sm_90a forward at every shape, then the backward). Runs on an
+H100/H200 with an sm_90a build only.
 
 dQ is summed across key blocks with fp32 reductions in whatever order they land, so two runs of the same call may
 differ in the last bit of a dQ element that sits near a rounding boundary of the output dtype: where the Triton tests
@@ -61,10 +61,16 @@ def through_hopper(monkeypatch):
     monkeypatch.setattr(sagebwd, "backward", hopper.backward)
 
 
+def _cuda_forward(q, k, v, *, is_causal, scale, key_padding_mask=None):
+    """The sm_90a forward at every shape (hopper.forward sends some to the Triton one: TRITON_FORWARD_BELOW)."""
+    return sagebwd._forward(q, k, v, is_causal=is_causal, scale=scale, key_padding_mask=key_padding_mask,
+                            smooth_k=True, cuda=True)
+
+
 def _run(q, k, v, dout, causal, mask, bwd, forward=None):
-    """forward (default: the variant's, hopper.forward) then bwd from what it saved."""
+    """forward (default: the sm_90a one, _cuda_forward) then bwd from what it saved."""
     scale = 1 / math.sqrt(q.shape[-1])
-    fwd = (forward or hopper.forward)(q, k, v, is_causal=causal, scale=scale, key_padding_mask=mask)
+    fwd = (forward or _cuda_forward)(q, k, v, is_causal=causal, scale=scale, key_padding_mask=mask)
     out, lse, lse_s, qi, qs, ki, ks = fwd
     return fwd, bwd(dout, qi, qs, ki, ks, v, out, lse_s, is_causal=causal, scale=scale, key_padding_mask=mask)
 
@@ -210,15 +216,15 @@ def test_nonfinite_poisons_what_it_reaches(through_hopper, where, bad, variant, 
     assert not fails, fails
 
 
-# ---- the sm_90a training forward (hopper.forward: the Triton quantization passes, then fwd_train_kernel.cuh) ----
+# ---- the sm_90a training forward (the Triton quantization passes, then fwd_train_kernel.cuh) ----------------------
 
 def _fwd(q, k, v, causal, mask, forward=None):
-    return (forward or hopper.forward)(q, k, v, is_causal=causal, scale=1 / math.sqrt(q.shape[-1]),
-                                       key_padding_mask=mask)
+    return (forward or _cuda_forward)(q, k, v, is_causal=causal, scale=1 / math.sqrt(q.shape[-1]),
+                                      key_padding_mask=mask)
 
 
 def _check_forward_numerics(q, k, v, mask, causal, fwd, dtype):
-    """O and both LSEs of fwd = hopper.forward(...) against the simulation, as the Triton forward is checked
+    """O and both LSEs of fwd (the sm_90a forward's results) against the simulation, as the Triton forward is checked
     (test_sagebwd_gpu.test_kernels_match_the_simulation_of_their_numerics)."""
     out, lse, lse_s, qi, qs, ki, ks = (x.cpu() for x in fwd)
     q, k, v = q.cpu(), k.cpu(), v.cpu()

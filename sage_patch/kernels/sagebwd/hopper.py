@@ -1,15 +1,17 @@
 """SageBwd's forward and backward from the compiled sm_90a kernels instead of the Triton ones. The forward
 (kernels_cuda/hopper/fwd_train_kernel.cuh, C ABI sage_train_fwd) replaces forward_kernel only: Q and K are quantized by
 the Triton passes as before (sagebwd._forward), the kernel writes O and both LSEs with forward_kernel's numerics. The
-backward (kernels_cuda/hopper/bwd_kernel.cuh, C ABI sage_bwd) replaces the Triton dkdv_kernel and dq_kernel: dQ, dK and dV in one pass over the (key block, query tile) pairs. Same numerics
-(KERNEL_LAYOUT), the same operands prepared by the same passes (sagebwd._backward), the caller's stream, no host
-synchronization. dQ is summed across key blocks with floating-point reductions in an fp32 buffer, so its summation
-order (not its numerics' groups) varies from run to run: with torch.use_deterministic_algorithms(True) the backward
-is the Triton kernels' (deterministic: each output tile written by one program), with the reason logged once.
+backward (kernels_cuda/hopper/bwd_kernel.cuh, C ABI sage_bwd) replaces the Triton dkdv_kernel and dq_kernel: dQ, dK
+and dV in one pass over the (key block, query tile) pairs. Same numerics (KERNEL_LAYOUT), the same operands prepared
+by the same passes (sagebwd._backward), the caller's stream, no host synchronization. dQ is summed across key blocks
+with floating-point reductions in an fp32 buffer, so its summation order (not its numerics' groups) varies from run to
+run: with torch.use_deterministic_algorithms(True) the backward is the Triton kernels' (deterministic: each output
+tile written by one program), with the reason logged once.
 
 It is the launch module of the training variant "sagebwd-hopper" (registry): the Triton family's KERNEL_LAYOUT, this
-forward (the Triton one where that measures faster: TRITON_FORWARD) and this backward. The registry offers it where it measures faster than the Triton backward
-(FASTER_HEAD_DIMS, `unsupported_reason`); the Triton pair serves every other training call.
+forward (the Triton one where that measures faster: TRITON_FORWARD_BELOW) and this backward. The registry offers it
+where it measures faster than the Triton backward (FASTER_HEAD_DIMS, `unsupported_reason`); the Triton pair serves
+every other training call.
 
     unsupported_reason(t)   -> str | None     the registry's check of a training Target: cannot_run, then speed
     cannot_run(t)           -> str | None     whether the kernel can run the Target at all (device, build, Triton)
@@ -37,9 +39,12 @@ DTYPES = (torch.float16, torch.bfloat16)
 # Where this backward is faster than the Triton one (H200, B=4 H=32 bf16, backward alone, same run, 2026-11-29,
 # 4K / 16K): D=128 1.17x / 1.22x, causal 1.13x / 1.21x; D=64 1.14x / 1.16x, causal 1.08x / 1.15x
 FASTER_HEAD_DIMS = (64, 128)
-# (head dim, causal) pairs whose forward stays on the Triton forward_kernel, where it measures faster than the sm_90a
-# forward (none: see `forward`)
-TRITON_FORWARD: frozenset = frozenset()
+# Where the forward stays on the Triton forward_kernel: (head dim, causal) -> the min(Sq, Skv) below which it measured
+# faster than the sm_90a forward. H200, B=4 H=32 bf16, forward alone incl. the quantization passes, same run,
+# 2026-11-29, Triton / sm_90a / cuDNN ms at 4K and 16K: D=128 2.29 / 2.26 / 1.59, 34.87 / 31.65 / 27.96; causal
+# 1.32 / 1.36 / 0.89, 17.30 / 16.48 / 14.20; D=64 1.60 / 1.49 / 1.16, 23.03 / 20.55 / 18.89; causal 1.21 / 0.91 /
+# 0.64, 12.28 / 10.81 / 9.56. D=128 causal lost at 4K and won at 16K (no point between measured: Triton below 16K)
+TRITON_FORWARD_BELOW = {(128, True): 16384}
 
 
 def unsupported_reason(t) -> str | None:
@@ -74,9 +79,9 @@ def cannot_run(t) -> str | None:
 
 
 def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, smooth_k: bool = True):
-    """sagebwd.forward from the sm_90a kernel (check `cannot_run` first), or the Triton forward_kernel for the
-    (head dim, causal) pairs of TRITON_FORWARD."""
-    cuda = (q.shape[-1], bool(is_causal)) not in TRITON_FORWARD
+    """sagebwd.forward from the sm_90a kernel (check `cannot_run` first), or from the Triton forward_kernel where
+    that measured faster (TRITON_FORWARD_BELOW); the same quantization passes either way."""
+    cuda = min(q.shape[2], k.shape[2]) >= TRITON_FORWARD_BELOW.get((q.shape[-1], bool(is_causal)), 0)
     return _forward(q, k, v, is_causal=is_causal, scale=scale, key_padding_mask=key_padding_mask, smooth_k=smooth_k,
                     cuda=cuda)
 
@@ -91,7 +96,8 @@ def launch_forward(q_int, q_scale, qdot, k_int, k_scale, v, out, lse, lse_s, key
     hkv, skv = k_int.shape[1], k_int.shape[2]
     for name, x, shape in (("q_int", q_int, (b, hq, sq, d)), ("q_scale", q_scale, (b, hq, sq)),
                            ("qdot", qdot, (b, hq, sq)), ("k_int", k_int, (b, hkv, skv, d)),
-                           ("k_scale", k_scale, (b, hkv, skv)), ("lse", lse, (b, hq, sq)), ("lse_s", lse_s, (b, hq, sq))):
+                           ("k_scale", k_scale, (b, hkv, skv)), ("lse", lse, (b, hq, sq)),
+                           ("lse_s", lse_s, (b, hq, sq))):
         if x is not None and (tuple(x.shape) != shape or not x.is_contiguous()):
             raise ValueError(f"{name}: {tuple(x.shape)} (contiguous: {x.is_contiguous()}); the sm_90a forward needs "
                              f"a contiguous tensor of shape {shape}")
@@ -103,9 +109,10 @@ def launch_forward(q_int, q_scale, qdot, k_int, k_scale, v, out, lse, lse_s, key
         raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
     kmask, kmask_sb = None, 0
     if key_padding_mask is not None:
-        kmask = key_padding_mask.to(torch.uint8)
-        if kmask.stride(-1) != 1:
-            kmask = kmask.contiguous()   # this local keeps the copy alive until the launch is enqueued
+        # the kernel copies the mask in 16-byte chunks: rows padded to a multiple of 16 bytes (this local keeps the
+        # copy alive until the launch is enqueued)
+        kmask = torch.zeros(key_padding_mask.shape[0], -(-skv // 16) * 16, dtype=torch.uint8, device=v.device)
+        kmask[:, :skv] = key_padding_mask
         kmask_sb = kmask.stride(0) if kmask.shape[0] > 1 else 0
     dev = v.device.index if v.device.index is not None else torch.cuda.current_device()
     major, minor = device_cc(dev)
