@@ -220,9 +220,9 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
         for (int i = 0; i < 32; ++i) o[c][i] = 0.f;
     float mx0 = -INFINITY, mx1 = -INFINITY, l0 = 0.f, l1 = 0.f;
     // FlashAttention-3's order within the warpgroup: S of block j + 1 is issued with P~V of block j, and block
-    // j + 1's softmax runs while P~V(j) is still in flight (its A fragments, pa[j & 1], stay untouched until it
-    // completes); O is rescaled by block j + 1's alpha after P~V(j) completed, before P~V(j + 1) is issued: the
-    // same operations in the same order as the serial loop, so the same results
+    // j + 1's softmax runs while P~V(j) is still in flight (its A fragments stay untouched until it completes: the
+    // next block's go to the other set, pa0 / pa1); O is rescaled by block j + 1's alpha after P~V(j) completed,
+    // before P~V(j + 1) is issued: the same operations in the same order as a serial loop, so the same results
     const uint32_t qa = desc_lo(qimg);
     auto issue_s = [&](int j, int (&acc)[32]) {
         const int stg = j % kTfStages;
