@@ -9,16 +9,18 @@ forward + backward and backward alone, and whole training steps of two architect
 Cases (--cases, default all three):
 - attention: B=4 H=32 (--batch, --heads), --dtype (bf16), D in --dims, causal and not, N in --seqs. Implementations
   (--impls): sage8b = `sage_patch.trainable.sagebwd_attention` with the Triton pair (kernel="sagebwd-triton", no
-  routing), sage8b_hopper = the same with the backward (dQ, dK, dV) from the sm_90a CUDA kernel
-  (kernel="sagebwd-hopper"; H100/H200), sage_api = `sage_patch.attention(..., precision="8b")` (the resolver: may
-  run SDPA below a measured crossover; what it ran is recorded per case), and torch SDPA with one backend forced
-  (cudnn, flash; on CPU math and flash, the backends torch has there). Every implementation gets the same inputs
-  (randn; K and V with a per-channel bias of 4 sigma, as bench_kernel's accuracy inputs). "fwdbwd" times out = f(q, k, v) then torch.autograd.grad(out, (q, k, v), dO);
-  "bwd" times torch.autograd.grad(..., retain_graph=True) of one forward done outside the timed region. Whole
-  calls, every quantization pass included; timing.counted_ms (CUDA events, L2 flushed before each call, --warmup
-  untimed calls, median of --reps). TFLOPS: forward 4*B*H*N*N*D (halved when causal), backward 2.5x that, forward
-  + backward 3.5x. Ratios: baseline time / time (--baseline: cudnn; math on CPU). Peak memory: the most allocated
-  during one forward + backward beyond what was allocated before it (q, k, v, dO). Accuracy at the first N of each
+  routing), sage8b_hopper = the same with the sm_90a CUDA kernels (kernel="sagebwd-hopper": its forward, or the
+  Triton one where that measured faster, and its backward; H100/H200), sage_api = `sage_patch.attention(...,
+  precision="8b")` (the resolver: may run SDPA below a measured crossover; what it ran is recorded per case), and
+  torch SDPA with one backend forced (cudnn, flash; on CPU math and flash, the backends torch has there). Every
+  implementation gets the same inputs (randn; K and V with a per-channel bias of 4 sigma, as bench_kernel's accuracy
+  inputs). "fwdbwd" times out = f(q, k, v) then torch.autograd.grad(out, (q, k, v), dO); "fwd" times out = f(q, k, v)
+  alone (recording the autograd graph, as a training step does); "bwd" times torch.autograd.grad(...,
+  retain_graph=True) of one forward done outside the timed region. Whole calls, every quantization pass included;
+  timing.counted_ms (CUDA events, L2 flushed before each call, --warmup untimed calls, median of --reps). TFLOPS:
+  forward 4*B*H*N*N*D (halved when causal), backward 2.5x that, forward + backward 3.5x. Ratios: baseline time /
+  time (--baseline: cudnn; math on CPU). Peak memory: the most allocated during one forward + backward beyond what
+  was allocated before it (q, k, v, dO). Accuracy at the first N of each
   D and causal (N <= 8192): cosine of out, dq, dk, dv (batch 0, the first 8 heads) to torch SDPA math in float64.
   A shape that raises (out of memory, a backend that cannot run it) is recorded with its error and skipped.
 - llama: one training step of the Llama-3.2-1B architecture (its config.json values, hard-coded; random bf16
@@ -78,7 +80,7 @@ OURS = ("sage8b", "sage8b_hopper", "sage_api")
 TRAINING_VARIANTS = {"sage8b": "sagebwd-triton", "sage8b_hopper": "sagebwd-hopper"}  # the registry keys they force
 PEERS = ("cudnn", "flash", "math", "efficient")   # torch SDPA with that one backend forced (timing.forced_sdpa)
 MODEL_OURS = ("sage",)
-FLOP_FACTOR = {"fwdbwd": 3.5, "bwd": 2.5}        # x the forward's 4*B*H*N*N*D (halved when causal)
+FLOP_FACTOR = {"fwdbwd": 3.5, "fwd": 1.0, "bwd": 2.5}   # x the forward's 4*B*H*N*N*D (halved when causal)
 ACC_MAX_N = 8192                                 # accuracy's float64 reference: scores of N x N per head
 ACC_HEADS = 8
 LR = 1e-5                                        # small: the timed steps must not move the weights far
@@ -288,9 +290,10 @@ def measure_attention(call, q, k, v, do, device, warmup, reps) -> dict:
 
     fb = counted_ms(fwd_bwd, warmup, reps, device)
     peak = peak_mib(fwd_bwd, device)   # after the timed calls: one-time autotuning is not the call's memory
+    fw = counted_ms(lambda: call(q, k, v), warmup, reps, device)
     out = call(q, k, v)                # the forward of "bwd alone", outside the timed region
     bw = counted_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), warmup, reps, device)
-    return {"fwdbwd_ms": median(fb), "bwd_ms": median(bw), "peak_mib": peak}
+    return {"fwdbwd_ms": median(fb), "fwd_ms": median(fw), "bwd_ms": median(bw), "peak_mib": peak}
 
 
 def attention_accuracy(q, k, v, do, causal, impls, routing: str = "on") -> dict:
@@ -363,7 +366,9 @@ def print_attention_row(row, impls) -> None:
         ratio = lambda k: f"{m[k]:.2f}x" if m.get(k) else "-"  # noqa: E731
         peak = f"{m['peak_mib']:9.0f} MiB" if m.get("peak_mib") is not None else ""
         print(f"{head} {name:<9} fwd+bwd {m['fwdbwd_ms']:9.3f} ms {m['fwdbwd_tflops']:7.1f} TFLOPS "
-              f"{ratio('fwdbwd_vs_baseline'):>6} | bwd {m['bwd_ms']:9.3f} ms {m['bwd_tflops']:7.1f} TFLOPS "
+              f"{ratio('fwdbwd_vs_baseline'):>6} | "
+              + (f"fwd {m['fwd_ms']:8.3f} ms {ratio('fwd_vs_baseline'):>6} | " if "fwd_ms" in m else "")
+              + f"bwd {m['bwd_ms']:9.3f} ms {m['bwd_tflops']:7.1f} TFLOPS "
               f"{ratio('bwd_vs_baseline'):>6} | {peak}" + (f"  ran {m['ran']}" if m.get("ran") else ""), flush=True)
     for name, c in (row.get("accuracy") or {}).items():
         if isinstance(c, dict):

@@ -7,6 +7,7 @@ One translation unit per kernel family, compiled in parallel and linked together
     hopper/launch.cu     the wgmma path, SASS for sm_90a only (left out when the targets have no sm_90a: wgmma is an
                          arch-specific feature, no portable PTX can carry it)
     hopper/bwd_launch.cu the SageBwd training backward's wgmma kernel (dQ, dK, dV), sm_90a only, like hopper/launch.cu
+    hopper/fwd_train_launch.cu  the SageBwd training forward's wgmma kernel (O, both LSEs), sm_90a only
 
 Targets: "XY" (or sm_XY, X.Y) = SASS for compute capability X.Y, which runs on X.Y..X.9 ("90a": on 9.0 only);
 "compute_XY" = PTX, which the driver JIT-compiles on any GPU of capability >= X.Y. The Blackwell SASS is the plain
@@ -149,7 +150,7 @@ class Unit(NamedTuple):
 
 
 UNITS = (Unit("sage_api.cpp", "host"), Unit("portable/launch.cu", "all"), Unit("hopper/launch.cu", HOPPER_TARGET),
-         Unit("hopper/bwd_launch.cu", HOPPER_TARGET))
+         Unit("hopper/bwd_launch.cu", HOPPER_TARGET), Unit("hopper/fwd_train_launch.cu", HOPPER_TARGET))
 COMMON_FLAGS = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC,-Wall,-Wextra,-Werror", "-Werror", "all-warnings"]
 
 

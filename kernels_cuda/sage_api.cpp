@@ -19,6 +19,7 @@ bool hopper_supported(const SageAttnParams&) { return false; }
 int64_t hopper_workspace_bytes(const SageAttnParams&) { return -1; }
 int hopper_fwd(const SageAttnParams&, cudaStream_t) { return SAGE_E_ARCH; }
 int hopper_bwd(const SageBwdParams&, cudaStream_t) { return SAGE_E_ARCH; }
+int hopper_train_fwd(const SageTrainFwdParams&, cudaStream_t) { return SAGE_E_ARCH; }
 }  // namespace sage
 #endif
 
@@ -88,6 +89,18 @@ int sage_bwd(const SageBwdParams* p, void* stream) {
     if (!SAGE_WITH_HOPPER || p->device_cc != 90) return SAGE_E_ARCH;
     if (const int e = follow_device(p->device)) return e;
     return sage::hopper_bwd(*p, static_cast<cudaStream_t>(stream));
+}
+
+int sage_train_fwd(const SageTrainFwdParams* p, void* stream) {
+    if (!p || !p->q_int || !p->q_scale || !p->k_int || !p->k_scale || !p->v || !p->o || !p->lse || !p->lse_s)
+        return SAGE_E_BADARG;
+    if (p->B <= 0 || p->Hq <= 0 || p->Hkv <= 0 || p->Sq <= 0 || p->Skv <= 0 || p->Hq % p->Hkv != 0) return SAGE_E_BADARG;
+    if ((int64_t)p->B * p->Hq > 65535) return SAGE_E_BADARG;  // grid.y
+    if (p->dtype != 0 && p->dtype != 1) return SAGE_E_BADARG;
+    if (p->D != 64 && p->D != 128) return SAGE_E_HEADDIM;
+    if (!SAGE_WITH_HOPPER || p->device_cc != 90) return SAGE_E_ARCH;
+    if (const int e = follow_device(p->device)) return e;
+    return sage::hopper_train_fwd(*p, static_cast<cudaStream_t>(stream));
 }
 
 const char* sage_error_string(int code) {

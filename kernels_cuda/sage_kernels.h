@@ -108,6 +108,30 @@ typedef struct {
                                   tile: the key blocks add to a tile one after another, in a fixed order) */
 } SageBwdParams;
 
+/* ABI 9: the SageBwd training forward on sm_90a (kernels_cuda/hopper/fwd_train_kernel.cuh): O, the caller's LSE and
+ * the smoothed scores' LSE from the operands sage_patch.kernels.sagebwd prepares (Q^, K^ INT8 per token, K smoothed
+ * by its mean), the numerics of its Triton forward (SageBwdConfig(**KERNEL_LAYOUT)). */
+typedef struct {
+    const int8_t* q_int;       /* Q^ (B, Hq, Sq, D) contiguous */
+    const float* q_scale;      /* (B, Hq, Sq) contiguous */
+    const float* qdot;         /* (B, Hq, Sq) contiguous: q . mean(K) (lse = lse_s + sm_scale qdot), or NULL: lse = lse_s */
+    const int8_t* k_int;       /* K^ (smoothed) (B, Hkv, Skv, D) contiguous */
+    const float* k_scale;      /* (B, Hkv, Skv) contiguous */
+    const void* v; int64_t v_sb, v_sh, v_ss;  /* (B, Hkv, Skv, D), input dtype, channel stride 1; rows 16-byte aligned */
+    void* o; int64_t o_sb, o_sh, o_ss;        /* output (B, Hq, Sq, D), input dtype, channel stride 1, 4-byte aligned rows */
+    float* lse;                /* (B, Hq, Sq) contiguous, natural log: of the true scores (qdot added back) */
+    float* lse_s;              /* (B, Hq, Sq) contiguous, natural log: of the smoothed scores; -inf on empty rows */
+    const uint8_t* kmask;      /* (B, Skv) bool (1 = attend) with batch stride kmask_sb, or NULL; read in 16-byte
+                                  chunks: 16-byte aligned, kmask_sb a multiple of 16 (or 0), rows readable up to Skv
+                                  rounded up to 16 (the bytes past Skv are ignored) */
+    int64_t kmask_sb;
+    int32_t B, Hq, Hkv, Sq, Skv, D;
+    int32_t causal;            /* bottom-right aligned */
+    int32_t dtype;             /* 0 = fp16, 1 = bf16 */
+    int32_t device, device_cc;
+    float sm_scale;
+} SageTrainFwdParams;
+
 int64_t sage_attn_workspace_bytes(const SageAttnParams* p);
 int sage_attn_fwd(const SageAttnParams* p, void* stream);
 const char* sage_error_string(int code);
@@ -119,6 +143,9 @@ int sage_hopper_compiled(void);
 /* ABI 8: the SageBwd backward (SageBwdParams) on `stream`; 0 or an error code as sage_attn_fwd.
  * Needs an sm_90a build and a 9.0 device, D 64 or 128. */
 int sage_bwd(const SageBwdParams* p, void* stream);
+/* ABI 9: the SageBwd training forward (SageTrainFwdParams) on `stream`; 0 or an error code as sage_attn_fwd.
+ * Needs an sm_90a build and a 9.0 device, D 64 or 128. */
+int sage_train_fwd(const SageTrainFwdParams* p, void* stream);
 
 #ifdef __cplusplus
 }

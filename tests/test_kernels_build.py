@@ -68,8 +68,8 @@ def test_one_translation_unit_per_arch_family(bk):
     compiles, _ = bk.nvcc_commands("nvcc", bk.DEFAULT_ARCHS, "/tmp/x.so", "/tmp/o")
     by_src = {os.path.relpath(c[-1], os.path.join(ROOT, "kernels_cuda")): c for c in compiles}
     assert set(by_src) == {"sage_api.cpp", os.path.join("portable", "launch.cu"), os.path.join("hopper", "launch.cu"),
-                           os.path.join("hopper", "bwd_launch.cu")}
-    for unit in ("launch.cu", "bwd_launch.cu"):
+                           os.path.join("hopper", "bwd_launch.cu"), os.path.join("hopper", "fwd_train_launch.cu")}
+    for unit in ("launch.cu", "bwd_launch.cu", "fwd_train_launch.cu"):
         hop = [f for f in by_src[os.path.join("hopper", unit)] if f.startswith("-gencode")]
         assert hop == ["-gencode=arch=compute_90a,code=sm_90a"]
     portable = [f for f in by_src[os.path.join("portable", "launch.cu")] if f.startswith("-gencode")]

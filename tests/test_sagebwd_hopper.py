@@ -202,3 +202,37 @@ def test_chunked_backward_assembles_each_chunks_slices(monkeypatch):
     assert torch.equal(dq, (q_int.float() * 0.5).to(torch.bfloat16))
     assert torch.equal(dk, k_int.to(torch.bfloat16))
     assert torch.equal(dv, v + mask[:, None, :, None].to(torch.bfloat16))
+
+
+def test_forward_routes_where_the_triton_forward_measured_faster(monkeypatch):
+    """hopper.forward runs the sm_90a forward except for the (head dim, causal) pairs of TRITON_FORWARD_BELOW below
+    their length (min(Sq, Skv)), where the Triton forward_kernel measured faster; the same quantization passes
+    either way (sagebwd._forward)."""
+    ran = []
+    monkeypatch.setattr(hopper, "_forward", lambda *a, **kw: ran.append(kw["cuda"]))
+    monkeypatch.setattr(hopper, "TRITON_FORWARD_BELOW", {(64, True): 100})
+    for d, causal, sq, skv in ((64, True, 99, 500), (64, True, 100, 100), (64, False, 8, 8), (128, True, 8, 8)):
+        hopper.forward(torch.zeros(1, 1, sq, d), torch.zeros(1, 1, skv, d), None, is_causal=causal, scale=1.0)
+    assert ran == [False, True, True, True]
+
+
+def test_forward_routing_table_is_keyed_by_served_head_dims():
+    assert all(d in hopper.HEAD_DIMS and isinstance(c, bool) and n > 0
+               for (d, c), n in hopper.TRITON_FORWARD_BELOW.items())
+
+
+@pytest.mark.parametrize("what", ["q_scale", "k_int", "lse", "out"])
+def test_launch_forward_refuses_operands_of_another_shape_or_layout(what):
+    """The forward's launch checks every operand's shape and layout before the library is asked for (a wrong one
+    would be read out of bounds by the kernel): the error names the argument."""
+    b, hq, hkv, sq, skv, d = 1, 4, 2, 100, 70, 64
+    args = dict(q_int=torch.zeros(b, hq, sq, d, dtype=torch.int8), q_scale=torch.zeros(b, hq, sq),
+                qdot=torch.zeros(b, hq, sq), k_int=torch.zeros(b, hkv, skv, d, dtype=torch.int8),
+                k_scale=torch.zeros(b, hkv, skv), v=torch.zeros(b, hkv, skv, d, dtype=torch.bfloat16),
+                out=torch.zeros(b, hq, sq, d, dtype=torch.bfloat16), lse=torch.zeros(b, hq, sq),
+                lse_s=torch.zeros(b, hq, sq))
+    bad = {"q_scale": torch.zeros(b, hq, sq + 1), "k_int": torch.zeros(b, hkv, d, skv, dtype=torch.int8).mT,
+           "lse": torch.zeros(b, hq, sq - 1), "out": torch.zeros(b, hq, sq, d, dtype=torch.float16)}
+    args[what] = bad[what]
+    with pytest.raises(ValueError, match=f"^{what}: "):
+        hopper.launch_forward(*args.values(), None, is_causal=False, scale=1.0)

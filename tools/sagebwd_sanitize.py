@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A few SageBwd training calls for compute-sanitizer, through each training variant this GPU has (the Triton pair;
-on sm_90 also sagebwd-hopper, the sm_90a backward): every kernel of the forward and the backward, with GQA,
-bottom-right causal, key padding, odd lengths, D 64 and 128.
+on sm_90 also sagebwd-hopper, the sm_90a forward and backward, its forward also called directly where the variant
+routes it to the Triton one): every kernel of the forward and the backward, with GQA, bottom-right causal, key
+padding, odd lengths, D 64 and 128.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python tools/sagebwd_sanitize.py     (tools/gpu_check.sh)
 
@@ -14,6 +15,7 @@ import sys
 
 import torch
 
+from sage_patch.kernels.sagebwd import _forward
 from sage_patch.trainable import sagebwd_attention
 
 
@@ -31,6 +33,9 @@ def main():
             mask[0, -50:] = False
         out = sagebwd_attention(q, k, v, is_causal=causal, scale=None, attn_mask=mask, kernel=kernel)
         out.float().pow(2).mean().backward()
+        if kernel == "sagebwd-hopper":  # the sm_90a forward at every shape (hopper.TRITON_FORWARD_BELOW)
+            _forward(q.detach(), k.detach(), v.detach(), is_causal=causal, scale=d ** -0.5, key_padding_mask=mask,
+                     smooth_k=True, cuda=True)
     torch.cuda.synchronize()
     print(f"sagebwd_sanitize: done ({', '.join(kernels)})")
 

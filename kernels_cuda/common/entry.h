@@ -16,5 +16,7 @@ int64_t hopper_workspace_bytes(const SageAttnParams& p);
 int hopper_fwd(const SageAttnParams& p, cudaStream_t st);
 // the Hopper SageBwd backward kernel (dQ, dK, dV) (hopper/bwd_launch.cu, sm_90a builds only)
 int hopper_bwd(const SageBwdParams& p, cudaStream_t st);
+// the Hopper SageBwd training forward (hopper/fwd_train_launch.cu, sm_90a builds only)
+int hopper_train_fwd(const SageTrainFwdParams& p, cudaStream_t st);
 
 }  // namespace sage

@@ -56,6 +56,23 @@ class SageBwdParams(ctypes.Structure):
     ]
 
 
+class SageTrainFwdParams(ctypes.Structure):
+    """ABI 9: the Hopper SageBwd training forward's launch (sage_train_fwd; sage_patch.kernels.sagebwd.hopper)."""
+
+    _fields_ = [
+        ("q_int", ctypes.c_void_p), ("q_scale", ctypes.c_void_p), ("qdot", ctypes.c_void_p),
+        ("k_int", ctypes.c_void_p), ("k_scale", ctypes.c_void_p),
+        ("v", ctypes.c_void_p), ("v_sb", ctypes.c_int64), ("v_sh", ctypes.c_int64), ("v_ss", ctypes.c_int64),
+        ("o", ctypes.c_void_p), ("o_sb", ctypes.c_int64), ("o_sh", ctypes.c_int64), ("o_ss", ctypes.c_int64),
+        ("lse", ctypes.c_void_p), ("lse_s", ctypes.c_void_p),
+        ("kmask", ctypes.c_void_p), ("kmask_sb", ctypes.c_int64),
+        ("B", ctypes.c_int32), ("Hq", ctypes.c_int32), ("Hkv", ctypes.c_int32),
+        ("Sq", ctypes.c_int32), ("Skv", ctypes.c_int32), ("D", ctypes.c_int32),
+        ("causal", ctypes.c_int32), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32),
+        ("device_cc", ctypes.c_int32), ("sm_scale", ctypes.c_float),
+    ]
+
+
 # SageAttnParams field names in ABI order, and a struct.Struct writing them all in one call at the ctypes offsets
 # (explicit pad bytes, built from the Structure's own layout, so the bytes are those of field-by-field assignment).
 PARAM_FIELDS = tuple(name for name, _ in SageAttnParams._fields_)
@@ -132,6 +149,8 @@ class Lib:
             h.sage_hopper_compiled.restype = ctypes.c_int
             h.sage_bwd.restype = ctypes.c_int
             h.sage_bwd.argtypes = [ctypes.POINTER(SageBwdParams), ctypes.c_void_p]
+            h.sage_train_fwd.restype = ctypes.c_int
+            h.sage_train_fwd.argtypes = [ctypes.POINTER(SageTrainFwdParams), ctypes.c_void_p]
             abi = h.sage_abi_version()
         except AttributeError as e:
             self.reason = f"{path} is not a sage_patch kernel library ({e})"

@@ -1,7 +1,9 @@
 """The sm_90a SageBwd backward (dQ, dK, dV from kernels_cuda/hopper/bwd_kernel.cuh; sage_patch.kernels.sagebwd.hopper)
-on the GPU: the same comparisons as the Triton kernels' (test_sagebwd_gpu.py) against the reference simulation of
-their numerics, against float64, and the training contract (poisoned memory, odd lengths, GQA, key padding, NaN
-rule, CUDA graphs). Runs on an H100/H200 with an sm_90a build only.
+and the sm_90a training forward (O and both LSEs from kernels_cuda/hopper/fwd_train_kernel.cuh; hopper.forward) on the
+GPU: the same comparisons as the Triton kernels' (test_sagebwd_gpu.py) against the reference simulation of their
+numerics, against float64, and the training contract (poisoned memory, odd lengths, GQA, key padding, NaN rule, CUDA
+graphs). The backward tests run the sm_90a pair (the sm_90a forward at every shape, then the backward). Runs on an
+H100/H200 with an sm_90a build only.
 
 dQ is summed across key blocks with fp32 reductions in whatever order they land, so two runs of the same call may
 differ in the last bit of a dQ element that sits near a rounding boundary of the output dtype: where the Triton tests
@@ -62,9 +64,16 @@ def through_hopper(monkeypatch):
     monkeypatch.setattr(sagebwd, "backward", hopper.backward)
 
 
-def _run(q, k, v, dout, causal, mask, bwd):
+def _cuda_forward(q, k, v, *, is_causal, scale, key_padding_mask=None):
+    """The sm_90a forward at every shape (hopper.forward sends some to the Triton one: TRITON_FORWARD_BELOW)."""
+    return sagebwd._forward(q, k, v, is_causal=is_causal, scale=scale, key_padding_mask=key_padding_mask,
+                            smooth_k=True, cuda=True)
+
+
+def _run(q, k, v, dout, causal, mask, bwd, forward=None):
+    """forward (default: the sm_90a one, _cuda_forward) then bwd from what it saved."""
     scale = 1 / math.sqrt(q.shape[-1])
-    fwd = sagebwd.forward(q, k, v, is_causal=causal, scale=scale, key_padding_mask=mask)
+    fwd = (forward or _cuda_forward)(q, k, v, is_causal=causal, scale=scale, key_padding_mask=mask)
     out, lse, lse_s, qi, qs, ki, ks = fwd
     return fwd, bwd(dout, qi, qs, ki, ks, v, out, lse_s, is_causal=causal, scale=scale, key_padding_mask=mask)
 
@@ -289,3 +298,154 @@ def test_nonfinite_poisons_what_it_reaches(through_hopper, where, bad, variant, 
     fails = check_nonfinite_training(_autograd, where, bad, b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, dtype=dtype,
                                      causal=causal, key_padding=kp, device="cuda", dq_order=DQ_ORDER)
     assert not fails, fails
+
+
+# ---- the sm_90a training forward (the Triton quantization passes, then fwd_train_kernel.cuh) ----------------------
+
+def _fwd(q, k, v, causal, mask, forward=None):
+    return (forward or _cuda_forward)(q, k, v, is_causal=causal, scale=1 / math.sqrt(q.shape[-1]),
+                                      key_padding_mask=mask)
+
+
+def _check_forward_numerics(q, k, v, mask, causal, fwd, dtype):
+    """O and both LSEs of fwd (the sm_90a forward's results) against the simulation, as the Triton forward is checked
+    (test_sagebwd_gpu.test_kernels_match_the_simulation_of_their_numerics)."""
+    out, lse, lse_s, qi, qs, ki, ks = (x.cpu() for x in fwd)
+    q, k, v = q.cpu(), k.cpu(), v.cpu()
+    mask = None if mask is None else mask.cpu()
+    b, hq, sq, d = q.shape
+    skv, g = k.shape[2], hq // k.shape[1]
+    r_out, r_lse, saved = sagebwd_forward(q, k, v, is_causal=causal, attn_mask=mask, config=KERNEL_CONFIG)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_l1(out, r_out.to(dtype)) <= 1e-3, rel_l1(out, r_out.to(dtype))
+    fin = torch.isfinite(r_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.equal(fin, torch.isfinite(lse_s))
+    scores = (qi.double() * qs.double()[..., None]) @ (ki.double() * ks.double()[..., None]).repeat_interleave(
+        g, 1).transpose(-1, -2) / math.sqrt(d)
+    from sage_patch.masks import combined_bool_mask
+    vis = combined_bool_mask(mask, causal, sq, skv, scores.device)
+    if vis is not None:
+        scores = scores.masked_fill(~vis, -math.inf)
+    exact = torch.logsumexp(scores, dim=-1)
+    assert (lse_s[fin].double() - exact[fin]).abs().max().item() <= 2e-4
+    shift = (q.double() @ k.double().mean(2, keepdim=True).repeat_interleave(g, 1).transpose(-1, -2)).squeeze(-1)
+    assert ((lse - lse_s)[fin].double() - shift[fin] / math.sqrt(d)).abs().max().item() <= 2e-4
+    assert (out[~fin] == 0).all()   # rows with no visible key
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_forward_matches_the_simulation_and_the_triton_forward(case, dtype):
+    """Odd lengths (Sq != Skv, not multiples of 64), GQA, causal, key padding, one query: O and the LSEs against the
+    simulation; the quantized operands are the Triton passes' (bitwise), O and the LSEs those of the Triton forward
+    up to the order of the row sums."""
+    b, hq, hkv, sq, skv, d, causal, kp = case
+    q, k, v, _ = _inputs(b, hq, hkv, sq, skv, d, dtype)
+    mask = _key_padding(b, skv) if kp else None
+    ours = _fwd(q, k, v, causal, mask)
+    theirs = _fwd(q, k, v, causal, mask, sagebwd.forward)
+    for x, y in zip(ours[3:], theirs[3:]):
+        assert torch.equal(x, y)
+    o_vs = rel_l1(ours[0], theirs[0])
+    lse_vs = max((x - y)[torch.isfinite(y)].abs().max().item() if torch.isfinite(y).any() else 0.0
+                 for x, y in zip(ours[1:3], theirs[1:3]))
+    print("forward vs Triton", case, dtype, "O rel L1", o_vs, "LSE max abs", lse_vs)
+    assert o_vs <= 5e-4 and lse_vs <= 1e-4, (o_vs, lse_vs)
+    _check_forward_numerics(q, k, v, mask, causal, ours, dtype)
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, True), (128, False)])
+def test_forward_against_float64_at_4k(d, causal):
+    """O cosine >= 0.9999 against float64 exact attention (the Triton forward's bar), GQA 2:1, N=4K."""
+    q, k, v, _ = _inputs(1, 4, 2, 4096, 4096, d, torch.bfloat16, seed=3)
+    out = _fwd(q, k, v, causal, None)[0]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1), is_causal=causal)
+    cos = cosine(out.float(), ref.float())
+    print("forward O cosine vs float64", d, causal, cos)
+    assert cos >= 0.9999, cos
+
+
+def test_forward_overwrites_poisoned_outputs_and_leaves_inputs_untouched():
+    """Outputs pre-filled with NaN are fully overwritten (empty rows included: Sq > Skv causal, a padded batch
+    entry), the inputs are not written, and a poisoned allocator changes nothing."""
+    q, k, v, _ = _inputs(2, 4, 2, 333, 200, 128, torch.bfloat16)
+    mask = torch.ones(2, 200, dtype=torch.bool, device="cuda")
+    mask[1] = False
+    before = [x.clone() for x in (q, k, v, mask)]
+    clean = _fwd(q, k, v, True, mask)
+    out, lse, lse_s, qi, qs, ki, ks = clean
+    qdot = torch.empty_like(lse)   # recomputed: hopper.forward does not return it
+    from sage_patch.kernels.sagebwd import _quantize_tokens
+    mean = k.mean(dim=2, dtype=torch.float32).contiguous()
+    _quantize_tokens(q, torch.empty_like(qi), (333 * 128, 128, 1), torch.empty_like(qs), mean=mean, mean_group=2,
+                     dot=qdot)
+    nan_out, nan_lse, nan_lse_s = (torch.full_like(x, math.nan) for x in (out, lse, lse_s))
+    hopper.launch_forward(qi, qs, qdot, ki, ks, v, nan_out, nan_lse, nan_lse_s, mask, is_causal=True,
+                          scale=1 / math.sqrt(128))
+    assert torch.equal(nan_out, out) and torch.equal(nan_lse_s, lse_s) and torch.equal(nan_lse, lse)
+    assert (out[1] == 0).all() and (lse_s[1] == -math.inf).all() and (out[0, :, :133] == 0).all()
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")
+    del junk
+    again = _fwd(q, k, v, True, mask)
+    for x, y in zip(clean, again):
+        assert torch.equal(x, y)
+    for a, b in zip(before, (q, k, v, mask)):
+        assert torch.equal(a, b)
+
+
+def test_forward_non_contiguous_views_and_caller_stream():
+    """BSHD views on a side stream give bitwise the forward of contiguous BHSD inputs."""
+    q, k, v, _ = _inputs(2, 4, 2, 300, 300, 64, torch.float16)
+    mask = _key_padding(2, 300)
+    ref = _fwd(q, k, v, True, mask)
+    views = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        got = _fwd(*views, True, mask)
+    torch.cuda.current_stream().wait_stream(s)
+    for x, y in zip(ref, got):
+        assert torch.equal(x, y)
+
+
+def test_forward_cuda_graph_capture():
+    q, k, v, _ = _inputs(1, 4, 2, 700, 700, 128, torch.bfloat16)
+    eager = _fwd(q, k, v, False, None)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _fwd(q, k, v, False, None)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _fwd(q, k, v, False, None)
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, y in zip(eager, captured):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_forward_nonfinite_reaches_the_rows_it_touches(where, bad):
+    """The forward alone (the autograd tests above check it with the backward): a NaN/Inf in q poisons its row's O
+    and LSE, in k or v the O of every row that sees the key; other (batch, head) pairs are bitwise the clean run's;
+    rows with no visible key stay 0."""
+    q, k, v, _ = _inputs(2, 4, 2, 300, 200, 64, torch.bfloat16)
+    clean = _fwd(q, k, v, True, None)
+    x = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+    if where == "q":
+        x["q"][0, 3, 298, 5] = bad
+    else:
+        x[where][0, 1, 1, 5] = bad
+    out = _fwd(x["q"], x["k"], x["v"], True, None)[0]
+    bad_rows = ~torch.isfinite(out).all(-1)
+    if where == "q":
+        assert bad_rows[0, 3, 298]
+    else:   # key 1 is seen by rows i >= 1 + Sq - Skv of heads 2, 3
+        assert bad_rows[0, 2:, 101:].all()
+        assert (out[0, 2:, :100] == 0).all()   # no visible key
+    scope = torch.zeros(2, 4, dtype=torch.bool)
+    scope[0, 3 if where == "q" else slice(2, 4)] = True
+    assert torch.equal(out[~scope], clean[0][~scope])

@@ -139,8 +139,13 @@ def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, sm
     """Training forward. q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D), fp16 or bf16; key_padding_mask None or bool
     (B, Skv), True = attend. Returns (out (B, Hq, Sq, D) in q's dtype, lse fp32 (B, Hq, Sq), lse of the smoothed
     scores, q_int int8 (B, Hq, Sq, D), q_scale fp32 (B, Hq, Sq), k_int int8 (B, Hkv, Skv, D), k_scale (B, Hkv, Skv))."""
-    from .fwd import forward_kernel
+    return _forward(q, k, v, is_causal=is_causal, scale=scale, key_padding_mask=key_padding_mask, smooth_k=smooth_k,
+                    cuda=False)
 
+
+def _forward(q, k, v, *, is_causal, scale, key_padding_mask, smooth_k, cuda: bool):
+    """`forward`, from the Triton forward_kernel or (cuda) the compiled sm_90a kernel (hopper.launch_forward: the same
+    numerics from the same quantized operands)."""
     q, k, v = _channels_contiguous(q), _channels_contiguous(k), _descriptor_ready(v)   # only V is read by descriptor
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
@@ -158,6 +163,14 @@ def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, sm
     out = torch.empty(b, hq, sq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=f32, device=q.device)
     lse_s = torch.empty_like(lse)
+    if cuda:
+        from .hopper import launch_forward
+
+        launch_forward(q_int, q_scale, qdot if smooth_k else None, k_int, k_scale, v, out, lse, lse_s,
+                       key_padding_mask, is_causal=is_causal, scale=scale)
+        return out, lse, lse_s, q_int, q_scale, k_int, k_scale
+    from .fwd import forward_kernel
+
     kpm, skpm, has_kpm = _key_padding(key_padding_mask, q)
     bn = t["fwd_n"]
     forward_kernel[(_cdiv(sq, t["fwd_m"]), b * hq)](

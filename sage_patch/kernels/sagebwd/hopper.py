@@ -1,22 +1,28 @@
-"""SageBwd's backward from the compiled sm_90a kernel (kernels_cuda/hopper/bwd_kernel.cuh, C ABI sage_bwd) instead of
-the Triton dkdv_kernel and dq_kernel: dQ, dK and dV in one pass over the (key block, query tile) pairs. Same numerics
-(KERNEL_LAYOUT), the same operands prepared by the same passes (sagebwd._backward), the caller's stream, no host
-synchronization. dQ is summed across key blocks with floating-point reductions in an fp32 buffer, so by default its
-summation order (not its numerics' groups) varies from run to run; with torch.use_deterministic_algorithms(True)
-the kernel runs its deterministic mode instead (FlashAttention-3's: per 64-query tile a counter in a zeroed int32
-workspace, dq_sem_shape, makes the key blocks add to the tile one after another in a fixed order), so two runs give
-bitwise the same dQ, dK and dV.
+"""SageBwd's forward and backward from the compiled sm_90a kernels instead of the Triton ones. The forward
+(kernels_cuda/hopper/fwd_train_kernel.cuh, C ABI sage_train_fwd) replaces forward_kernel only: Q and K are quantized by
+the Triton passes as before (sagebwd._forward), the kernel writes O and both LSEs with forward_kernel's numerics. The
+backward (kernels_cuda/hopper/bwd_kernel.cuh, C ABI sage_bwd) replaces the Triton dkdv_kernel and dq_kernel: dQ, dK
+and dV in one pass over the (key block, query tile) pairs. Same numerics (KERNEL_LAYOUT), the same operands prepared
+by the same passes (sagebwd._backward), the caller's stream, no host synchronization. dQ is summed across key blocks
+with floating-point reductions in an fp32 buffer, so by default its summation order (not its numerics' groups) varies
+from run to run; with torch.use_deterministic_algorithms(True) the kernel runs its deterministic mode instead
+(FlashAttention-3's: per 64-query tile a counter in a zeroed int32 workspace, dq_sem_shape, makes the key blocks add
+to the tile one after another in a fixed order), so two runs give bitwise the same dQ, dK and dV. Large calls run the
+backward in chunks of (batch entry, KV head) pairs (`chunks`), to bound its temporaries.
 
-It is the launch module of the training variant "sagebwd-hopper" (registry): the Triton family's forward and
-KERNEL_LAYOUT, this backward. The registry offers it where it measures faster than the Triton backward
-(FASTER_HEAD_DIMS, `unsupported_reason`); the Triton pair serves every other training call.
+It is the launch module of the training variant "sagebwd-hopper" (registry): the Triton family's KERNEL_LAYOUT, this
+forward (the Triton one where that measures faster: TRITON_FORWARD_BELOW) and this backward. The registry offers it
+where it measures faster than the Triton backward (FASTER_HEAD_DIMS, `unsupported_reason`); the Triton pair serves
+every other training call.
 
     unsupported_reason(t)   -> str | None     the registry's check of a training Target: cannot_run, then speed
     cannot_run(t)           -> str | None     whether the kernel can run the Target at all (device, build, Triton)
-    forward(...)                              sagebwd.forward (the Triton forward; it saves what backward reads)
+    forward(...)                              sagebwd.forward's signature and results (it saves what backward reads)
     backward(...)           -> dq, dk, dv     sagebwd.backward's signature and results
     dq_blocks_shape, dq_from_blocks           the kernel's fp32 dQ buffer (in blocks) and its reading into dQ
     dq_sem_shape                              the deterministic mode's tile counters
+    chunks                                    the backward's chunks of (batch entry, KV head) pairs
+    launch, launch_forward                    the two kernels' launches
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ import torch
 
 from .. import _lib
 from .._ops import _DTYPE_CODE, _stream_ptr, device_cc
-from . import KERNEL_LAYOUT, _backward, forward  # noqa: F401 (KERNEL_LAYOUT, forward: this variant's, as launched)
+from . import KERNEL_LAYOUT, _backward, _forward  # noqa: F401 (KERNEL_LAYOUT: this variant's, as launched)
 from . import unsupported_reason as _triton_unsupported_reason
 
 HEAD_DIMS = (64, 128)                            # what bwd_launch.cu instantiates
@@ -34,6 +40,12 @@ DTYPES = (torch.float16, torch.bfloat16)
 # Where this backward is faster than the Triton one (H200, B=4 H=32 bf16, backward alone, same run, 2026-11-29,
 # 4K / 16K): D=128 1.17x / 1.22x, causal 1.13x / 1.21x; D=64 1.14x / 1.16x, causal 1.08x / 1.15x
 FASTER_HEAD_DIMS = (64, 128)
+# Where the forward stays on the Triton forward_kernel: (head dim, causal) -> the min(Sq, Skv) below which it measured
+# faster than the sm_90a forward. H200, B=4 H=32 bf16, forward alone incl. the quantization passes, same run,
+# 2026-11-29, Triton / sm_90a / cuDNN ms at 4K and 16K: D=128 2.29 / 2.26 / 1.59, 34.87 / 31.65 / 27.96; causal
+# 1.32 / 1.36 / 0.89, 17.30 / 16.48 / 14.20; D=64 1.60 / 1.49 / 1.16, 23.03 / 20.55 / 18.89; causal 1.21 / 0.91 /
+# 0.64, 12.28 / 10.81 / 9.56. D=128 causal lost at 4K and won at 16K (no point between measured: Triton below 16K)
+TRITON_FORWARD_BELOW = {(128, True): 16384}
 
 
 def unsupported_reason(t) -> str | None:
@@ -65,6 +77,61 @@ def cannot_run(t) -> str | None:
     if "90a" not in t.archs:
         return "the build has no sm_90a SASS (the SageBwd wgmma backward cannot be JIT-compiled from portable PTX)"
     return None
+
+
+def forward(q, k, v, *, is_causal: bool, scale: float, key_padding_mask=None, smooth_k: bool = True):
+    """sagebwd.forward from the sm_90a kernel (check `cannot_run` first), or from the Triton forward_kernel where
+    that measured faster (TRITON_FORWARD_BELOW); the same quantization passes either way."""
+    cuda = min(q.shape[2], k.shape[2]) >= TRITON_FORWARD_BELOW.get((q.shape[-1], bool(is_causal)), 0)
+    return _forward(q, k, v, is_causal=is_causal, scale=scale, key_padding_mask=key_padding_mask, smooth_k=smooth_k,
+                    cuda=cuda)
+
+
+def launch_forward(q_int, q_scale, qdot, k_int, k_scale, v, out, lse, lse_s, key_padding_mask, *, is_causal,
+                   scale) -> None:
+    """Launch the forward kernel on the current stream: O into out (B, Hq, Sq, D), the LSEs into lse and lse_s
+    (B, Hq, Sq) fp32 contiguous, from q_int (B, Hq, Sq, D) and k_int (B, Hkv, Skv, D) contiguous INT8 with their
+    contiguous fp32 scales, qdot (B, Hq, Sq) fp32 contiguous or None (no K smoothing: lse = lse_s) and v with 16-byte
+    aligned rows (sagebwd._descriptor_ready)."""
+    b, hq, sq, d = q_int.shape
+    hkv, skv = k_int.shape[1], k_int.shape[2]
+    for name, x, shape in (("q_int", q_int, (b, hq, sq, d)), ("q_scale", q_scale, (b, hq, sq)),
+                           ("qdot", qdot, (b, hq, sq)), ("k_int", k_int, (b, hkv, skv, d)),
+                           ("k_scale", k_scale, (b, hkv, skv)), ("lse", lse, (b, hq, sq)),
+                           ("lse_s", lse_s, (b, hq, sq))):
+        if x is not None and (tuple(x.shape) != shape or not x.is_contiguous()):
+            raise ValueError(f"{name}: {tuple(x.shape)} (contiguous: {x.is_contiguous()}); the sm_90a forward needs "
+                             f"a contiguous tensor of shape {shape}")
+    if tuple(out.shape) != (b, hq, sq, d) or out.stride(-1) != 1 or out.dtype != v.dtype:
+        raise ValueError(f"out: {tuple(out.shape)} {out.dtype} strides {out.stride()}; the sm_90a forward needs "
+                         f"({b}, {hq}, {sq}, {d}) in {v.dtype} with channel stride 1")
+    lib = _lib.get()
+    if lib.handle is None:
+        raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
+    kmask, kmask_sb = None, 0
+    if key_padding_mask is not None:
+        # the kernel copies the mask in 16-byte chunks: rows padded to a multiple of 16 bytes (this local keeps the
+        # copy alive until the launch is enqueued)
+        kmask = torch.zeros(key_padding_mask.shape[0], -(-skv // 16) * 16, dtype=torch.uint8, device=v.device)
+        kmask[:, :skv] = key_padding_mask
+        kmask_sb = kmask.stride(0) if kmask.shape[0] > 1 else 0
+    dev = v.device.index if v.device.index is not None else torch.cuda.current_device()
+    major, minor = device_cc(dev)
+    p = _lib.SageTrainFwdParams()
+    p.q_int, p.q_scale = q_int.data_ptr(), q_scale.data_ptr()
+    p.qdot = qdot.data_ptr() if qdot is not None else 0
+    p.k_int, p.k_scale = k_int.data_ptr(), k_scale.data_ptr()
+    p.v, (p.v_sb, p.v_sh, p.v_ss) = v.data_ptr(), v.stride()[:3]
+    p.o, (p.o_sb, p.o_sh, p.o_ss) = out.data_ptr(), out.stride()[:3]
+    p.lse, p.lse_s = lse.data_ptr(), lse_s.data_ptr()
+    p.kmask, p.kmask_sb = (kmask.data_ptr() if kmask is not None else 0), kmask_sb
+    p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = b, hq, hkv, sq, skv, d
+    p.causal, p.dtype = int(bool(is_causal)), _DTYPE_CODE[v.dtype]
+    p.device, p.device_cc, p.sm_scale = dev, major * 10 + minor, float(scale)
+    h = lib.handle
+    rc = h.sage_train_fwd(ctypes.byref(p), ctypes.c_void_p(_stream_ptr(v.device, dev)))
+    if rc != 0:
+        raise RuntimeError(f"sage_patch SageBwd sm_90a forward failed ({rc}): {h.sage_error_string(rc).decode()}")
 
 
 def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: bool, scale: float,
