@@ -70,6 +70,28 @@ CASES = [  # b, hq, hkv, sq, skv, d, causal, key padding
 ]
 
 
+def check_lse(q, k, qi, qs, ki, ks, lse, lse_s, r_lse, mask, causal):
+    """A training forward's LSEs (CPU tensors): finite where the simulation's r_lse is; lse_s exactly the
+    log-sum-exp of the kernel's own dequantized scores (a K^ entry one rounding step from the simulation's, the K
+    mean being summed in another order, moves a whole row's LSE), lse = lse_s + tau q . mean(K). Returns the rows
+    with a visible key."""
+    b, hq, sq, d = q.shape
+    skv, g = k.shape[2], hq // k.shape[1]
+    fin = torch.isfinite(r_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.equal(fin, torch.isfinite(lse_s))
+    scores = (qi.double() * qs.double()[..., None]) @ (ki.double() * ks.double()[..., None]).repeat_interleave(
+        g, 1).transpose(-1, -2) / math.sqrt(d)
+    from sage_patch.masks import combined_bool_mask
+    vis = combined_bool_mask(mask, causal, sq, skv, scores.device)
+    if vis is not None:
+        scores = scores.masked_fill(~vis, -math.inf)
+    exact = torch.logsumexp(scores, dim=-1)
+    assert (lse_s[fin].double() - exact[fin]).abs().max().item() <= 2e-4
+    shift = (q.double() @ k.double().mean(2, keepdim=True).repeat_interleave(g, 1).transpose(-1, -2)).squeeze(-1)
+    assert ((lse - lse_s)[fin].double() - shift[fin] / math.sqrt(d)).abs().max().item() <= 2e-4
+    return fin
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_kernels_match_the_simulation_of_their_numerics(case, dtype):
@@ -87,21 +109,7 @@ def test_kernels_match_the_simulation_of_their_numerics(case, dtype):
     assert (qi.int() - saved.q_int.int()).abs().max().item() <= 1
     assert (ki.int() - saved.k_int.int()).abs().max().item() <= 1
     assert rel_l1(out, r_out.to(dtype)) <= 1e-3
-    # LSE: exactly the log-sum-exp of the kernel's own dequantized scores (a K^ entry one rounding step from the
-    # simulation's, the K mean being summed in another order, moves a whole row's LSE), plus tau q . mean(K)
-    fin = torch.isfinite(r_lse)
-    assert torch.equal(fin, torch.isfinite(lse)) and torch.equal(fin, torch.isfinite(lse_s))
-    g = hq // hkv
-    scores = (qi.double() * qs.double()[..., None]) @ (ki.double() * ks.double()[..., None]).repeat_interleave(
-        g, 1).transpose(-1, -2) / math.sqrt(d)
-    from sage_patch.masks import combined_bool_mask
-    vis = combined_bool_mask(mask, causal, sq, skv, scores.device)
-    if vis is not None:
-        scores = scores.masked_fill(~vis, -math.inf)
-    exact = torch.logsumexp(scores, dim=-1)
-    assert (lse_s[fin].double() - exact[fin]).abs().max().item() <= 2e-4
-    shift = (q.double() @ k.double().mean(2, keepdim=True).repeat_interleave(g, 1).transpose(-1, -2)).squeeze(-1)
-    assert ((lse - lse_s)[fin].double() - shift[fin] / math.sqrt(d)).abs().max().item() <= 2e-4
+    check_lse(q, k, qi, qs, ki, ks, lse, lse_s, r_lse, mask, causal)
     # backward from the same saved operands, and end to end
     same = saved._replace(q_int=qi, q_scale=qs, k_int=ki, k_scale=ks, out=out, lse=lse_s)
     for ours, ref in zip((dq, dk, dv), sagebwd_backward(dout, same)):
