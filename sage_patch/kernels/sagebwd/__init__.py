@@ -244,7 +244,8 @@ def _backward_sm90a(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_c
                     deterministic):
     """The sm_90a kernel's backward, over chunks of (batch entry, KV head) pairs (hopper.chunks): each chunk's
     temporaries (the fp32 dQ buffer, the transposed INT8 operands, the per-query rows: ~3x its bf16 dQ) live only
-    while it runs, so the call's peak memory stays below cuDNN's, which holds a whole fp32 dQ accumulator."""
+    while it runs, so a large call's peak memory stays below cuDNN's, which holds a whole fp32 dQ accumulator (small
+    calls run in one piece: hopper.CHUNK_MIN_BYTES)."""
     from .hopper import chunks, dq_blocks_shape, dq_from_blocks, dq_sem_shape, launch
 
     b, hq, sq, d = q_int.shape
