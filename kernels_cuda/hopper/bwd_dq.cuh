@@ -86,10 +86,10 @@ __device__ __forceinline__ void bwd_dq_update(uint32_t kv0, int ds, const float*
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const uint32_t a = wst + 8 * (64 * i + lane);
-            sts_v2(a, small_i2f(t0[4 * i]) * s00 + small_i2f(t1[4 * i]) * s10,
-                   small_i2f(t0[4 * i + 1]) * s00 + small_i2f(t1[4 * i + 1]) * s10);
-            sts_v2(a + 8 * 32, small_i2f(t0[4 * i + 2]) * s01 + small_i2f(t1[4 * i + 2]) * s11,
-                   small_i2f(t0[4 * i + 3]) * s01 + small_i2f(t1[4 * i + 3]) * s11);
+            sts_v2(a, (float)t0[4 * i] * s00 + (float)t1[4 * i] * s10,
+                   (float)t0[4 * i + 1] * s00 + (float)t1[4 * i + 1] * s10);
+            sts_v2(a + 8 * 32, (float)t0[4 * i + 2] * s01 + (float)t1[4 * i + 2] * s11,
+                   (float)t0[4 * i + 3] * s01 + (float)t1[4 * i + 3] * s11);
         }
         // generic stores read by the bulk copy (the async proxy): every writer's fence, then the warp's barrier
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -234,8 +234,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                     for (int e = 0; e < 2; ++e) {
                         const int c = 8 * i + 2 * t4 + e, qi = m0 + bwd_query_of(c);
                         const float4 s4 = st[c];  // q scale, LSE (log2), Delta, dO scale of query qi
-                        const float x0 = fast_exp2(small_i2f(sacc[4 * i + e]) * ks0 * s4.x - s4.y);
-                        const float x1 = fast_exp2(small_i2f(sacc[4 * i + 2 + e]) * ks1 * s4.x - s4.y);
+                        const float x0 = fast_exp2((float)sacc[4 * i + e] * ks0 * s4.x - s4.y);
+                        const float x1 = fast_exp2((float)sacc[4 * i + 2 + e] * ks1 * s4.x - s4.y);
                         if constexpr (decltype(masked)::value) {
                             const bool qok = qi < sq;
                             const bool v0 = qok && kok0 && (!p.causal || key0 <= qi + diag);

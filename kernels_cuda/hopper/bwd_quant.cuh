@@ -85,10 +85,10 @@ __device__ __forceinline__ void bwd_int8_issue(int (&t)[32], const uint32_t (&a)
 __device__ __forceinline__ void bwd_int8_fold(float* acc, const int (&t)[32], float sc0, float sc1) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        acc[4 * i] += small_i2f(t[4 * i]) * sc0;
-        acc[4 * i + 1] += small_i2f(t[4 * i + 1]) * sc0;
-        acc[4 * i + 2] += small_i2f(t[4 * i + 2]) * sc1;
-        acc[4 * i + 3] += small_i2f(t[4 * i + 3]) * sc1;
+        acc[4 * i] += (float)t[4 * i] * sc0;
+        acc[4 * i + 1] += (float)t[4 * i + 1] * sc0;
+        acc[4 * i + 2] += (float)t[4 * i + 2] * sc1;
+        acc[4 * i + 3] += (float)t[4 * i + 3] * sc1;
     }
 }
 // acc (D/2 fp32, this lane's rows g, g + 8 and columns 64 nh + 8 i + 2 t4 + e) += (A8 B^T) * row scale, B = the
