@@ -48,19 +48,26 @@ constexpr int kTfRegs = ((65536 / kTfThreads<D> / 8 * 8) * kTfThreads<D> - 24 * 
 
 static_assert(kTfRegs<128> == 240 && kTfRegs<64> == 160, "setmaxnreg: the producer's 24 and the consumers' share");
 
+// the key scales' box: a TMA copy must start at a 16-byte aligned global address (a 1D box at another element is an
+// illegal instruction), so a block's 64 scales come in a box of 68 from the multiple of 4 at or below their first, at
+// element (B Hkv row Skv) % 4 of it
+constexpr int kTfScaleBox = 68;
+
 template <int D>
 struct TfSmem {
     // per consumer warpgroup its Q^ image (64 rows of D bytes, K-major); per stage the K^ image (64 keys x D bytes),
     // the V image (D / 64 chunks of 64 key rows x 128 bytes: 64 channels of the input dtype, bwd_h16_off), the 64
-    // key scales (fp32) and 64 key padding bytes (1 = attend; copied only with a mask). The stages start
+    // key scales (fp32, in a box of kTfScaleBox from a 16-byte boundary) and 64 key padding bytes (1 = attend; copied
+    // only with a mask). The stages start
     // 1024-aligned (the swizzle atoms of the K^ and V images), the scales and padding bytes 128-aligned (TMA's
     // shared-memory alignment)
     static constexpr int QBYTES = 64 * D, Q_OFF = 0;
-    static constexpr int K_IN = 0, V_IN = 64 * D, KS_IN = V_IN + 128 * D, VIS_IN = KS_IN + 256;
+    static constexpr int K_IN = 0, V_IN = 64 * D, KS_IN = V_IN + 128 * D, VIS_IN = KS_IN + 384;
     static constexpr int STAGE = (VIS_IN + 64 + 1023) / 1024 * 1024;
     static constexpr int STAGE0 = Q_OFF + kTfNwg<D> * QBYTES;
     static constexpr int BAR_OFF = STAGE0 + kTfStages * STAGE;  // full[kTfStages], then empty[kTfStages]
     static constexpr int TOTAL = BAR_OFF + 16 * kTfStages + 1024;  // + slack to align the base to 1024 bytes
+    static_assert(4 * kTfScaleBox <= VIS_IN - KS_IN, "the key scales' box overlaps the padding bytes");
     static_assert(TOTAL <= 232448, "more than the 227 KB of shared memory per block");
 };
 
@@ -80,8 +87,9 @@ struct TfTile {
 struct TfMaps {
     CUtensorMap k;      // K^ (D, Skv, B Hkv) int8, box (D, 64): one K^ image (128B swizzle at D = 128, 64B at 64)
     CUtensorMap v;      // V (D, Skv, Hkv, B) with the caller's strides, box (64, 64), 128B swizzle: one V chunk
-    CUtensorMap ks;     // the key scales flat (B Hkv Skv) fp32, box 64: rank 1, so any Skv (a row of Skv scales
-                        // needs no 16-byte stride); past Skv the next row's scales, which multiply only masked keys
+    CUtensorMap ks;     // the key scales flat (B Hkv Skv) fp32, box kTfScaleBox: rank 1, so any Skv (a row of Skv
+                        // scales needs no 16-byte stride); around a row the neighbours' scales, which multiply only
+                        // masked keys (past Skv) or none
     CUtensorMap kmask;  // key padding (Skv, B or 1 with kmask_sb 0) uint8, box (64, 1); unset without a mask
 };
 
@@ -96,8 +104,8 @@ __device__ __forceinline__ void tf_producer(const SageTrainFwdParams& p, const T
     tma_prefetch_map(&mp.v);
     tma_prefetch_map(&mp.ks);
     if (p.kmask) tma_prefetch_map(&mp.kmask);
-    const uint32_t bytes = 64 * D + 128 * D + 256 + (p.kmask ? 64 : 0);
-    const int mrow = p.kmask_sb ? b : 0;
+    const uint32_t bytes = 64 * D + 128 * D + 4 * kTfScaleBox + (p.kmask ? 64 : 0);
+    const int mrow = p.kmask_sb ? b : 0, ks0 = bkv * p.Skv & ~3;
     for (int j = 0; j < tl.nblk; ++j) {
         const int stg = j % kTfStages;
         mbar_wait(empty + 8 * stg, ((uint32_t)(j / kTfStages) & 1u) ^ 1u);
@@ -107,7 +115,7 @@ __device__ __forceinline__ void tf_producer(const SageTrainFwdParams& p, const T
         tma_load(st + S::K_IN, &mp.k, bar, 0, n0, bkv);
 #pragma unroll
         for (int c = 0; c < D / 64; ++c) tma_load(st + S::V_IN + 8192 * c, &mp.v, bar, 64 * c, n0, hkv, b);
-        tma_load(st + S::KS_IN, &mp.ks, bar, bkv * p.Skv + n0);
+        tma_load(st + S::KS_IN, &mp.ks, bar, ks0 + n0);
         if (p.kmask) tma_load(st + S::VIS_IN, &mp.kmask, bar, n0, mrow);
     }
 }
@@ -222,7 +230,7 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
         // shares the quarter-rate pipe with MUFU.EX2 and the F2FP packs (with it that pipe bound the loop: ~1050
         // cycles per 64 x 64 tile and SM at D = 128). Accumulator element 4 i + 2 hh + e: row g + 8 hh, key
         // 8 i + 2 t4 + e
-        const float* ks = reinterpret_cast<const float*>(stp + S::KS_IN);
+        const float* ks = reinterpret_cast<const float*>(stp + S::KS_IN) + (bkv * skv & 3);  // kTfScaleBox
         const uint8_t* vis = stp + S::VIS_IN;
         float s[32];
         // the per-pair tests only in blocks that need them (past Skv, key padding, above a row's causal

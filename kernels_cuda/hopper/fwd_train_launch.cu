@@ -28,7 +28,7 @@ bool train_fwd_maps(const SageTrainFwdParams& p, TfMaps* m) {
                                                                   : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
     if (!tensor_map_tiled(&m->v, vt, 4, p.v, vd, vst, vb, CU_TENSOR_MAP_SWIZZLE_128B)) return false;
     const uint64_t sd[1] = {bhkv * skv};
-    const uint32_t sbx[1] = {64};
+    const uint32_t sbx[1] = {kTfScaleBox};
     if (!tensor_map_tiled(&m->ks, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, p.k_scale, sd, nullptr, sbx,
                           CU_TENSOR_MAP_SWIZZLE_NONE))
         return false;
