@@ -34,9 +34,11 @@ bool train_fwd_maps(const SageTrainFwdParams& p, TfMaps* m) {
         return false;
     if (!p.kmask) return true;
     // one row for every batch entry where kmask_sb is 0 (its row stride then only has to be valid)
-    const uint64_t md[2] = {skv, p.kmask_sb ? (uint64_t)p.B : 1}, mst[1] = {p.kmask_sb ? (uint64_t)p.kmask_sb : (skv + 15) / 16 * 16};
+    const uint64_t md[2] = {skv, p.kmask_sb ? (uint64_t)p.B : 1},
+                   mst[1] = {p.kmask_sb ? (uint64_t)p.kmask_sb : (skv + 15) / 16 * 16};
     const uint32_t mb[2] = {64, 1};
-    return tensor_map_tiled(&m->kmask, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, p.kmask, md, mst, mb, CU_TENSOR_MAP_SWIZZLE_NONE);
+    return tensor_map_tiled(&m->kmask, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, p.kmask, md, mst, mb,
+                            CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 template <int D, typename T>
