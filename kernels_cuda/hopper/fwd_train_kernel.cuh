@@ -13,20 +13,21 @@
 // Non-finite inputs: a NaN scale (Q's, K's rows) reaches its row / column through the products and the NaN-propagating
 // maximum; V through IEEE arithmetic; rows with no visible key stay 0 (sage_patch/reference/sagebwd.py's rule).
 //
-// Warp-specialized like the other Hopper kernels: warpgroup 0 is the producer, which copies each 64-key block's K^
-// and V rows with cp.async into their swizzled wgmma images (the backward producer's 16-byte copies, zero-filled past
-// Skv) and the block's key scales and key padding bytes into a ring of kTfStages stages guarded by mbarriers (full:
-// the producer, one block behind its copies, after a proxy fence; empty: one arrival per consumer thread after its
-// last read), then gives its registers to the consumers (setmaxnreg). Each of the kTfNwg consumer warpgroups owns 64
+// Warp-specialized like the other Hopper kernels: warpgroup 0 is the producer, whose one thread streams each 64-key
+// block with TMA (tensor maps built per launch, TfMaps) into a ring of kTfStages stages guarded by mbarriers: K^ and
+// V land as their swizzled wgmma images (the maps' 128B / 64B swizzle is img_off's pattern), rows past Skv as zeros,
+// with the block's key scales and key padding bytes (full: the copies' bytes, counted by the barrier's transaction
+// count; empty: one arrival per consumer thread after its last read); the warpgroup gives its registers to the
+// consumers (setmaxnreg). Each of the kTfNwg consumer warpgroups owns 64
 // query rows of the CTA's tile and pipelines its blocks as FlashAttention-3 does: S of block j + 1 and P~V of block j
 // in flight together, block j + 1's softmax under P~V(j); the other warpgroups' products fill the rest. A warpgroup
 // whose rows see no key of a block (causal: blocks past its diagonal) only releases it.
 #pragma once
+#include <cuda.h>  // CUtensorMap
 #include "wgmma.cuh"
 #include "../common/ptx.cuh"
 #include "../common/quant.cuh"
 #include "bwd_traits.cuh"
-#include "bwd_producer.cuh"
 
 namespace sage::hopper {
 
@@ -35,12 +36,9 @@ constexpr int kTfKeys = 64;     // keys per block: SageBwd's block_k (the online
 // the pipelined loop's O, S and two P~ fragment sets spilled there), D = 64 3 (fits 128)
 template <int D> constexpr int kTfNwg = D == 64 ? 3 : 2;
 template <int D> constexpr int kTfThreads = 128 * (kTfNwg<D> + 1);
-constexpr int kTfStages = 6;    // K/V blocks in the ring
-// the producer signals a block landed kTfAhead blocks after issuing its copies (its wait_group), so that many blocks'
-// copies are in flight at once (with one, the producer's copy latency bound the loop: ~2000 cycles per block and CTA
-// at any D and warpgroup count); below kTfStages - 1, so that the consumers' releases never wait on a signal
-constexpr int kTfAhead = 3;
-static_assert(kTfAhead <= kTfStages - 2, "the producer would wait for a release that waits for its own signal");
+// K/V blocks in the ring: how far the producer's copies run ahead of the consumers (each block's TMA completes on its
+// own full barrier, so every free stage has its copies in flight)
+constexpr int kTfStages = 6;
 // setmaxnreg: the launch gives 65536 / threads registers per thread (a multiple of 8); the producer keeps 24, the
 // consumers take the rest (at most 240): 3 consumers 160, 2 240
 template <int D>
@@ -50,17 +48,26 @@ constexpr int kTfRegs = ((65536 / kTfThreads<D> / 8 * 8) * kTfThreads<D> - 24 * 
 
 static_assert(kTfRegs<128> == 240 && kTfRegs<64> == 160, "setmaxnreg: the producer's 24 and the consumers' share");
 
+// the key scales' box: a TMA copy must start at a 16-byte aligned global address (a 1D box at another element is an
+// illegal instruction), so a block's 64 scales come in a box of 68 from the multiple of 4 at or below their first, at
+// element (B Hkv row Skv) % 4 of it
+constexpr int kTfScaleBox = 68;
+
 template <int D>
 struct TfSmem {
     // per consumer warpgroup its Q^ image (64 rows of D bytes, K-major); per stage the K^ image (64 keys x D bytes),
     // the V image (D / 64 chunks of 64 key rows x 128 bytes: 64 channels of the input dtype, bwd_h16_off), the 64
-    // key scales (fp32) and 64 key padding bytes (1 = attend; copied only with a mask)
+    // key scales (fp32, in a box of kTfScaleBox from a 16-byte boundary) and 64 key padding bytes (1 = attend; copied
+    // only with a mask). The stages start
+    // 1024-aligned (the swizzle atoms of the K^ and V images), the scales and padding bytes 128-aligned (TMA's
+    // shared-memory alignment)
     static constexpr int QBYTES = 64 * D, Q_OFF = 0;
-    static constexpr int K_IN = 0, V_IN = 64 * D, KS_IN = V_IN + 128 * D, VIS_IN = KS_IN + 256;
+    static constexpr int K_IN = 0, V_IN = 64 * D, KS_IN = V_IN + 128 * D, VIS_IN = KS_IN + 384;
     static constexpr int STAGE = (VIS_IN + 64 + 1023) / 1024 * 1024;
     static constexpr int STAGE0 = Q_OFF + kTfNwg<D> * QBYTES;
     static constexpr int BAR_OFF = STAGE0 + kTfStages * STAGE;  // full[kTfStages], then empty[kTfStages]
     static constexpr int TOTAL = BAR_OFF + 16 * kTfStages + 1024;  // + slack to align the base to 1024 bytes
+    static_assert(4 * kTfScaleBox <= VIS_IN - KS_IN, "the key scales' box overlaps the padding bytes");
     static_assert(TOTAL <= 232448, "more than the 227 KB of shared memory per block");
 };
 
@@ -75,67 +82,42 @@ struct TfTile {
     }
 };
 
-// warpgroup 0: streams the key blocks into the stage ring; block j's full barrier is signalled after block j + 1's
-// copies are issued (the backward producer's order)
+// The producer's tensor maps (fwd_train_launch.cu builds them per launch; a __grid_constant__ parameter). Parts of a
+// box past a tensor's end land as zeros.
+struct TfMaps {
+    CUtensorMap k;      // K^ (D, Skv, B Hkv) int8, box (D, 64): one K^ image (128B swizzle at D = 128, 64B at 64)
+    CUtensorMap v;      // V (D, Skv, Hkv, B) with the caller's strides, box (64, 64), 128B swizzle: one V chunk
+    CUtensorMap ks;     // the key scales flat (B Hkv Skv) fp32, box kTfScaleBox: rank 1, so any Skv (a row of Skv
+                        // scales needs no 16-byte stride); around a row the neighbours' scales, which multiply only
+                        // masked keys (past Skv) or none
+    CUtensorMap kmask;  // key padding (Skv, B or 1 with kmask_sb 0) uint8, box (64, 1); unset without a mask
+};
+
+// warpgroup 0: one thread streams the key blocks into the stage ring, each stage's copies counted on its full barrier
 template <int D, typename T>
-__device__ __forceinline__ void tf_producer(const SageTrainFwdParams& p, const TfTile<D>& tl, uint8_t* sm, uint32_t full,
-                                            uint32_t empty, int b, int bkv, int hkv, int tid) {
+__device__ __forceinline__ void tf_producer(const SageTrainFwdParams& p, const TfMaps& mp, const TfTile<D>& tl,
+                                            uint32_t sb, uint32_t full, uint32_t empty, int b, int bkv, int hkv) {
     using S = TfSmem<D>;
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    const int skv = p.Skv;
-    const int8_t* kp = p.k_int + (int64_t)bkv * skv * D;
-    const T* vp = static_cast<const T*>(p.v) + b * p.v_sb + hkv * p.v_sh;
-    const float* ksp = p.k_scale + (int64_t)bkv * skv;
-    const uint8_t* mrow = p.kmask ? p.kmask + (int64_t)b * p.kmask_sb : nullptr;
+    if (threadIdx.x != 0) return;
+    tma_prefetch_map(&mp.k);
+    tma_prefetch_map(&mp.v);
+    tma_prefetch_map(&mp.ks);
+    if (p.kmask) tma_prefetch_map(&mp.kmask);
+    const uint32_t bytes = 64 * D + 128 * D + 4 * kTfScaleBox + (p.kmask ? 64 : 0);
+    const int mrow = p.kmask_sb ? b : 0, ks0 = bkv * p.Skv & ~3;
     for (int j = 0; j < tl.nblk; ++j) {
         const int stg = j % kTfStages;
         mbar_wait(empty + 8 * stg, ((uint32_t)(j / kTfStages) & 1u) ^ 1u);
-        uint8_t* st = sm + S::STAGE0 + stg * S::STAGE;
+        const uint32_t st = sb + S::STAGE0 + stg * S::STAGE, bar = full + 8 * stg;
         const int n0 = j * kTfKeys;
-        // a thread's chunks are rows a multiple of 8 apart (16 at D = 64's 64-byte rows), which keeps the swizzle
-        // phase: every chunk after the first is a constant further in the image and in global memory
-        {  // K^: row r = key n0 + r, 16-byte chunk c (D / 16 per row)
-            constexpr int per_row = D / 16, step = 128 / per_row;
-            const int r = tid / per_row, c = tid % per_row;
-            uint8_t* dst = st + S::K_IN + img_off(r, 16 * c, D);
-            const int8_t* src = kp + 16 * c;
+        mbar_expect_tx(bar, bytes);
+        tma_load(st + S::K_IN, &mp.k, bar, 0, n0, bkv);
 #pragma unroll
-            for (int k = 0; k < 64 / step; ++k) {
-                const int key = n0 + r + k * step;
-                bwd_cp16(dst + k * step * D, src + (int64_t)min(key, skv - 1) * D, key < skv);
-            }
-        }
-        {  // V: row r = key n0 + r, chunk c of 8 channels (D / 8 per row)
-            constexpr int per_row = D / 8, step = 128 / per_row;
-            const int r = tid / per_row, c = tid % per_row;
-            uint8_t* dst = st + S::V_IN + bwd_h16_off(r, c);
-            const T* src = vp + 8 * c;
-#pragma unroll
-            for (int k = 0; k < 64 / step; ++k) {
-                const int key = n0 + r + k * step;
-                bwd_cp16(dst + k * step * 128, src + (int64_t)min(key, skv - 1) * p.v_ss, key < skv);
-            }
-        }
-        if (tid < 64) {  // the key scales (0 past Skv)
-            const int key = n0 + tid;
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
-                         ::"r"(smem_u32(st + S::KS_IN + 4 * tid)), "l"(ksp + min(key, skv - 1)), "r"(key < skv ? 4 : 0));
-        } else if (mrow && tid < 68) {  // key padding bytes (16-byte rows readable past Skv: tf_launch's contract)
-            const int c = tid - 64;
-            bwd_cp16(st + S::VIS_IN + 16 * c, mrow + (n0 + 16 * c < skv ? n0 + 16 * c : 0), n0 + 16 * c < skv);
-        }
-        cp_async_commit();
-        // block j - kTfAhead landed (cp.async completes per thread: wait_group, then the proxy fence that makes the
-        // bytes visible to wgmma, then the arrival); the copies of the blocks after it stay in flight
-        if (j >= kTfAhead) {
-            cp_async_wait<kTfAhead>();
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            mbar_arrive(full + 8 * ((j - kTfAhead) % kTfStages));
-        }
+        for (int c = 0; c < D / 64; ++c) tma_load(st + S::V_IN + 8192 * c, &mp.v, bar, 64 * c, n0, hkv, b);
+        tma_load(st + S::KS_IN, &mp.ks, bar, ks0 + n0);
+        if (p.kmask) tma_load(st + S::VIS_IN, &mp.kmask, bar, n0, mrow);
     }
-    cp_async_wait<0>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    for (int j = max(tl.nblk - kTfAhead, 0); j < tl.nblk; ++j) mbar_arrive(full + 8 * (j % kTfStages));
 }
 
 // O (64 x 64 fp32 per 64-channel chunk) (+)= P~ (64 x 16, registers, fp16 / bf16) V (16 keys x 64 channels, smem,
@@ -157,7 +139,8 @@ __device__ __forceinline__ void wgmma_h16_n64_rs_t(float* d, const uint32_t* a, 
 }
 
 template <int D, typename T>
-__global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(const __grid_constant__ SageTrainFwdParams p) {
+__global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(const __grid_constant__ SageTrainFwdParams p,
+                                                                       const __grid_constant__ TfMaps mp) {
     using S = TfSmem<D>;
     extern __shared__ __align__(1024) uint8_t tsmem_raw[];
     const uint32_t spad = (1024u - (smem_u32(tsmem_raw) & 1023u)) & 1023u;
@@ -171,14 +154,14 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
     const int bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq, hkv = h / (p.Hq / p.Hkv), bkv = b * p.Hkv + hkv;
     if (tid == 0) {
         for (int s = 0; s < kTfStages; ++s) {
-            mbar_init(full + 8 * s, 128);
+            mbar_init(full + 8 * s, 1);  // the producer's arrival with the stage's byte count
             mbar_init(empty + 8 * s, 128 * kTfNwg<D>);  // one arrival per consumer thread
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     if (tid < 128) {
-        tf_producer<D, T>(p, tl, sm, full, empty, b, bkv, hkv, tid);
+        tf_producer<D, T>(p, mp, tl, sb, full, empty, b, bkv, hkv);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kTfRegs<D>) : "memory");
@@ -247,7 +230,7 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
         // shares the quarter-rate pipe with MUFU.EX2 and the F2FP packs (with it that pipe bound the loop: ~1050
         // cycles per 64 x 64 tile and SM at D = 128). Accumulator element 4 i + 2 hh + e: row g + 8 hh, key
         // 8 i + 2 t4 + e
-        const float* ks = reinterpret_cast<const float*>(stp + S::KS_IN);
+        const float* ks = reinterpret_cast<const float*>(stp + S::KS_IN) + (bkv * skv & 3);  // kTfScaleBox
         const uint8_t* vis = stp + S::VIS_IN;
         float s[32];
         // the per-pair tests only in blocks that need them (past Skv, key padding, above a row's causal

@@ -74,6 +74,10 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
 // TMA (cp.async.bulk.tensor, tensor maps of common/tensor_map.h): the box of `map` (a __grid_constant__ kernel
 // parameter) at element coordinates c (c[0] along the contiguous dimension) into shared memory at dst, its bytes
 // counted on mbarrier bar (mbar_expect_tx); parts of the box outside the tensor land as zeros
+__device__ __forceinline__ void tma_load(uint32_t dst, const void* map, uint32_t bar, int c0) {
+    asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3}], [%2];\n"
+                 ::"r"(dst), "l"(map), "r"(bar), "r"(c0) : "memory");
+}
 __device__ __forceinline__ void tma_load(uint32_t dst, const void* map, uint32_t bar, int c0, int c1) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
                  ::"r"(dst), "l"(map), "r"(bar), "r"(c0), "r"(c1) : "memory");

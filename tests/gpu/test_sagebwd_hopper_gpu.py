@@ -320,12 +320,20 @@ def _check_forward_numerics(q, k, v, mask, causal, fwd, dtype):
     assert (out[~fin] == 0).all()   # rows with no visible key
 
 
+# the producer's TMA boxes overhang a tensor's end: fewer keys than one block, Skv not a multiple of 4 (the key
+# scales' rows are not 16-byte strided), with GQA and key padding
+FORWARD_CASES = CASES + [
+    (2, 4, 2, 50, 37, 128, True, True),
+    (2, 3, 1, 70, 45, 64, False, True),
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", FORWARD_CASES)
 def test_forward_matches_the_simulation_and_the_triton_forward(case, dtype):
-    """Odd lengths (Sq != Skv, not multiples of 64), GQA, causal, key padding, one query: O and the LSEs against the
-    simulation; the quantized operands are the Triton passes' (bitwise), O and the LSEs those of the Triton forward
-    up to the order of the row sums."""
+    """Odd lengths (Sq != Skv, not multiples of 64 or 4, Skv < 64), GQA, causal, key padding, one query: O and the
+    LSEs against the simulation; the quantized operands are the Triton passes' (bitwise), O and the LSEs those of the
+    Triton forward up to the order of the row sums."""
     b, hq, hkv, sq, skv, d, causal, kp = case
     q, k, v, _ = _inputs(b, hq, hkv, sq, skv, d, dtype)
     mask = _key_padding(b, skv) if kp else None
@@ -381,9 +389,11 @@ def test_forward_overwrites_poisoned_outputs_and_leaves_inputs_untouched():
         assert torch.equal(a, b)
 
 
-def test_forward_non_contiguous_views_and_caller_stream():
-    """BSHD views on a side stream give bitwise the forward of contiguous BHSD inputs."""
-    q, k, v, _ = _inputs(2, 4, 2, 300, 300, 64, torch.float16)
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.bfloat16)])
+def test_forward_non_contiguous_views_and_caller_stream(d, dtype):
+    """BSHD views on a side stream give bitwise the forward of contiguous BHSD inputs (V is read through its
+    strides)."""
+    q, k, v, _ = _inputs(2, 4, 2, 300, 300, d, dtype)
     mask = _key_padding(2, 300)
     ref = _fwd(q, k, v, True, mask)
     views = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]
@@ -394,6 +404,21 @@ def test_forward_non_contiguous_views_and_caller_stream():
     torch.cuda.current_stream().wait_stream(s)
     for x, y in zip(ref, got):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_one_padding_row_for_the_batch(d):
+    """A (1, Skv) key padding mask (batch stride 0) serves every batch entry: bitwise the forward with the row
+    repeated per entry, and it masks (not the unmasked forward)."""
+    q, k, v, _ = _inputs(3, 4, 2, 130, 190, d, torch.bfloat16)
+    row = torch.ones(1, 190, dtype=torch.bool, device="cuda")
+    row[0, 100:] = False
+    one = _fwd(q, k, v, False, row)
+    each = _fwd(q, k, v, False, row.expand(3, 190).contiguous())
+    for x, y in zip(one, each):
+        assert torch.equal(x, y)
+    assert not torch.equal(one[0], _fwd(q, k, v, False, None)[0])
+    _check_forward_numerics(q, k, v, row.expand(3, 190), False, one, torch.bfloat16)
 
 
 def test_forward_cuda_graph_capture():

@@ -110,8 +110,8 @@ def launch_forward(q_int, q_scale, qdot, k_int, k_scale, v, out, lse, lse_s, key
         raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
     kmask, kmask_sb = None, 0
     if key_padding_mask is not None:
-        # the kernel copies the mask in 16-byte chunks: rows padded to a multiple of 16 bytes (this local keeps the
-        # copy alive until the launch is enqueued)
+        # the kernel's TMA map of the mask needs a row stride that is a multiple of 16 bytes: rows padded (this local
+        # keeps the copy alive until the launch is enqueued)
         kmask = torch.zeros(key_padding_mask.shape[0], -(-skv // 16) * 16, dtype=torch.uint8, device=v.device)
         kmask[:, :skv] = key_padding_mask
         kmask_sb = kmask.stride(0) if kmask.shape[0] > 1 else 0
