@@ -105,9 +105,7 @@ def launch_forward(q_int, q_scale, qdot, k_int, k_scale, v, out, lse, lse_s, key
     if tuple(out.shape) != (b, hq, sq, d) or out.stride(-1) != 1 or out.dtype != v.dtype:
         raise ValueError(f"out: {tuple(out.shape)} {out.dtype} strides {out.stride()}; the sm_90a forward needs "
                          f"({b}, {hq}, {sq}, {d}) in {v.dtype} with channel stride 1")
-    lib = _lib.get()
-    if lib.handle is None:
-        raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
+    _library()
     kmask, kmask_sb = None, 0
     if key_padding_mask is not None:
         # the kernel's TMA map of the mask needs a row stride that is a multiple of 16 bytes: rows padded (this local
@@ -115,8 +113,6 @@ def launch_forward(q_int, q_scale, qdot, k_int, k_scale, v, out, lse, lse_s, key
         kmask = torch.zeros(key_padding_mask.shape[0], -(-skv // 16) * 16, dtype=torch.uint8, device=v.device)
         kmask[:, :skv] = key_padding_mask
         kmask_sb = kmask.stride(0) if kmask.shape[0] > 1 else 0
-    dev = v.device.index if v.device.index is not None else torch.cuda.current_device()
-    major, minor = device_cc(dev)
     p = _lib.SageTrainFwdParams()
     p.q_int, p.q_scale = q_int.data_ptr(), q_scale.data_ptr()
     p.qdot = qdot.data_ptr() if qdot is not None else 0
@@ -125,13 +121,7 @@ def launch_forward(q_int, q_scale, qdot, k_int, k_scale, v, out, lse, lse_s, key
     p.o, (p.o_sb, p.o_sh, p.o_ss) = out.data_ptr(), out.stride()[:3]
     p.lse, p.lse_s = lse.data_ptr(), lse_s.data_ptr()
     p.kmask, p.kmask_sb = (kmask.data_ptr() if kmask is not None else 0), kmask_sb
-    p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = b, hq, hkv, sq, skv, d
-    p.causal, p.dtype = int(bool(is_causal)), _DTYPE_CODE[v.dtype]
-    p.device, p.device_cc, p.sm_scale = dev, major * 10 + minor, float(scale)
-    h = lib.handle
-    rc = h.sage_train_fwd(ctypes.byref(p), ctypes.c_void_p(_stream_ptr(v.device, dev)))
-    if rc != 0:
-        raise RuntimeError(f"sage_patch SageBwd sm_90a forward failed ({rc}): {h.sage_error_string(rc).decode()}")
+    _call("sage_train_fwd", "forward", p, v, (b, hq, hkv, sq, skv, d), is_causal=is_causal, scale=scale)
 
 
 def backward(dout, q_int, q_scale, k_int, k_scale, v, out, lse_s, *, is_causal: bool, scale: float,
@@ -220,9 +210,7 @@ def launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key
         raise ValueError(f"dq_sem: {tuple(dq_sem.shape)} {dq_sem.dtype} (contiguous: {dq_sem.is_contiguous()}); "
                          f"the deterministic mode needs a contiguous, zeroed int32 buffer of shape dq_sem_shape = "
                          f"{dq_sem_shape(b, hq, sq)}")
-    lib = _lib.get()
-    if lib.handle is None:
-        raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
+    _library()
     hkv, skv = k_int.shape[1], k_int.shape[2]
     kmask, kmask_sb = None, 0
     if key_padding_mask is not None:
@@ -230,8 +218,6 @@ def launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key
         if kmask.stride(-1) != 1:
             kmask = kmask.contiguous()   # this local keeps the copy alive until the launch is enqueued
         kmask_sb = kmask.stride(0) if kmask.shape[0] > 1 else 0
-    dev = v.device.index if v.device.index is not None else torch.cuda.current_device()
-    major, minor = device_cc(dev)
     p = _lib.SageBwdParams()
     p.q_int, p.q_t, p.do_t, p.stats = q_int.data_ptr(), q_t.data_ptr(), do_t.data_ptr(), stats.data_ptr()
     p.k_int, p.k_scale = k_int.data_ptr(), k_scale.data_ptr()
@@ -243,10 +229,27 @@ def launch(q_int, q_t, do_t, stats, k_int, k_scale, v, dout, dk, dv, dq_acc, key
     p.t_stride = q_t.stride(1)
     if do_t.stride(1) != p.t_stride:
         raise ValueError(f"q_t and do_t row strides differ ({p.t_stride}, {do_t.stride(1)})")
-    p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = b, hq, hkv, sq, skv, d
+    _call("sage_bwd", "backward", p, v, (b, hq, hkv, sq, skv, d), is_causal=is_causal, scale=scale)
+
+
+def _library():
+    """The loaded library's handle; RuntimeError with the loader's reason when there is none (checked before a
+    launch prepares anything)."""
+    lib = _lib.get()
+    if lib.handle is None:
+        raise RuntimeError(f"sage_patch kernels not loaded: {lib.reason}")
+    return lib.handle
+
+
+def _call(entry: str, what: str, p, v, sizes, *, is_causal, scale) -> None:
+    """Fill the fields both kernels' parameter structs share (sizes (B, Hq, Hkv, Sq, Skv, D), causal, dtype, device,
+    scale) and call the C entry point `entry` on the current stream of v's device."""
+    dev = v.device.index if v.device.index is not None else torch.cuda.current_device()
+    major, minor = device_cc(dev)
+    p.B, p.Hq, p.Hkv, p.Sq, p.Skv, p.D = sizes
     p.causal, p.dtype = int(bool(is_causal)), _DTYPE_CODE[v.dtype]
     p.device, p.device_cc, p.sm_scale = dev, major * 10 + minor, float(scale)
-    h = lib.handle
-    rc = h.sage_bwd(ctypes.byref(p), ctypes.c_void_p(_stream_ptr(v.device, dev)))
+    h = _library()
+    rc = getattr(h, entry)(ctypes.byref(p), ctypes.c_void_p(_stream_ptr(v.device, dev)))
     if rc != 0:
-        raise RuntimeError(f"sage_patch SageBwd sm_90a kernel failed ({rc}): {h.sage_error_string(rc).decode()}")
+        raise RuntimeError(f"sage_patch SageBwd sm_90a {what} failed ({rc}): {h.sage_error_string(rc).decode()}")
