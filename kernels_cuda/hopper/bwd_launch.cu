@@ -2,9 +2,22 @@
 // and its launch (bwd_kernel.cuh).
 #include "../common/entry.h"
 #include "../common/host_launch.h"
+#include "../common/tensor_map.h"
 #include "bwd_kernel.cuh"
 
 namespace sage::hopper {
+
+// the producer's tensor maps (BwdMaps) of this launch's Q^T and dO^T buffers; false where the driver refuses them
+template <int D>
+bool bwd_maps(const SageBwdParams& p, BwdMaps& m) {
+    const uint64_t dims[3] = {(uint64_t)p.Sq, (uint64_t)D, (uint64_t)p.B * p.Hq};
+    const uint64_t strides[2] = {(uint64_t)p.t_stride, (uint64_t)p.t_stride * D};
+    const uint32_t box[3] = {(uint32_t)kBwdQueries, (uint32_t)D, 1};
+    return tensor_map_tiled(&m.qt, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, p.q_t, dims, strides, box,
+                            CU_TENSOR_MAP_SWIZZLE_64B) &&
+           tensor_map_tiled(&m.dot, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, p.do_t, dims, strides, box,
+                            CU_TENSOR_MAP_SWIZZLE_64B);
+}
 
 // Det: the deterministic mode (p.dq_sem), its own instantiation so that the default one carries none of it
 template <int D, typename T, bool Det>
@@ -14,9 +27,11 @@ int bwd_launch(const SageBwdParams& p, cudaStream_t st) {
     static bool done[64] = {};
     cudaError_t e = opt_in_dynamic_smem(kern, S::TOTAL, done, p.device);
     if (e != cudaSuccess) return (int)e;
+    BwdMaps maps;
+    if (!bwd_maps<D>(p, maps)) return SAGE_E_BADARG;
     constexpr int keys = kBwdKeys * kBwdNwg;
     const dim3 grid((p.Skv + keys - 1) / keys, p.B * p.Hkv);
-    kern<<<grid, kBwdThreads, S::TOTAL, st>>>(p);
+    kern<<<grid, kBwdThreads, S::TOTAL, st>>>(p, maps);
     return (int)cudaGetLastError();
 }
 
@@ -39,6 +54,9 @@ int hopper_bwd(const SageBwdParams& p, cudaStream_t st) {
                      p.do_ss % 8 == 0;
     if (!v16 || !d16) return SAGE_E_BADARG;
     if (reinterpret_cast<uintptr_t>(p.dq_sem) % 4 != 0) return SAGE_E_BADARG;
+    // the TMA loads of Q^T and dO^T: 16-byte aligned bases (their row stride t_stride: sage_bwd checked it)
+    if (reinterpret_cast<uintptr_t>(p.q_t) % 16 != 0 || reinterpret_cast<uintptr_t>(p.do_t) % 16 != 0)
+        return SAGE_E_BADARG;
     return p.dq_sem ? hopper::bwd_dispatch<true>(p, st) : hopper::bwd_dispatch<false>(p, st);
 }
 
