@@ -1,6 +1,6 @@
 // Hopper SageBwd backward (bwd_kernel.cuh): the producer warpgroup, which streams each query tile's operands
-// into the stage ring (TMA for the transposed ones, cp.async for the rest), and the CTA's tile list (BwdTiles) it
-// walks with the consumers.
+// into the stage ring (TMA from one thread; cp.async from all where a map cannot serve a tile), and the CTA's tile
+// list (BwdTiles) it walks with the consumers.
 #pragma once
 #include <cuda.h>  // CUtensorMap
 #include "bwd_traits.cuh"
