@@ -75,7 +75,8 @@
 namespace sage::hopper {
 
 template <int D, typename T, bool Det>
-__global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid_constant__ SageBwdParams p) {
+__global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid_constant__ SageBwdParams p,
+                                                                   const __grid_constant__ BwdMaps maps) {
     using S = BwdSmem<D>;
     extern __shared__ __align__(1024) uint8_t bsmem_raw[];
     const uint32_t spad = (1024u - (smem_u32(bsmem_raw) & 1023u)) & 1023u;
@@ -92,14 +93,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     const BwdTiles tl(p, ncta, b, hkv);
     if (tid == 0) {
         for (int s = 0; s < kBwdStages; ++s) {
-            mbar_init(full + 8 * s, kBwdLoaders);
+            mbar_init(full + 8 * s, kBwdFullArrivals);
             mbar_init(empty + 8 * s, 128 * kBwdNwg);  // one arrival per consumer thread (main loop's comment)
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     if (tid < kBwdLoaders) {
-        bwd_producer<D, T>(p, tl, sm, full, empty, tid);
+        bwd_producer<D, T>(p, maps, tl, sm, full, empty, tid);
         return;
     }
     // ---------------- consumers: 240 registers (the producer's .dec released 144 of its launch 168 per thread)

@@ -7,7 +7,7 @@ namespace sage::hopper {
 
 constexpr int kBwdKeys = 64;     // keys per warpgroup (wgmma M)
 constexpr int kBwdNwg = 2;       // consumer warpgroups per CTA: they share each query tile's loads (half the traffic per key)
-constexpr int kBwdLoaders = 128; // the producer warpgroup's threads (cp.async copies of the query tiles)
+constexpr int kBwdLoaders = 128; // the producer warpgroup's threads (cp.async copies of what TMA does not load)
 constexpr int kBwdThreads = kBwdLoaders + 128 * kBwdNwg;
 constexpr int kBwdStages = 3;    // query tiles in the ring: the producer signals a tile one behind its copies
 // named barriers (0: __syncthreads, 1 + w: consumer warpgroup w's own), each for one warpgroup's dS image of one

@@ -168,6 +168,55 @@ def test_chunked_backward_matches_the_whole_call(case, monkeypatch):
     _same_grads(whole, parts)
 
 
+TMA_CASES = [  # b, hq, hkv, sq, skv, d, causal, key padding, dtype, layout of the inputs, chunked
+    # Sq % 16 == 0: the producer's permuted maps load Q^, dO and the stats of every whole tile (bwd_producer.cuh,
+    # BwdMaps), cp.async the head's last, partial one (Sq % 64 != 0)
+    (2, 4, 2, 1040, 1040, 128, True, False, torch.bfloat16, "bshd", False),  # dO heads inside a row
+    (2, 4, 2, 1040, 1040, 128, True, False, torch.bfloat16, "bshd", True),   # per chunk: each chunk's own maps
+    (1, 3, 1, 2064, 900, 64, False, True, torch.float16, "bhsd", False),     # dO heads on whole 16-row groups
+    (2, 2, 2, 48, 100, 64, True, False, torch.bfloat16, "bhsd", False),      # Sq < 64: no whole tile
+    (1, 2, 2, 1024, 1024, 128, False, False, torch.float16, "sliced", False),  # dO heads off the groups: cp.async
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES)
+def test_tma_loaded_tiles_match_the_simulation_and_the_triton_kernels(case, monkeypatch):
+    """The layouts and lengths that choose between the producer's TMA loads and its cp.async copies give the
+    gradients of the Triton kernels and of the simulation: BSHD views, dO a slice of a longer tensor (its heads'
+    rows off the maps' 16-row groups), whole and partial tiles, Sq < 64, chunks."""
+    b, hq, hkv, sq, skv, d, causal, kp, dtype, layout, chunked = case
+    q, k, v, dout = _inputs(b, hq, hkv, sq, skv, d, dtype)
+    if layout == "bshd":
+        q, k, v, dout = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, dout))
+    elif layout == "sliced":
+        longer = torch.zeros(b, hq, sq + 8, d, dtype=dtype, device="cuda")
+        longer[:, :, :sq] = dout
+        dout = longer[:, :, :sq]
+    mask = _key_padding(b, skv) if kp else None
+    if chunked:
+        monkeypatch.setattr(hopper, "CHUNK_MIN_BYTES", 0)
+        assert len(hopper.chunks(b, hkv, hq // hkv, sq, d, 2)) > 1
+    fwd, (dq, dk, dv) = _run(q, k, v, dout, causal, mask, hopper.backward)
+    _, (tq, tk, tv) = _run(q, k, v, dout, causal, mask, sagebwd.backward)
+    for name, ours, theirs in (("dq", dq, tq), ("dk", dk, tk), ("dv", dv, tv)):
+        assert ours.dtype == dtype and torch.isfinite(ours).all(), name
+        assert rel_l1(ours, theirs) <= 2e-4, (name, rel_l1(ours, theirs))
+    _check_against_the_simulation(q, k, v, dout, causal, mask, fwd, (dq, dk, dv))
+
+
+def test_nan_in_the_next_heads_dout_stays_there():
+    """Sq % 16 == 0 but not % 64: the first head's last tile ends where the next head's dO rows begin in memory; a
+    NaN there reaches the next head's gradients only (the partial tile's rows past Sq are zero-filled, not loaded)."""
+    q, k, v, dout = _inputs(1, 2, 2, 272, 272, 128, torch.bfloat16)
+    clean = _run(q, k, v, dout, False, None, hopper.backward)[1]
+    dout[0, 1, 0, 0] = float("nan")
+    poisoned = _run(q, k, v, dout, False, None, hopper.backward)[1]
+    for name, x, y in zip(("dq", "dk", "dv"), clean, poisoned):
+        assert torch.isnan(y[0, 1]).any(), name
+        assert torch.isfinite(y[0, 0]).all(), name
+    _same_grads([x[0, 0] for x in clean], [y[0, 0] for y in poisoned])
+
+
 def test_poisoned_memory_and_inputs_untouched():
     q, k, v, dout = _inputs(2, 4, 2, 333, 333, 128, torch.bfloat16)
     before = [x.clone() for x in (q, k, v, dout)]
