@@ -24,7 +24,9 @@ def main():
     kernels = ("sagebwd-triton",) + (("sagebwd-hopper",) if torch.cuda.get_device_capability() == (9, 0) else ())
     for kernel, (b, hq, hkv, sq, skv, d, causal, padding) in itertools.product(
             kernels, [(1, 4, 2, 333, 333, 128, True, True), (2, 3, 3, 200, 150, 64, False, False),
-                      (1, 2, 1, 70, 129, 64, True, False)]):
+                      (1, 2, 1, 70, 129, 64, True, False),
+                      # Sq % 16 == 0: the sm_90a backward's TMA loads of whole tiles (5D maps), then a partial tile
+                      (1, 4, 2, 1040, 1040, 128, True, False), (2, 4, 2, 256, 256, 64, False, True)]):
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                    for h, s in ((hq, sq), (hkv, skv), (hkv, skv)))
         mask = None

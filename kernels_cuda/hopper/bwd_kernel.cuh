@@ -19,8 +19,8 @@
 //                                 tile, as FA3's backward)
 // Query order: row c of the Q^ and dO images (the N dimension of S^T and dP^T) holds query slot_of_key(c) of
 // its 32-query group, so the accumulator fragment of a lane is directly its A fragment for the transposed INT8
-// images in natural query order (the forward's V^T trick, applied to the other operand): every tile is copied
-// with 16-byte cp.async into its swizzled place, no byte shuffles. The numerics are those of
+// images in natural query order (the forward's V^T trick, applied to the other operand): every tile lands in its
+// swizzled place (TMA maps that walk the query bits in slot order, or 16-byte cp.async), no byte shuffles. The numerics are those of
 // sage_patch/kernels/sagebwd/bwd.py's dkdv_kernel and dq_kernel (SageBwdConfig(**KERNEL_LAYOUT)): the same products,
 // scale foldings, per-row quantization (127 / amax, round half to even, NaN amax -> NaN scale); the accumulation
 // order too, except dQ's sum over key blocks (floating-point reductions: no fixed order, but in Det's).
@@ -40,9 +40,10 @@
 // order, each makes progress (the lowest unfinished one waits on nobody unfinished), whatever the number of SMs.
 //
 // Warp-specialized (the forward's shape): warpgroup 0 is the producer, which streams each query tile's operands (Q^,
-// dO, Q^T, dO^T, stats) with cp.async into a ring of kBwdStages stages guarded by mbarriers (full: the producer,
-// one tile behind, after its copies landed and a proxy fence; empty: one arrival per consumer thread after its last
-// read of the stage), and gives its registers to the two consumer warpgroups (setmaxnreg 24 / 240). The consumers
+// dO, Q^T, dO^T, stats) with TMA from one thread (cp.async from all where no map serves a tile: bwd_producer.cuh)
+// into a ring of kBwdStages stages guarded by mbarriers (full: the TMA bytes and the producer threads' arrivals,
+// one tile behind, after their copies landed and a proxy fence; empty: one arrival per consumer thread after its
+// last read of the stage), and gives its registers to the two consumer warpgroups (setmaxnreg 24 / 240). The consumers
 // never meet at a CTA-wide barrier, nor wait for each other at one point of the tile: their dS images are double-
 // buffered by tile parity, a warpgroup announces its dS of tile t (bar.arrive) and computes tile t's dQ only at the
 // start of tile t + 1 (bar.sync on the other's), and may overwrite its image of tile t at tile t + 2 once the
@@ -319,7 +320,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
         }
         // this thread's last read of the stage (the dK product is complete): the producer may refill it. Every
         // thread arrives: an arrival releases the arriving thread's own reads, and the stats rows read by all lanes
-        // are refilled by per-thread cp.async writes (one lane's arrival after __syncwarp left compute-sanitizer's
+        // may be refilled by per-thread cp.async writes (one lane's arrival after __syncwarp left compute-sanitizer's
         // racecheck reporting the refill against the other lanes' reads)
         mbar_arrive(empty + 8 * stg);
         mprev = m0;
