@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     const BwdTiles tl(p, ncta, b, hkv);
     if (tid == 0) {
         for (int s = 0; s < kBwdStages; ++s) {
-            mbar_init(full + 8 * s, bwd_tma_only(p, maps) ? 1 : kBwdFullArrivals);
+            mbar_init(full + 8 * s, kBwdFullArrivals);
             mbar_init(empty + 8 * s, 128 * kBwdNwg);  // one arrival per consumer thread (main loop's comment)
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");

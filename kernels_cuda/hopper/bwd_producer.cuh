@@ -129,47 +129,16 @@ struct BwdCursor {
 // expect_tx (the TMA bytes complete it: the barrier's transaction count)
 constexpr int kBwdFullArrivals = kBwdLoaders + 1;
 
-// whether TMA loads every tile of the launch (the permuted maps serve it and Sq is a multiple of the tile: no
-// partial tile): the full barrier then counts the issuer's arrival only, and the producer's other threads leave
-__device__ __forceinline__ bool bwd_tma_only(const SageBwdParams& p, const BwdMaps& maps) {
-    return maps.perm && p.Sq % kBwdQueries == 0;
-}
-
-// thread 0: the TMA loads of tile (bh, m0) into stage memory sst, their bytes counted on its full barrier bar: Q^T
-// and dO^T, and (rows) Q^, dO and the stats
-template <int D>
-__device__ __forceinline__ void bwd_tma_tile(const SageBwdParams& p, const BwdMaps& maps, const BwdTiles& tl,
-                                             const BwdCursor& cu, uint32_t sst, uint32_t bar, int64_t bh, int m0,
-                                             bool rows) {
-    using S = BwdSmem<D>;
-    mbar_expect_tx(bar, rows ? 3 * S::I8 + S::H16 + 1024 : 2 * S::I8);
-    tma_load(sst + S::QT_OFF, &maps.qt, bar, m0, 0, (int)bh);
-    tma_load(sst + S::DOT_OFF, &maps.dot, bar, m0, 0, (int)bh);
-    if (rows) {
-        const int g = (int)bh * (p.Sq / 16) + m0 / 16, h = tl.h0 + cu.gi;
-        tma_load(sst + S::Q_OFF, &maps.q, bar, 0, 0, 0, 0, g);
-        tma_load(sst + S::ST_OFF, &maps.st, bar, 0, 0, 0, 0, g);
-        const int gd = tl.b * maps.do_gb + h * maps.do_gh + m0 / 16;
-#pragma unroll
-        for (int j = 0; j < D / 64; ++j)
-            tma_load(sst + S::DO_OFF + j * 8192, &maps.dout, bar, h * maps.do_ch + 64 * j, 0, 0, 0, gd);
-    }
-}
-
-// warpgroup 0: streams the tiles into the stage ring. Thread 0 issues each tile's TMA loads (Q^T and dO^T; Q^, dO
-// and the stats where the permuted maps serve the tile), their bytes counted on the tile's full barrier. Where TMA
-// loads every tile (bwd_tma_only) that is all, and the other threads leave (their per-tile waits and fences took
-// issue slots from the consumers); otherwise every thread then issues its cp.async copies of the rest (none where
-// TMA took all), and tile t's arrivals come after tile t + 1's copies are issued (cp.async completes per thread:
-// wait_group, then the proxy fence that makes the bytes visible to wgmma, then the arrival), so each tile's copies
-// overlap the previous tile's wait
+// warpgroup 0: streams the tiles into the stage ring. Thread 0 first issues the tile's TMA loads (Q^T and dO^T;
+// Q^, dO and the stats where the permuted maps serve the tile), their bytes counted on the tile's full barrier;
+// then every thread its cp.async copies of the rest (none where TMA took all), and tile t's arrivals
+// come after tile t + 1's copies are issued (cp.async completes per thread: wait_group, then the proxy fence that
+// makes the bytes visible to wgmma, then the arrival), so each tile's copies overlap the previous tile's wait
 template <int D, typename T>
 __device__ __forceinline__ void bwd_producer(const SageBwdParams& p, const BwdMaps& maps, const BwdTiles& tl,
                                              uint8_t* sm, uint32_t full, uint32_t empty, int tid) {
     using S = BwdSmem<D>;
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    const bool tma_only = bwd_tma_only(p, maps);
-    if (tma_only && tid != 0) return;
     if (tid == 0) {
         tma_prefetch_map(&maps.qt);
         tma_prefetch_map(&maps.dot);
@@ -188,8 +157,21 @@ __device__ __forceinline__ void bwd_producer(const SageBwdParams& p, const BwdMa
         const int m0 = tl.at(p, cu.gi, cu.qt, bh, dop);
         uint8_t* st = sm + S::STAGE0 + cu.stg * S::STAGE;
         const bool rows = maps.perm && m0 + kBwdQueries <= p.Sq;  // Q^, dO, stats by TMA too
-        if (tid == 0) bwd_tma_tile<D>(p, maps, tl, cu, smem_u32(st), full + 8 * cu.stg, bh, m0, rows);
-        if (tma_only) continue;
+        if (tid == 0) {
+            const uint32_t sst = smem_u32(st), bar = full + 8 * cu.stg;
+            mbar_expect_tx(bar, rows ? 3 * S::I8 + S::H16 + 1024 : 2 * S::I8);
+            tma_load(sst + S::QT_OFF, &maps.qt, bar, m0, 0, (int)bh);
+            tma_load(sst + S::DOT_OFF, &maps.dot, bar, m0, 0, (int)bh);
+            if (rows) {
+                const int g = (int)bh * (p.Sq / 16) + m0 / 16, h = tl.h0 + cu.gi;
+                tma_load(sst + S::Q_OFF, &maps.q, bar, 0, 0, 0, 0, g);
+                tma_load(sst + S::ST_OFF, &maps.st, bar, 0, 0, 0, 0, g);
+                const int gd = tl.b * maps.do_gb + h * maps.do_gh + m0 / 16;
+#pragma unroll
+                for (int j = 0; j < D / 64; ++j)
+                    tma_load(sst + S::DO_OFF + j * 8192, &maps.dout, bar, h * maps.do_ch + 64 * j, 0, 0, 0, gd);
+            }
+        }
         if (!rows) bwd_issue_tile<D, T>(p, st, bh, dop, m0, tid);
         else cp_async_commit();  // (an empty group: wait_group below counts one per tile)
         if (t > 0) {
@@ -199,7 +181,7 @@ __device__ __forceinline__ void bwd_producer(const SageBwdParams& p, const BwdMa
         }
         sprev = cu.stg;
     }
-    if (!tma_only && tl.ntiles > 0) {
+    if (tl.ntiles > 0) {
         cp_async_wait<0>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_arrive(full + 8 * sprev);
