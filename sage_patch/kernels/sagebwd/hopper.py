@@ -37,8 +37,8 @@ from . import unsupported_reason as _triton_unsupported_reason
 
 HEAD_DIMS = (64, 128)                            # what bwd_launch.cu instantiates
 DTYPES = (torch.float16, torch.bfloat16)
-# Where this backward is faster than the Triton one (H200, B=4 H=32 bf16, backward alone, same run, 2026-11-29,
-# 4K / 16K): D=128 1.17x / 1.22x, causal 1.13x / 1.21x; D=64 1.14x / 1.16x, causal 1.08x / 1.15x
+# Where this backward is faster than the Triton one (H200, B=4 H=32 bf16, backward alone, same run, 2026-11-29 17:00,
+# 4K / 16K): D=128 1.21x / 1.23x, causal 1.13x / 1.24x; D=64 1.18x / 1.20x, causal 1.13x / 1.21x
 FASTER_HEAD_DIMS = (64, 128)
 # Where the forward stays on the Triton forward_kernel: (head dim, causal) -> the min(Sq, Skv) below which it measured
 # faster than the sm_90a forward. H200, B=4 H=32 bf16, forward alone incl. the quantization passes, same run,
