@@ -44,12 +44,21 @@ __device__ __forceinline__ float bwd_inv127(float m) {
 // per row to INT8 A fragments of two k32 steps (columns in slot_of_key order within each 32), and the rows'
 // scales amax / 127 (NaN where the row holds a NaN: it must reach the product, quant.row_amax)
 __device__ __forceinline__ void bwd_quantize_rows(const float (&x)[32], uint32_t (&a)[2][4], float& sc0, float& sc1) {
-    float m0 = 0.f, m1 = 0.f;
+    // the maxima as trees (depth 4, not a chain of 9): max is exact and NaN-propagating in any order
+    float a0[8], a1[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        m0 = fmax_nan(m0, fmax_nan(fabsf(x[4 * i]), fabsf(x[4 * i + 1])));
-        m1 = fmax_nan(m1, fmax_nan(fabsf(x[4 * i + 2]), fabsf(x[4 * i + 3])));
+        a0[i] = fmax_nan(fabsf(x[4 * i]), fabsf(x[4 * i + 1]));
+        a1[i] = fmax_nan(fabsf(x[4 * i + 2]), fabsf(x[4 * i + 3]));
     }
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+        for (int i = 0; i < w; ++i) {
+            a0[i] = fmax_nan(a0[i], a0[i + w]);
+            a1[i] = fmax_nan(a1[i], a1[i + w]);
+        }
+    float m0 = a0[0], m1 = a1[0];
 #pragma unroll
     for (int o = 1; o <= 2; o <<= 1) {
         m0 = fmax_nan(m0, __shfl_xor_sync(0xffffffffu, m0, o));
