@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                                     desc_make(qa + desc_step(32 * k), desc_hi(D)));
                 wg_commit();
                 // D = 128: the previous tile's dQ products with S^T in flight (room for S^T's 32 accumulators only)
-                if (false && t > 0) {
+                if (!kBwdOverlap<D> && t > 0) {
                     dq_tile(t - 1, bhprev, mprev);
                     wg_fence();
                 }
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
             }
             // FA3's order where registers allow: the previous tile's dQ products run with S^T and dP^T in flight (its
             // wait_group waits for them too)
-            if (t > 0) dq_tile(t - 1, bhprev, mprev);
+            if (kBwdOverlap<D> && t > 0) dq_tile(t - 1, bhprev, mprev);
             wg_wait<1>();
             reg_fence(sacc);
             // P^T (masked pairs 0: keys past skv or padded, past the causal diagonal, queries past sq); a lane whose
