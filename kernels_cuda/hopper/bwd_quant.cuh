@@ -105,22 +105,13 @@ __device__ __forceinline__ void bwd_int8_fold(float* acc, const int (&t)[32], fl
 template <int D>
 __device__ __forceinline__ void bwd_int8_update(float (&acc)[D / 2], const uint32_t (&a)[2][4], uint32_t bt, float sc0,
                                                 float sc1) {
-    if constexpr (D == 128) {  // both halves in flight before the first fold
-        int t0[32], t1[32];
-        bwd_int8_issue(t0, a, bt, 0);
-        bwd_int8_issue(t1, a, bt, 1);
-        wg_wait<1>();
-        reg_fence(t0);
-        bwd_int8_fold(acc, t0, sc0, sc1);
-        wg_wait<0>();
-        reg_fence(t1);
-        bwd_int8_fold(acc + 32, t1, sc0, sc1);
-    } else {
+#pragma unroll
+    for (int nh = 0; nh < D / 64; ++nh) {
         int t[32];
-        bwd_int8_issue(t, a, bt, 0);
+        bwd_int8_issue(t, a, bt, nh);
         wg_wait<0>();
         reg_fence(t);
-        bwd_int8_fold(acc, t, sc0, sc1);
+        bwd_int8_fold(acc + 32 * nh, t, sc0, sc1);
     }
 }
 
