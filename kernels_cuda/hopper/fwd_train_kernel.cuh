@@ -256,21 +256,12 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
         };
         if (p.kmask || n0 + kTfKeys > skv || (p.causal && n0 + kTfKeys - 1 > m0 + diag)) scores(std::true_type{});
         else scores(std::false_type{});
-        // the maxima as trees (depth 4, not a chain of 9): max is exact and NaN-propagating in any order
-        float a0[8], a1[8];
+        float r0 = -INFINITY, r1 = -INFINITY;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            a0[i] = fmax_nan(s[4 * i], s[4 * i + 1]);
-            a1[i] = fmax_nan(s[4 * i + 2], s[4 * i + 3]);
+            r0 = fmax_nan(r0, fmax_nan(s[4 * i], s[4 * i + 1]));
+            r1 = fmax_nan(r1, fmax_nan(s[4 * i + 2], s[4 * i + 3]));
         }
-#pragma unroll
-        for (int w = 4; w >= 1; w >>= 1)
-#pragma unroll
-            for (int i = 0; i < w; ++i) {
-                a0[i] = fmax_nan(a0[i], a0[i + w]);
-                a1[i] = fmax_nan(a1[i], a1[i + w]);
-            }
-        float r0 = a0[0], r1 = a1[0];
 #pragma unroll
         for (int o_ = 1; o_ <= 2; o_ <<= 1) {
             r0 = fmax_nan(r0, __shfl_xor_sync(0xffffffffu, r0, o_));
