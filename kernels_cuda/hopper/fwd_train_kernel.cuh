@@ -207,9 +207,18 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
     // next block's go to the other set, pa0 / pa1); O is rescaled by block j + 1's alpha after P~V(j) completed,
     // before P~V(j + 1) is issued: the same operations in the same order as a serial loop, so the same results
     const uint32_t qa = desc_lo(qimg);
-    auto issue_s = [&](int j, int (&acc)[32]) {
+    auto issue_s = [&](int j, int (&acc)[32], float (&kv)[16]) {
         const int stg = j % kTfStages;
         mbar_wait(full + 8 * stg, (uint32_t)(j / kTfStages) & 1u);
+        {
+            // this lane's 16 key scales, read before the products' wait (after it, the loads' latency is exposed)
+            const float* ks = reinterpret_cast<const float*>(sm + S::STAGE0 + stg * S::STAGE + S::KS_IN) +
+                              (bkv * skv & 3);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) kv[2 * i + e] = ks[8 * i + 2 * t4 + e];
+        }
         const uint32_t ka = desc_lo(sb + S::STAGE0 + stg * S::STAGE + S::K_IN);
         wg_fence();
         wgmma_s8_n64_ss<false>(acc, desc_make(qa, desc_hi(D)), desc_make(ka, desc_hi(D)));
@@ -221,7 +230,7 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
     };
     // block j's softmax from its S (complete): the running maximum and sum, P~ as A fragments into pa, and the
     // factors al0 / al1 by which O is to be rescaled before P~V(j)
-    auto softmax = [&](int j, int (&sacc)[32], uint32_t (&pa)[4][4], float& al0, float& al1) {
+    auto softmax = [&](int j, int (&sacc)[32], const float (&kv)[16], uint32_t (&pa)[4][4], float& al0, float& al1) {
         const uint8_t* stp = sm + S::STAGE0 + (j % kTfStages) * S::STAGE;
         const int n0 = j * kTfKeys;
         // s (log2 domain) = S q_scale tau log2e k_scale, as t q with t = S k_scale per key and q per row (the row
@@ -230,7 +239,6 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
         // shares the quarter-rate pipe with MUFU.EX2 and the F2FP packs (with it that pipe bound the loop: ~1050
         // cycles per 64 x 64 tile and SM at D = 128). Accumulator element 4 i + 2 hh + e: row g + 8 hh, key
         // 8 i + 2 t4 + e
-        const float* ks = reinterpret_cast<const float*>(stp + S::KS_IN) + (bkv * skv & 3);  // kTfScaleBox
         const uint8_t* vis = stp + S::VIS_IN;
         float s[32];
         // the per-pair tests only in blocks that need them (past Skv, key padding, above a row's causal
@@ -241,7 +249,7 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int c = 8 * i + 2 * t4 + e;
-                    const float k = ks[c];
+                    const float k = kv[2 * i + e];
                     const float x0 = small_i2f(sacc[4 * i + e]) * k, x1 = small_i2f(sacc[4 * i + 2 + e]) * k;
                     if constexpr (decltype(masked)::value) {
                         const int key = n0 + c;
@@ -323,20 +331,21 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
     if (nblk > 0) {
         uint32_t pa0[4][4], pa1[4][4];  // P~ of blocks j (in flight in P~V(j)) and j + 1, alternately
         int sacc[32];
+        float kv[16];
         float al0, al1;
-        issue_s(0, sacc);
+        issue_s(0, sacc, kv);
         wg_wait<0>();
         reg_fence(sacc);
-        softmax(0, sacc, pa0, al0, al1);
+        softmax(0, sacc, kv, pa0, al0, al1);
         // block j (not the last): S(j + 1) issued first (its commit group retires first), then P~V(j); O was
         // rescaled for block j. No issue is conditional inside a step: with one, ptxas could not match the
         // wait_group to its products and serialized every wgmma (C7514)
         auto step = [&](int j, const uint32_t (&cur)[4][4], uint32_t (&next)[4][4]) {
-            issue_s(j + 1, sacc);
+            issue_s(j + 1, sacc, kv);
             issue_pv(j, cur);
             wg_wait<1>();  // S(j + 1); P~V(j) may still run
             reg_fence(sacc);
-            softmax(j + 1, sacc, next, al0, al1);
+            softmax(j + 1, sacc, kv, next, al0, al1);
             wg_wait<0>();
 #pragma unroll
             for (int c = 0; c < NC; ++c) reg_fence(o[c]);
