@@ -400,8 +400,8 @@ VARIANTS: tuple[KernelVariant, ...] = (
     # Training (forward + backward, trains=True; select() offers them to calls needing a gradient only).
     # SageBwd with its backward (dQ, dK, dV in one pass) from the sm_90a wgmma kernel (kernels_cuda/hopper/
     # bwd_kernel.cuh), the forward and numerics the Triton pair's; where it beats the Triton backward (sm_90, D=64 and
-    # 128: 1.13-1.24x; its capability check is sagebwd.hopper.unsupported_reason). Forward + backward it still loses
-    # to cuDNN at every measured length (0.57-0.72x), so by default SDPA trains there too.
+    # 128: 1.13-1.26x; its capability check is sagebwd.hopper.unsupported_reason). Forward + backward it still loses
+    # to cuDNN at every measured length (0.59-0.73x), so by default SDPA trains there too.
     KernelVariant("sagebwd-hopper", IMPL_SAGEBWD_HOPPER, None, "wgmma", "int8", "input", ("8b",),
                   (sagebwd_hopper.unsupported_reason,),
                   sdpa_faster_below={"sm_90": every_length(sagebwd_hopper.FASTER_HEAD_DIMS)},
