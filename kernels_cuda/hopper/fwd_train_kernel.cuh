@@ -211,7 +211,8 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
         const int stg = j % kTfStages;
         mbar_wait(full + 8 * stg, (uint32_t)(j / kTfStages) & 1u);
         {
-            // this lane's 16 key scales, read before the products' wait (after it, the loads' latency is exposed)
+            // this lane's 16 key scales (in their kTfScaleBox box), read here, before the products' wait: read after
+            // it (nvcc keeps shared-memory loads behind the wait) their latency was exposed in every block
             const float* ks = reinterpret_cast<const float*>(sm + S::STAGE0 + stg * S::STAGE + S::KS_IN) +
                               (bkv * skv & 3);
 #pragma unroll
