@@ -80,8 +80,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
                                                                    const __grid_constant__ BwdMaps maps) {
     using S = BwdSmem<D>;
     extern __shared__ __align__(1024) uint8_t bsmem_raw[];
-    const uint32_t spad = (1024u - (smem_u32(bsmem_raw) & 1023u)) & 1023u;
-    uint8_t* sm = bsmem_raw + spad;
+    uint8_t* sm = bsmem_raw + smem_pad_1024(bsmem_raw);
     // through __shfl_sync ptxas knows the shared base is warp-uniform and keeps the wgmma descriptors in uniform
     // registers (as the forward's consumer does)
     const uint32_t sb = __shfl_sync(0xffffffffu, smem_u32(sm), 0);
@@ -93,10 +92,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) hopper_bwd_kernel(const __grid
     const int bkv = blockIdx.y, b = bkv / p.Hkv, hkv = bkv % p.Hkv;
     const BwdTiles tl(p, ncta, b, hkv);
     if (tid == 0) {
-        for (int s = 0; s < kBwdStages; ++s) {
-            mbar_init(full + 8 * s, kBwdFullArrivals);
-            mbar_init(empty + 8 * s, 128 * kBwdNwg);  // one arrival per consumer thread (main loop's comment)
-        }
+        // empty: one arrival per consumer thread (the main loop's comment)
+        mbar_init_ring(full, empty, kBwdStages, kBwdFullArrivals, 128 * kBwdNwg);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();

@@ -143,8 +143,7 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
                                                                        const __grid_constant__ TfMaps mp) {
     using S = TfSmem<D>;
     extern __shared__ __align__(1024) uint8_t tsmem_raw[];
-    const uint32_t spad = (1024u - (smem_u32(tsmem_raw) & 1023u)) & 1023u;
-    uint8_t* sm = tsmem_raw + spad;
+    uint8_t* sm = tsmem_raw + smem_pad_1024(tsmem_raw);
     const uint32_t sb = __shfl_sync(0xffffffffu, smem_u32(sm), 0);
     const uint32_t full = sb + S::BAR_OFF, empty = full + 8 * kTfStages;
     const int tid = threadIdx.x;
@@ -153,10 +152,8 @@ __global__ void __launch_bounds__(kTfThreads<D>, 1) hopper_train_fwd_kernel(cons
     const TfTile<D> tl(p, tile);
     const int bh = blockIdx.y, b = bh / p.Hq, h = bh % p.Hq, hkv = h / (p.Hq / p.Hkv), bkv = b * p.Hkv + hkv;
     if (tid == 0) {
-        for (int s = 0; s < kTfStages; ++s) {
-            mbar_init(full + 8 * s, 1);  // the producer's arrival with the stage's byte count
-            mbar_init(empty + 8 * s, 128 * kTfNwg<D>);  // one arrival per consumer thread
-        }
+        // full: the producer's arrival with the stage's byte count; empty: one arrival per consumer thread
+        mbar_init_ring(full, empty, kTfStages, 1, 128 * kTfNwg<D>);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();

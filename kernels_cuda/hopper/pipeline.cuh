@@ -21,9 +21,7 @@ template <int D, int NWG>
 __device__ __forceinline__ Cta<D, NWG> cta_init(uint8_t* hsmem_raw) {
     using S = Smem<D, NWG>;
     Cta<D, NWG> c;
-    // swizzled operand images need 1024-byte aligned atoms: align the base ourselves
-    const uint32_t spad = (1024u - (smem_u32(hsmem_raw) & 1023u)) & 1023u;
-    c.smem = hsmem_raw + spad;
+    c.smem = hsmem_raw + smem_pad_1024(hsmem_raw);
     c.sbase = smem_u32(c.smem);
     c.bar_full = c.sbase + S::BAR_OFF;
     c.bar_empty = c.bar_full + 8 * S::NST;
@@ -31,14 +29,9 @@ __device__ __forceinline__ Cta<D, NWG> cta_init(uint8_t* hsmem_raw) {
     c.tbar_empty = c.tbar_full + 8 * kTileRing;
     c.tring = reinterpret_cast<volatile int*>(c.smem + S::TILE_OFF);
     if (threadIdx.x == 0) {
-        for (int s = 0; s < S::NST; ++s) {
-            mbar_init(c.bar_full + 8 * s, 1);
-            mbar_init(c.bar_empty + 8 * s, 4 * NWG);  // one arrival per consumer warp
-        }
-        for (int r = 0; r < kTileRing; ++r) {
-            mbar_init(c.tbar_full + 8 * r, 1);
-            mbar_init(c.tbar_empty + 8 * r, 4 * NWG);
-        }
+        // empty: one arrival per consumer warp
+        mbar_init_ring(c.bar_full, c.bar_empty, S::NST, 1, 4 * NWG);
+        mbar_init_ring(c.tbar_full, c.tbar_empty, kTileRing, 1, 4 * NWG);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     {  // e4m3 1.0 = 0x38 in the rows below every V^T stage (the bulk copies never touch them)

@@ -28,8 +28,22 @@ __host__ __device__ constexpr uint32_t desc_kstep(int k0, int kbytes) {
     return kbytes > 128 ? desc_step((k0 >> 7) * 1024 + (k0 & 127)) : desc_step(k0);
 }
 __device__ __forceinline__ uint64_t desc_make(uint32_t lo, uint32_t hi) { return ((uint64_t)hi << 32) | lo; }
+// The bytes from the dynamic shared memory's start to its first 1024-byte boundary: the swizzled operand images'
+// 8-row atoms (and TMA's swizzled boxes) must start there, which __align__ on an extern array does not promise; each
+// kernel's shared-memory size carries 1024 bytes of slack for it
+__device__ __forceinline__ uint32_t smem_pad_1024(const uint8_t* raw) {
+    return (1024u - (smem_u32(raw) & 1023u)) & 1023u;
+}
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// a ring of n stages' barriers, 8 bytes apart: full (arrival count nfull) and empty (nempty); the caller fences
+// the initializations (fence.mbarrier_init) once after all its rings
+__device__ __forceinline__ void mbar_init_ring(uint32_t full, uint32_t empty, int n, uint32_t nfull, uint32_t nempty) {
+    for (int s = 0; s < n; ++s) {
+        mbar_init(full + 8 * s, nfull);
+        mbar_init(empty + 8 * s, nempty);
+    }
 }
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
